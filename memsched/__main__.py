@@ -1,0 +1,5 @@
+import sys
+
+from memsched.cli import main
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""Inputs and outputs of a placement policy. Pure data: no torch.
+
+A policy turns a :class:`PlacementProblem` (what the tracer measured, what the chunks weigh, how big the device
+is) into a :class:`PlacementPlan` (which optimizer-state chunk lives where). The GPU margin follows
+PatrickStar (arXiv 2108.05818, section 5) and ColossalAI Gemini:
+``margin = capacity - peak non-model data - resident model data``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICE = "device"  # placement on the accelerator (CUDA or the stand-in)
+HOST = "host"  # placement in (pinned) CPU memory
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One optimizer-state chunk as a policy sees it.
+
+    Attributes:
+        index: position in first-use order (0 = used first in forward).
+        device_bytes: bytes it adds on the device when placed there (fp32 ``exp_avg`` + ``exp_avg_sq``, plus the
+            fp32 master copy under mixed precision), bytes.
+        host_bytes: bytes of pinned CPU memory it needs when placed on the host (master copy, ``exp_avg``,
+            ``exp_avg_sq`` and a gradient buffer), bytes.
+        numel: parameters in the chunk (capacity, including padding).
+    """
+
+    index: int
+    device_bytes: int
+    host_bytes: int
+    numel: int = 0
+
+
+@dataclass(frozen=True)
+class PlacementProblem:
+    """Everything a policy may look at.
+
+    Attributes:
+        capacity_bytes: device capacity usable by this process, bytes.
+        peak_non_model_bytes: peak non-model data from the warmup trace, bytes.
+        resident_model_bytes: model data that stays on the device whatever the plan (compute parameters,
+            buffers, gradient buffers, frozen parameters), bytes.
+        chunks: the optimizer-state chunks, in first-use order.
+        gpu_margin_mem_ratio: share of the GPU margin that policies may fill, in [0, 1].
+        host_capacity_bytes: CPU memory available for pinned buffers, bytes (``None`` = unknown / unlimited).
+    """
+
+    capacity_bytes: int
+    peak_non_model_bytes: int
+    resident_model_bytes: int
+    chunks: tuple[ChunkSpec, ...]
+    gpu_margin_mem_ratio: float = 0.8
+    host_capacity_bytes: int | None = None
+
+    @property
+    def margin_bytes(self) -> int:
+        """The GPU margin, bytes (may be negative when even non-model + resident data do not fit)."""
+        return self.capacity_bytes - self.peak_non_model_bytes - self.resident_model_bytes
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where each optimizer-state chunk lives.
+
+    Attributes:
+        policy: name of the policy that made the plan.
+        placement: ``DEVICE`` or ``HOST`` per chunk, indexed like ``PlacementProblem.chunks``.
+        device_bytes: optimizer-state bytes placed on the device, bytes.
+        host_bytes: pinned CPU bytes the host-placed chunks need, bytes.
+        margin_bytes: the GPU margin the plan was made against, bytes.
+        budget_bytes: the part of the margin the policy allowed itself to fill, bytes.
+        reasons: human-readable sentences explaining the decision, for reports.
+        options: the policy options in force.
+    """
+
+    policy: str
+    placement: tuple[str, ...]
+    device_bytes: int
+    host_bytes: int
+    margin_bytes: int
+    budget_bytes: int
+    reasons: tuple[str, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def device_chunks(self) -> list[int]:
+        return [i for i, p in enumerate(self.placement) if p == DEVICE]
+
+    @property
+    def host_chunks(self) -> list[int]:
+        return [i for i, p in enumerate(self.placement) if p == HOST]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "placement": list(self.placement), "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes, "margin_bytes": self.margin_bytes,
+                "budget_bytes": self.budget_bytes, "reasons": list(self.reasons), "options": dict(self.options)}

@@ -1,0 +1,213 @@
+"""The tracer's output: a list of memory samples plus the queries the rest of memsched needs.
+
+A :class:`MemoryTimeline` is plain data (no tensors, no torch import needed to read one), saved as
+versioned JSON (``schema = "memsched.timeline"``, ``version = 1``) that round-trips losslessly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tracer.categories import ALL_CATEGORIES, MODEL_DATA, NON_MODEL_DATA, Category
+
+SCHEMA = "memsched.timeline"
+VERSION = 1
+
+PHASES = ("forward", "backward", "optimizer", "other")
+EVENTS = ("pre", "post", "mark")
+
+
+@dataclass
+class Sample:
+    """One measurement, taken at a hook.
+
+    Attributes:
+        t_ns: monotonic time in nanoseconds since the tracer was entered.
+        step: training step index (0-based; a step ends when the optimizer step ends).
+        phase: one of ``forward``, ``backward``, ``optimizer``, ``other``.
+        module: qualified module name from ``named_modules`` (``""`` is the root; the optimizer's
+            class name in the optimizer phase).
+        event: ``pre`` (before the module/phase ran), ``post`` (after) or ``mark`` (a free-standing mark).
+        device: ``"cpu"``, ``"cuda:0"``, ``"sim"`` ...
+        bytes: live bytes per category name (see :class:`tracer.Category`) at the sample, in bytes.
+        peak_bytes: peak of all live bytes on the device since the previous sample of this device, in bytes.
+        peak_non_model_bytes: peak of non-model bytes on the device since the previous sample, in bytes.
+        cuda: on CUDA only: ``allocated``, ``peak_allocated`` (since the previous sample), ``reserved``
+            (caching allocator) and ``nvml_used`` (device-level, all processes), in bytes; else ``None``.
+    """
+
+    t_ns: int
+    step: int
+    phase: str
+    module: str
+    event: str
+    device: str
+    bytes: dict[str, int]
+    peak_bytes: int
+    peak_non_model_bytes: int
+    cuda: dict[str, int] | None = None
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(self.bytes.get(c.value, 0) for c in MODEL_DATA)
+
+    @property
+    def non_model_bytes(self) -> int:
+        return sum(self.bytes.get(c.value, 0) for c in NON_MODEL_DATA)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass
+class ModuleStats:
+    """Per-module memory figures derived from the samples (all in bytes).
+
+    ``activation_bytes``: activation bytes still live after the module's forward that were not live before it
+    (kept for backward), largest over the module's calls in one step; ``backward_peak_bytes``: peak of
+    non-model bytes while the module's backward ran; ``calls``: forward calls seen over the trace.
+    """
+
+    name: str
+    calls: int = 0
+    activation_bytes: int = 0
+    backward_peak_bytes: int = 0
+    forward_peak_bytes: int = 0
+
+
+@dataclass
+class MemoryTimeline:
+    """Samples of one traced run (one process / rank) and queries over them.
+
+    ``meta`` holds free-form facts: ``device`` (the traced device), ``backend`` (``tensor`` / ``cuda``),
+    ``torch_version``, ``rank``, ``world_size``, ``capacity_bytes`` (when known), ``steps``.
+    """
+
+    samples: list[Sample] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ---- queries -------------------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        """The traced (compute) device: ``meta["device"]`` or, failing that, the first sampled device."""
+        if "device" in self.meta:
+            return str(self.meta["device"])
+        return self.samples[0].device if self.samples else "cpu"
+
+    def devices(self) -> list[str]:
+        return sorted({s.device for s in self.samples})
+
+    def for_device(self, device: str | None = None) -> list[Sample]:
+        dev = device or self.device
+        return [s for s in self.samples if s.device == dev]
+
+    def peak_non_model_bytes(self, device: str | None = None) -> int:
+        """Peak non-model data (activations + temporaries + other) on ``device`` (default: traced device), bytes."""
+        samples = self.for_device(device)
+        return max((s.peak_non_model_bytes for s in samples), default=0)
+
+    def peak_non_model_sample(self, device: str | None = None) -> Sample | None:
+        """The sample that closes the interval in which the non-model peak occurred (module + phase of the peak)."""
+        samples = self.for_device(device)
+        return max(samples, key=lambda s: s.peak_non_model_bytes, default=None)
+
+    def peak_bytes(self, device: str | None = None) -> int:
+        return max((s.peak_bytes for s in self.for_device(device)), default=0)
+
+    def model_data_bytes(self, device: str | None = None) -> dict[str, int]:
+        """Largest live bytes seen per model-data category on ``device``, bytes."""
+        samples = self.for_device(device)
+        return {c.value: max((s.bytes.get(c.value, 0) for s in samples), default=0) for c in ALL_CATEGORIES
+                if c in MODEL_DATA}
+
+    def steps(self) -> list[int]:
+        return sorted({s.step for s in self.samples})
+
+    def module_stats(self, device: str | None = None) -> list[ModuleStats]:
+        """Per-module figures, in first-call order (see :class:`ModuleStats`)."""
+        stats: dict[str, ModuleStats] = {}
+        open_fwd: dict[str, list[Sample]] = {}
+        open_bwd: dict[str, list[int]] = {}
+        samples = self.for_device(device)
+        for i, s in enumerate(samples):
+            if s.phase == "forward":
+                st = stats.setdefault(s.module, ModuleStats(s.module))
+                if s.event == "pre":
+                    st.calls += 1
+                    open_fwd.setdefault(s.module, []).append(s)
+                elif s.event == "post" and open_fwd.get(s.module):
+                    pre = open_fwd[s.module].pop()
+                    kept = s.bytes.get(Category.ACTIVATION.value, 0) - pre.bytes.get(Category.ACTIVATION.value, 0)
+                    st.activation_bytes = max(st.activation_bytes, kept)
+                    j = samples.index(pre)
+                    st.forward_peak_bytes = max(
+                        st.forward_peak_bytes, max(x.peak_non_model_bytes for x in samples[j + 1 : i + 1])
+                    )
+            elif s.phase == "backward" and s.module in stats:
+                st = stats[s.module]
+                if s.event == "pre":
+                    open_bwd.setdefault(s.module, []).append(i)
+                elif s.event == "post" and open_bwd.get(s.module):
+                    j = open_bwd[s.module].pop()
+                    st.backward_peak_bytes = max(
+                        st.backward_peak_bytes, max(x.peak_non_model_bytes for x in samples[j + 1 : i + 1])
+                    )
+        return list(stats.values())
+
+    def extend(self, samples: Iterable[Sample]) -> None:
+        self.samples.extend(samples)
+
+    # ---- serialisation -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, "version": VERSION, "meta": self.meta,
+                "samples": [asdict(s) for s in self.samples]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryTimeline:
+        """Build a timeline from :meth:`to_dict` output.
+
+        Raises:
+            ValueError: not a memsched timeline, or a version this release cannot read (names both).
+        """
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise ValueError(f"not a memsched timeline: expected schema {SCHEMA!r}, got "
+                             f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}")
+        if data.get("version") != VERSION:
+            raise ValueError(f"unsupported timeline version {data.get('version')!r}: this release reads {VERSION}")
+        return cls(samples=[Sample(**s) for s in data["samples"]], meta=dict(data.get("meta", {})))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write versioned JSON atomically (write to a temporary file, then rename)."""
+        atomic_write_text(path, json.dumps(self.to_dict(), separators=(",", ":")))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> MemoryTimeline:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename,
+    so an interrupted write (Ctrl-C) never leaves a half-written file behind."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
