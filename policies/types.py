@@ -1,13 +1,15 @@
 """Inputs and outputs of a placement policy. Pure data: no torch.
 
-A policy turns a :class:`PlacementProblem` (what the tracer measured, what the chunks weigh, how big the device
-is) into a :class:`PlacementPlan` (which optimizer-state chunk lives where). The GPU margin follows
+A policy turns a :class:`PlacementProblem` (what the tracer measured, what the chunks weigh, how big the
+device is) into a :class:`PlacementPlan` (which optimizer-state chunk lives where). The GPU margin follows
 PatrickStar (arXiv 2108.05818, section 5) and ColossalAI Gemini:
 ``margin = capacity - peak non-model data - resident model data``.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,14 +18,34 @@ DEVICE = "device"  # placement on the accelerator (CUDA or the stand-in)
 HOST = "host"  # placement in (pinned) CPU memory
 
 
+def _check_bytes(
+    owner: object, name: str, value: Any, *, optional: bool = False, unit: str = "bytes"
+) -> None:
+    """Check that ``owner.name`` is a whole number (of bytes) >= 0 (``None`` allowed when ``optional``), and
+    store it back as a plain ``int`` (numpy integers and the like are normalised).
+
+    Raises:
+        ValueError: the value is not an integer (bools included) or is negative; the message names both.
+    """
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        what = f"a whole number of {unit}" if unit else "a whole number"
+        raise ValueError(f"{type(owner).__name__}.{name} must be {what}, got {value!r}")
+    if value < 0:
+        at_least = f">= 0 {unit}" if unit else ">= 0"
+        raise ValueError(f"{type(owner).__name__}.{name} must be {at_least}, got {value}")
+    object.__setattr__(owner, name, int(value))
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     """One optimizer-state chunk as a policy sees it.
 
     Attributes:
         index: position in first-use order (0 = used first in forward).
-        device_bytes: bytes it adds on the device when placed there (fp32 ``exp_avg`` + ``exp_avg_sq``, plus the
-            fp32 master copy under mixed precision), bytes.
+        device_bytes: bytes it adds on the device when placed there (fp32 ``exp_avg`` + ``exp_avg_sq``, plus
+            the fp32 master copy under mixed precision), bytes.
         host_bytes: bytes of pinned CPU memory it needs when placed on the host (master copy, ``exp_avg``,
             ``exp_avg_sq`` and a gradient buffer), bytes.
         numel: parameters in the chunk (capacity, including padding).
@@ -33,6 +55,13 @@ class ChunkSpec:
     device_bytes: int
     host_bytes: int
     numel: int = 0
+
+    def __post_init__(self) -> None:
+        # Raises ValueError naming the field: a negative or fractional size would silently corrupt every sum.
+        _check_bytes(self, "index", self.index, unit="")
+        _check_bytes(self, "device_bytes", self.device_bytes)
+        _check_bytes(self, "host_bytes", self.host_bytes)
+        _check_bytes(self, "numel", self.numel, unit="")
 
 
 @dataclass(frozen=True)
@@ -55,6 +84,28 @@ class PlacementProblem:
     chunks: tuple[ChunkSpec, ...]
     gpu_margin_mem_ratio: float = 0.8
     host_capacity_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        """Validate once, here, so that every policy (built-in or custom) sees a sane problem.
+
+        Raises:
+            ValueError: a size is negative or not a whole number of bytes, a chunk is not a
+                :class:`ChunkSpec`, or ``gpu_margin_mem_ratio`` is not a number in [0, 1] (NaN included).
+        """
+        for name in ("capacity_bytes", "peak_non_model_bytes", "resident_model_bytes"):
+            _check_bytes(self, name, getattr(self, name))
+        _check_bytes(self, "host_capacity_bytes", self.host_capacity_bytes, optional=True)
+        if isinstance(self.chunks, (str, bytes)) or not hasattr(self.chunks, "__iter__"):
+            raise ValueError(f"PlacementProblem.chunks must be a sequence of ChunkSpec, got {self.chunks!r}")
+        chunks = tuple(self.chunks)  # accept any iterable; stored as a tuple so the problem stays hashable
+        for i, c in enumerate(chunks):
+            if not isinstance(c, ChunkSpec):
+                raise ValueError(f"PlacementProblem.chunks[{i}] must be a ChunkSpec, got {c!r}")
+        object.__setattr__(self, "chunks", chunks)
+        r = self.gpu_margin_mem_ratio
+        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or not 0 <= r <= 1:
+            raise ValueError(f"gpu_margin_mem_ratio must be a number in [0, 1], got {r!r}")
+        object.__setattr__(self, "gpu_margin_mem_ratio", float(r))
 
     @property
     def margin_bytes(self) -> int:
@@ -97,4 +148,5 @@ class PlacementPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "placement": list(self.placement), "device_bytes": self.device_bytes,
                 "host_bytes": self.host_bytes, "margin_bytes": self.margin_bytes,
-                "budget_bytes": self.budget_bytes, "reasons": list(self.reasons), "options": dict(self.options)}
+                "budget_bytes": self.budget_bytes, "reasons": list(self.reasons),
+                "options": dict(self.options)}

@@ -36,14 +36,17 @@ def parse_bytes(text: str | int) -> int:
     if m is None or (unit and unit not in _UNITS):
         allowed = ", ".join(["B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB"])
         raise ValueError(f"cannot parse size {text!r}: expected a number with a unit among {allowed}")
-    value = float(m.group(1)) * _UNITS[unit or "b"]
+    number, scale = m.group(1), _UNITS[unit or "b"]
+    if number.isdigit():  # whole numbers stay exact (a float would round sizes above 2**53 bytes)
+        return int(number) * scale
+    value = float(number) * scale
     if not math.isfinite(value):
         raise ValueError(f"size {text!r} is not finite")
     return int(round(value))
 
 
 def format_bytes(n: int | float, precision: int = 1) -> str:
-    """Format bytes with binary units: ``format_bytes(3 * 2**30) == "3.0 GiB"``; negative values keep the sign."""
+    """Format bytes with binary units: ``format_bytes(3 * 2**30) == "3.0 GiB"``; negatives keep the sign."""
     sign = "-" if n < 0 else ""
     n = abs(n)
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -1,0 +1,262 @@
+"""The built-in placement policies: ``cuda``, ``cpu``, ``static`` and ``auto``.
+
+Ideas: ColossalAI Gemini's ``static``/``auto`` placement policies and its ``gpu_margin_mem_ratio``,
+DeepSpeed ZeRO-Offload (all optimizer state in pinned CPU memory), PatrickStar (arXiv 2108.05818: the GPU
+margin measured by a warmup trace decides how many optimizer-state chunks the device can hold).
+
+The core placement insight, shared by ``static`` and ``auto``: chunks are listed in *first-use* order (the
+order in which forward touches their parameters). Backward runs in reverse, so the gradients of the
+first-used chunks arrive *last*. A host-placed chunk needs a D2H copy of its gradients before the CPU
+optimizer can step it; for the last-used chunks that copy overlaps the rest of backward, for the first-used
+chunks nothing is left to overlap it with and it lands on the critical path. So the device keeps a *prefix*
+of the chunk list and the host gets the suffix. A prefix fill also makes plans monotone: more budget (or a
+smaller offload fraction) never puts fewer bytes on the device.
+
+Every policy first checks that resident model data + peak non-model data fit the device at all (else
+:class:`~policies.registry.PlacementError`: no placement can help), and ``Policy.plan`` checks that the
+plan's device part fits the GPU margin and its host part fits ``host_capacity_bytes``. Budgets use exact
+rational arithmetic (:class:`fractions.Fraction`), so monotonicity holds to the byte even beyond 2**53 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+from policies.registry import Option, PlacementError, make_plan, register
+from policies.types import DEVICE, HOST, ChunkSpec, PlacementPlan, PlacementProblem
+from policies.units import format_bytes as fb
+
+__all__ = [
+    "DEFAULT_RESERVE_FRAC", "DEFAULT_OFFLOAD_OPTIM_FRAC", "auto_reserve_bytes", "auto_budget_bytes",
+    "auto_policy", "cpu_policy", "cuda_policy", "static_policy",
+]
+
+#: Default fragmentation reserve of ``auto``, as a share of the device capacity. Filling the margin to the
+#: byte leaves the caching allocator no slack (ColossalAI users hit OOMs with ``gpu_margin_mem_ratio=1``).
+DEFAULT_RESERVE_FRAC = 0.05
+
+#: Default of ``static``: all optimizer state on the host, safe when nothing is known about the margin.
+DEFAULT_OFFLOAD_OPTIM_FRAC = 1.0
+
+
+def _margin_reason(p: PlacementProblem) -> str:
+    return (
+        f"GPU margin {fb(p.margin_bytes)} = capacity {fb(p.capacity_bytes)} - peak non-model data "
+        f"{fb(p.peak_non_model_bytes)} - resident model data {fb(p.resident_model_bytes)}."
+    )
+
+
+def _placement(n: int, n_device: int) -> list[str]:
+    """The first ``n_device`` chunks (first-use order) on the device, the rest on the host."""
+    return [DEVICE] * n_device + [HOST] * (n - n_device)
+
+
+def _sum(chunks: Sequence[ChunkSpec]) -> int:
+    return sum(c.device_bytes for c in chunks)
+
+
+def _split_reason(chunks: Sequence[ChunkSpec], k: int) -> str:
+    host = chunks[k:]
+    return (
+        f"{k} of {len(chunks)} chunks ({fb(_sum(chunks[:k]))}) on the device, in first-use order; "
+        f"{len(host)} chunks ({fb(sum(c.host_bytes for c in host))} of pinned memory) on the host."
+    )
+
+
+def _prefix_within(chunks: Sequence[ChunkSpec], limit: int) -> int:
+    """Length of the longest first-use prefix whose ``device_bytes`` sum to at most ``limit`` bytes."""
+    used = 0
+    for i, c in enumerate(chunks):
+        used += c.device_bytes
+        if used > limit:
+            return i
+    return len(chunks)
+
+
+@register("cuda", help="Every optimizer-state chunk on the device; fails if they do not fit the GPU margin.")
+def cuda_policy(problem: PlacementProblem) -> PlacementPlan:
+    """Keep all optimizer state on the device (no offload; Gemini's ``"cuda"`` placement).
+    ``gpu_margin_mem_ratio`` is not applied: the whole margin may be used (a reason warns beyond the ratio).
+
+    Raises:
+        PlacementError: resident + peak non-model + all chunks' ``device_bytes`` exceed the capacity; the
+            message gives capacity, peak non-model, resident, chunks and shortfall, and suggests auto/cpu.
+    """
+    p, total = problem, _sum(problem.chunks)
+    if total > p.margin_bytes:
+        raise PlacementError(
+            f"policy 'cuda': the optimizer state does not fit on the device: capacity "
+            f"{fb(p.capacity_bytes)}, peak non-model data {fb(p.peak_non_model_bytes)}, resident model data "
+            f"{fb(p.resident_model_bytes)}, {len(p.chunks)} optimizer-state chunks {fb(total)}; short by "
+            f"{fb(total - p.margin_bytes)}. Use policy 'auto' (offloads what does not fit) or 'cpu'"
+        )
+    reasons = [
+        _margin_reason(p),
+        f"All {len(p.chunks)} chunks ({fb(total)}) on the device, leaving "
+        f"{fb(p.margin_bytes - total)} of the margin free.",
+    ]
+    if total > p.gpu_margin_mem_ratio * p.margin_bytes:
+        reasons.append(
+            f"Warning: that is more than gpu_margin_mem_ratio {p.gpu_margin_mem_ratio:g} of the margin; "
+            "allocator fragmentation may still cause an out-of-memory error ('auto' keeps a reserve)."
+        )
+    n = len(p.chunks)
+    return make_plan(p, _placement(n, n), budget_bytes=p.margin_bytes, reasons=reasons)
+
+
+@register("cpu", help="Every optimizer-state chunk in pinned host memory, like DeepSpeed ZeRO-Offload.")
+def cpu_policy(problem: PlacementProblem) -> PlacementPlan:
+    """Put all optimizer state in pinned CPU memory, stepped by the CPU optimizer (DeepSpeed ZeRO-Offload).
+
+    Raises:
+        PlacementError: the chunks need more pinned memory than ``host_capacity_bytes`` (``Policy.plan``).
+    """
+    p = problem
+    reasons = [
+        _margin_reason(p),
+        f"All {len(p.chunks)} chunks on the host ({fb(sum(c.host_bytes for c in p.chunks))} of pinned "
+        "memory); the device keeps the whole margin for non-model data.",
+    ]
+    return make_plan(p, _placement(len(p.chunks), 0), budget_bytes=0, reasons=reasons)
+
+
+def _min_offload_frac(chunks: Sequence[ChunkSpec], margin_bytes: int) -> float:
+    """A short ``offload_optim_frac`` (3 decimals when possible) that makes ``static`` fit ``margin_bytes``.
+
+    Any fraction above ``rest / total`` offloads at least the suffix after the longest prefix that fits the
+    margin, where ``rest`` is that suffix's bytes without its first chunk. Needs ``_sum(chunks) >
+    margin_bytes >= 0``.
+    """
+    total = _sum(chunks)
+    fits = _prefix_within(chunks, margin_bytes)
+    need = total - _sum(chunks[:fits])
+    rest = need - chunks[fits].device_bytes  # chunks[fits] has > 0 bytes: it is where the prefix overflowed
+    exact = Fraction(need * 1000, total)
+    for frac in (math.floor(exact) / 1000, math.ceil(exact) / 1000, 1.0):  # 1.0 always works: rest < total
+        if Fraction(frac) * total > rest:
+            return frac
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@register(
+    "static",
+    options={
+        "offload_optim_frac": Option(
+            float, DEFAULT_OFFLOAD_OPTIM_FRAC,
+            "share of optimizer-state bytes kept on the host; the last-used chunks go first", min=0, max=1,
+        ),
+    },
+    help="A fixed share of the optimizer state on the host, last-used chunks first (Gemini 'static').",
+)
+def static_policy(
+    problem: PlacementProblem, offload_optim_frac: float = DEFAULT_OFFLOAD_OPTIM_FRAC
+) -> PlacementPlan:
+    """Offload a fixed share of the optimizer state, whatever the trace says (ColossalAI Gemini ``static``).
+
+    The host gets the shortest suffix of the chunk list (the last-used chunks) whose ``device_bytes`` reach
+    ``offload_optim_frac`` x the total, so at most ``1 - offload_optim_frac`` of the optimizer state stays
+    on the device; ``offload_optim_frac=1`` puts every chunk on the host, ``0`` none. The default, 1.0, is
+    the safe choice (same placement as ``cpu``).
+
+    The margin does not change the split. If the device part exceeds the margin the policy raises rather
+    than return a plan certain to run out of memory; if it exceeds ``gpu_margin_mem_ratio`` x margin, a
+    reason warns about it.
+
+    Raises:
+        PlacementError: the device part exceeds the GPU margin (the message names an
+            ``offload_optim_frac`` that fits, and suggests ``auto``).
+    """
+    p, chunks = problem, problem.chunks
+    total = _sum(chunks)
+    n_host = len(chunks)
+    if offload_optim_frac < 1:
+        target, offloaded, n_host = Fraction(offload_optim_frac) * total, 0, 0
+        while offloaded < target:
+            n_host += 1
+            offloaded += chunks[-n_host].device_bytes
+    k = len(chunks) - n_host
+    dev = _sum(chunks[:k])
+    if dev > p.margin_bytes:
+        raise PlacementError(
+            f"policy 'static' with offload_optim_frac={offload_optim_frac:g} keeps {k} chunks ({fb(dev)}) "
+            f"on the device, more than the GPU margin {fb(p.margin_bytes)} (capacity "
+            f"{fb(p.capacity_bytes)}, peak non-model data {fb(p.peak_non_model_bytes)}, resident model data "
+            f"{fb(p.resident_model_bytes)}); use offload_optim_frac >= "
+            f"{_min_offload_frac(chunks, p.margin_bytes):g} or policy 'auto'"
+        )
+    reasons = [
+        _margin_reason(p),
+        f"offload_optim_frac {offload_optim_frac:g}: the last-used chunks go to the host first (their "
+        "gradients arrive first in backward, so their D2H copies overlap the rest of it).",
+        _split_reason(chunks, k),
+    ]
+    if dev > p.gpu_margin_mem_ratio * p.margin_bytes:
+        reasons.append(
+            f"Warning: the device part {fb(dev)} is more than gpu_margin_mem_ratio "
+            f"{p.gpu_margin_mem_ratio:g} of the margin ({fb(p.margin_bytes)}); allocator fragmentation may "
+            "cause an out-of-memory error."
+        )
+    return make_plan(p, _placement(len(chunks), k), budget_bytes=p.margin_bytes, reasons=reasons)
+
+
+def auto_reserve_bytes(capacity_bytes: int, reserve_frac: float, reserve_bytes: int) -> int:
+    """``auto``'s fragmentation reserve, bytes: ``max(ceil(reserve_frac x capacity), reserve_bytes)``."""
+    return max(math.ceil(Fraction(reserve_frac) * capacity_bytes), reserve_bytes)
+
+
+def auto_budget_bytes(problem: PlacementProblem, reserve_frac: float, reserve_bytes: int) -> int:
+    """``auto``'s budget, bytes: ``floor(gpu_margin_mem_ratio x max(0, margin - reserve))``.
+
+    Non-decreasing in the ratio and in the capacity (the reserve grows by at most ``reserve_frac`` <= 1
+    byte per byte of capacity).
+    """
+    reserve = auto_reserve_bytes(problem.capacity_bytes, reserve_frac, reserve_bytes)
+    return math.floor(Fraction(problem.gpu_margin_mem_ratio) * max(0, problem.margin_bytes - reserve))
+
+
+@register(
+    "auto",
+    options={
+        "reserve_frac": Option(
+            float, DEFAULT_RESERVE_FRAC, "fragmentation reserve as a share of the device capacity",
+            min=0, max=1,
+        ),
+        "reserve_bytes": Option(
+            int, 0, "minimum fragmentation reserve, bytes (e.g. '512MiB')", min=0, is_bytes=True,
+        ),
+    },
+    help="Fill gpu_margin_mem_ratio of the GPU margin (less a reserve) with chunks in first-use order.",
+)
+def auto_policy(
+    problem: PlacementProblem, reserve_frac: float = DEFAULT_RESERVE_FRAC, reserve_bytes: int = 0
+) -> PlacementPlan:
+    """Place as much optimizer state on the device as the traced margin allows (PatrickStar, Gemini auto).
+
+    ``margin = capacity - peak non-model - resident``;
+    ``reserve = max(reserve_frac x capacity, reserve_bytes)`` keeps slack for allocator fragmentation;
+    ``budget = gpu_margin_mem_ratio x max(0, margin - reserve)``. The longest first-use prefix of chunks
+    whose ``device_bytes`` fit the budget goes to the device (nothing when the budget is 0, so ratio 0
+    places like ``cpu``), the rest to the host.
+
+    Raises:
+        PlacementError: only from the common checks (margin < 0, host part over ``host_capacity_bytes``).
+    """
+    p, chunks = problem, problem.chunks
+    reserve = auto_reserve_bytes(p.capacity_bytes, reserve_frac, reserve_bytes)
+    budget = auto_budget_bytes(p, reserve_frac, reserve_bytes)
+    k = _prefix_within(chunks, budget) if budget > 0 else 0
+    reasons = [
+        _margin_reason(p),
+        f"Fragmentation reserve {fb(reserve)} (the larger of reserve_frac {reserve_frac:g} x capacity and "
+        f"reserve_bytes {fb(reserve_bytes)}).",
+        f"Budget {fb(budget)} = gpu_margin_mem_ratio {p.gpu_margin_mem_ratio:g} x max(0, margin - reserve).",
+        _split_reason(chunks, k),
+    ]
+    if k < len(chunks) and budget > 0:
+        reasons.append(
+            f"Chunk {k} ({fb(chunks[k].device_bytes)}) would exceed the budget by "
+            f"{fb(_sum(chunks[: k + 1]) - budget)}; it and all later chunks stay on the host."
+        )
+    return make_plan(p, _placement(len(chunks), k), budget_bytes=budget, reasons=reasons)
