@@ -1,0 +1,374 @@
+"""Terminal report of a memory timeline (and optionally a placement plan and transfer volumes), with rich.
+
+Sections: a summary (traced device, peak non-model data and where it occurs, model data by category, CUDA
+allocator figures), the modules keeping the most activations for backward, the timeline as stacked bars by
+category, the placement plan and the H2D/D2H volumes. The model / non-model data split and the GPU margin
+follow PatrickStar (arXiv 2108.05818) and ColossalAI Gemini. Sizes are formatted with
+:func:`policies.units.format_bytes` (MiB/GiB = 2**20/2**30 bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from policies.types import PlacementPlan
+from policies.units import format_bytes
+from tracer.categories import ALL_CATEGORIES, MODEL_DATA
+from tracer.timeline import MemoryTimeline, Sample
+
+# One colour per category, shared by the terminal report and the PNG export (exports.py).
+CATEGORY_COLORS: dict[str, str] = {
+    "parameter": "#4e79a7",
+    "buffer": "#76b7b2",
+    "gradient": "#f28e2c",
+    "optimizer_state": "#e15759",
+    "activation": "#59a14f",
+    "temporary": "#edc949",
+    "other": "#bab0ab",
+}
+# Model data first (the bottom of each stacked bar), then non-model data.
+CATEGORY_ORDER: tuple[str, ...] = tuple(c.value for c in ALL_CATEGORIES if c in MODEL_DATA) + tuple(
+    c.value for c in ALL_CATEGORIES if c not in MODEL_DATA
+)
+TIMELINE_ROWS = 40
+_BAR = "█"
+_TRANSFERS_EXPECTED = "{'h2d_bytes': int, 'd2h_bytes': int, 'steps': int}"
+_PHASE_ABBREV = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "oth"}
+
+
+def module_label(name: str) -> str:
+    """Display name of a module: ``""`` (the root module) becomes ``(root)``."""
+    return name if name else "(root)"
+
+
+def traced_steps(timeline: MemoryTimeline) -> int:
+    """Training steps traced: ``meta["steps"]`` (set by the tracer), else the distinct step indices sampled.
+
+    The tracer's closing mark sample carries the index of the step after the last one, so counting indices
+    alone would over-count by one.
+    """
+    steps = timeline.meta.get("steps")
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0:
+        return steps
+    return len(timeline.steps())
+
+
+def report_renderables(
+    timeline: MemoryTimeline,
+    *,
+    plan: PlacementPlan | None = None,
+    transfers: Mapping[str, int] | None = None,
+    top: int = 10,
+    rows: int = TIMELINE_ROWS,
+) -> list[RenderableType]:
+    """The report's sections as rich renderables, for :func:`render_report` or to embed elsewhere.
+
+    Args:
+        timeline: the trace to describe (figures are taken on its traced device, ``timeline.device``).
+        plan: a placement plan to describe (policy, GPU margin, budget, chunks on device vs host, reasons).
+        transfers: ``{"h2d_bytes": int, "d2h_bytes": int, "steps": int}``: H2D/D2H bytes in total over
+            ``steps`` training steps; the report shows them per step.
+        top: how many modules the per-module table lists (>= 1).
+        rows: at most this many timeline bars (>= 1); samples are bucketed, each bar shows the bucket's
+            sample with the most live bytes.
+
+    Raises:
+        ValueError: ``top`` or ``rows`` is not an integer >= 1, or ``transfers`` lacks a key / holds a
+            negative or non-integer value (the message names it).
+    """
+    _check_positive_int("top", top)
+    _check_positive_int("rows", rows)
+    out: list[RenderableType] = [
+        summary_panel(timeline),
+        module_table(timeline, top=top),
+        timeline_bars(timeline, rows=rows),
+    ]
+    if plan is not None:
+        out.append(plan_panel(plan))
+    if transfers is not None:
+        out.append(transfer_table(transfers))
+    return out
+
+
+def render_report(
+    timeline: MemoryTimeline,
+    *,
+    plan: PlacementPlan | None = None,
+    transfers: Mapping[str, int] | None = None,
+    top: int = 10,
+    console: Console | None = None,
+) -> None:
+    """Print the report (see :func:`report_renderables`) to ``console`` (default: a new stdout console).
+
+    Raises:
+        ValueError: as :func:`report_renderables`.
+    """
+    parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top)
+    console = console or Console()
+    for part in parts:
+        console.print(part)
+
+
+# ---- sections ----------------------------------------------------------------------------------------------
+def summary_panel(timeline: MemoryTimeline) -> Panel:
+    """Traced device, backend, steps, the non-model peak and where it occurs, model data, CUDA figures."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    meta = timeline.meta
+    samples = timeline.for_device()
+    backend = meta.get("backend", "?")
+    grid.add_row("traced device", f"{timeline.device} (backend: {backend})")
+    grid.add_row("steps", f"{traced_steps(timeline)} traced, {len(samples)} samples on {timeline.device}")
+    if not samples:
+        grid.add_row("samples", Text("none on the traced device: nothing to report", style="yellow"))
+        return Panel(grid, title="memsched trace", title_align="left", box=box.ROUNDED)
+
+    peak = _non_model_peak(timeline)
+    if peak is None:
+        where = Text("0 B (no non-model data measured)")
+    else:
+        where = Text(format_bytes(peak.peak_non_model_bytes), style="bold red")
+        where.append(f"  at {peak.phase} {peak.event} of {module_label(peak.module)} (step {peak.step})")
+    grid.add_row("peak non-model data", where)
+    model = timeline.model_data_bytes()
+    grid.add_row("model data (largest)", _category_text({k: v for k, v in model.items()}))
+    grid.add_row("peak total", format_bytes(timeline.peak_bytes()))
+    capacity = meta.get("capacity_bytes")
+    if isinstance(capacity, int) and capacity > 0:
+        grid.add_row("device capacity", format_bytes(capacity))
+
+    cuda = [s.cuda for s in samples if s.cuda]
+    if cuda:
+
+        def get(c: Mapping[str, int | None], key: str) -> int:
+            return int(c.get(key) or 0)  # a figure may be missing or None (e.g. NVML unavailable)
+
+        top_reserved = max(cuda, key=lambda c: get(c, "reserved"))
+        reserved, allocated = get(top_reserved, "reserved"), get(top_reserved, "allocated")
+        grid.add_row("CUDA peak allocated", format_bytes(max(get(c, "peak_allocated") for c in cuda)))
+        # Fragmentation: reserved by the caching allocator but not handed out, at the largest reservation.
+        frag = reserved - allocated
+        share = f" ({100 * frag / reserved:.1f}% of reserved)" if reserved else ""
+        grid.add_row(
+            "CUDA reserved (max)", f"{format_bytes(reserved)}; unallocated in it: {format_bytes(frag)}{share}"
+        )
+        nvml = [get(c, "nvml_used") for c in cuda if c.get("nvml_used")]
+        if nvml:
+            grid.add_row("NVML used (max)", f"{format_bytes(max(nvml))} (device-wide, all processes)")
+        else:
+            nvml_status = meta.get("nvml")
+            grid.add_row(
+                "NVML used", "not measured" + (f": {nvml_status}" if nvml_status not in (None, "ok") else "")
+            )
+
+    others = [d for d in timeline.devices() if d != timeline.device]
+    if others:
+        grid.add_row(
+            "other devices", ", ".join(f"{d} (peak {format_bytes(timeline.peak_bytes(d))})" for d in others)
+        )
+    extra = [f"{k} {meta[k]}" for k in ("rank", "world_size", "torch_version") if k in meta]
+    if extra:
+        grid.add_row("run", ", ".join(extra))
+    return Panel(grid, title="memsched trace", title_align="left", box=box.ROUNDED)
+
+
+def module_table(timeline: MemoryTimeline, *, top: int = 10) -> Table:
+    """Top ``top`` modules by activation bytes kept for backward (ties keep first-call order)."""
+    _check_positive_int("top", top)
+    stats = sorted(timeline.module_stats(), key=lambda m: m.activation_bytes, reverse=True)
+    table = Table(
+        title=f"Modules: top {min(top, len(stats))} of {len(stats)} by activations kept for backward",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        expand=False,
+    )
+    table.add_column("module", overflow="fold", ratio=1)
+    table.add_column("calls", justify="right", no_wrap=True)
+    table.add_column("activations kept", justify="right", no_wrap=True)
+    table.add_column("forward peak", justify="right", no_wrap=True)
+    table.add_column("backward peak", justify="right", no_wrap=True)
+    for m in stats[:top]:
+        table.add_row(
+            module_label(m.name),
+            str(m.calls),
+            format_bytes(m.activation_bytes),
+            format_bytes(m.forward_peak_bytes),
+            format_bytes(m.backward_peak_bytes),
+        )
+    if not stats:
+        table.caption = "no module forward hooks were sampled"
+    elif len(stats) > top:
+        table.caption = f"... and {len(stats) - top} more modules (raise --top to see them)"
+    return table
+
+
+def timeline_bars(timeline: MemoryTimeline, *, rows: int = TIMELINE_ROWS) -> Group:
+    """Live bytes per category over the trace as stacked bars: a legend and one bar per bucket of samples."""
+    _check_positive_int("rows", rows)
+    samples = timeline.for_device()
+    present = [c for c in CATEGORY_ORDER if any(s.bytes.get(c, 0) for s in samples)]
+    legend = Text("Timeline (live bytes, stacked)  ", style="bold")
+    for c in present or CATEGORY_ORDER:
+        legend.append("■ ", style=CATEGORY_COLORS[c])
+        legend.append(f"{c}  ")
+    if not samples:
+        return Group(legend, Text("no samples", style="yellow"))
+    scale = max(s.total_bytes for s in samples) or 1
+    peak = _non_model_peak(timeline)
+    t0 = samples[0].t_ns
+    table = Table.grid(padding=(0, 1), expand=True)
+    table.add_column(justify="right", no_wrap=True)  # time
+    table.add_column(no_wrap=True, overflow="ellipsis", max_width=30)  # step / phase / module
+    table.add_column(ratio=1)  # the bar takes the rest of the line
+    table.add_column(justify="right", no_wrap=True)  # total
+    table.add_column(no_wrap=True, width=1)  # the non-model peak marker
+    for bucket in _buckets(samples, rows):
+        has_peak = peak is not None and any(x is peak for x in bucket)
+        # The fullest sample stands for its bucket, except in the bucket of the non-model peak.
+        s = peak if has_peak and peak is not None else max(bucket, key=lambda x: x.total_bytes)
+        label = Text(
+            f"s{s.step} {_PHASE_ABBREV.get(s.phase, s.phase)} {module_label(s.module)}",
+            style="bold red" if has_peak else "",
+        )
+        table.add_row(
+            f"{(s.t_ns - t0) / 1e6:.1f} ms",
+            label,
+            StackedBar(s.bytes, scale),
+            format_bytes(s.total_bytes),
+            Text("◀", style="bold red") if has_peak else "",
+        )
+    note = Text(f"full width = {format_bytes(scale)}; ", style="dim")
+    note.append("◀", style="bold red")
+    note.append(" marks the non-model peak; other bars show the fullest sample of their bucket", style="dim")
+    return Group(legend, table, note)
+
+
+def plan_panel(plan: PlacementPlan) -> Panel:
+    """Policy, GPU margin, budget, chunks on device vs host (with bytes) and the policy's reasons."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    grid.add_row("policy", plan.policy)
+    grid.add_row("GPU margin", format_bytes(plan.margin_bytes))
+    grid.add_row("budget", format_bytes(plan.budget_bytes))
+    dev, host = plan.device_chunks, plan.host_chunks
+    grid.add_row("on device", f"{_chunks(len(dev))}, {format_bytes(plan.device_bytes)} of optimizer states")
+    grid.add_row("on host", f"{_chunks(len(host))}, {format_bytes(plan.host_bytes)} of pinned memory")
+    strip = Text()
+    for p in plan.placement:
+        strip.append("■", style="green" if p == "device" else "blue")
+    if plan.placement:
+        strip.append("  (green: device, blue: host, in first-use order)", style="dim")
+        grid.add_row("chunks", strip)
+    if plan.options:
+        grid.add_row("options", ", ".join(f"{k}={v}" for k, v in plan.options.items()))
+    for i, reason in enumerate(plan.reasons):
+        grid.add_row("why" if i == 0 else "", f"• {reason}")
+    return Panel(grid, title="Placement plan", title_align="left", box=box.ROUNDED)
+
+
+def transfer_table(transfers: Mapping[str, int]) -> Table:
+    """H2D and D2H bytes per step from ``{"h2d_bytes", "d2h_bytes", "steps"}`` (totals over ``steps``).
+
+    The optional keys of ``memsched.transfers.TransferStats.as_dict()`` are shown when present:
+    ``last_h2d_bytes`` / ``last_d2h_bytes`` (the last step) and ``chunk_moves_bytes`` (one-off moves).
+    """
+    if not isinstance(transfers, Mapping):
+        raise ValueError(f"transfers must be a dict like {_TRANSFERS_EXPECTED}, got {transfers!r}")
+    optional = ("last_h2d_bytes", "last_d2h_bytes", "chunk_moves_bytes")
+    for key in ("h2d_bytes", "d2h_bytes", "steps", *optional):
+        value = transfers.get(key)
+        if value is None and key in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"transfers[{key!r}] must be an integer >= 0, got {value!r}; expected {_TRANSFERS_EXPECTED}"
+            )
+    steps = transfers["steps"]
+    last = "last_h2d_bytes" in transfers and "last_d2h_bytes" in transfers
+    table = Table(title=f"Transfers over {steps} steps", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("direction")
+    table.add_column("per step (mean)", justify="right")
+    if last:
+        table.add_column("last step", justify="right")
+    table.add_column("total", justify="right")
+    for name, key in (("H2D (host to device)", "h2d_bytes"), ("D2H (device to host)", "d2h_bytes")):
+        total = transfers[key]
+        cells = [name, format_bytes(total / steps) if steps else "-"]
+        if last:
+            cells.append(format_bytes(transfers[f"last_{key}"]))
+        table.add_row(*cells, format_bytes(total))
+    if transfers.get("chunk_moves_bytes"):
+        table.caption = f"plus {format_bytes(transfers['chunk_moves_bytes'])} moved once to apply the plan"
+    return table
+
+
+# ---- pieces ------------------------------------------------------------------------------------------------
+class StackedBar:
+    """One horizontal bar, one coloured run per category, scaled so that ``scale`` bytes fill the width.
+
+    A rich renderable: it takes whatever width its table column gives it.
+    """
+
+    def __init__(self, by_category: Mapping[str, int], scale: int) -> None:
+        self.by_category = by_category
+        self.scale = max(1, scale)
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement(8, options.max_width)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        text = Text(no_wrap=True, overflow="crop")
+        cum, drawn = 0, 0
+        for c in CATEGORY_ORDER:
+            cum += max(0, self.by_category.get(c, 0))
+            # Round cumulative edges, not each run, so runs never add up to more than the bar.
+            edge = min(width, round(cum / self.scale * width))
+            if edge > drawn:
+                text.append(_BAR * (edge - drawn), style=CATEGORY_COLORS[c])
+                drawn = edge
+        yield text
+
+
+def _non_model_peak(timeline: MemoryTimeline) -> Sample | None:
+    """The sample closing the interval of the non-model peak, or ``None`` when there is no non-model data."""
+    peak = timeline.peak_non_model_sample()
+    return peak if peak is not None and peak.peak_non_model_bytes > 0 else None
+
+
+def _chunks(n: int) -> str:
+    return f"{n} chunk" if n == 1 else f"{n} chunks"
+
+
+def _category_text(values: Mapping[str, int]) -> Text:
+    text = Text()
+    for i, c in enumerate(c for c in CATEGORY_ORDER if c in values):
+        if i:
+            text.append("  ")
+        text.append("■ ", style=CATEGORY_COLORS[c])
+        text.append(f"{c} {format_bytes(values[c])}")
+    return text
+
+
+def _buckets(samples: Sequence[Sample], rows: int) -> list[Sequence[Sample]]:
+    """Split ``samples`` into at most ``rows`` contiguous, nearly equal buckets."""
+    n = len(samples)
+    if n <= rows:
+        return [samples[i : i + 1] for i in range(n)]
+    edges = [round(i * n / rows) for i in range(rows + 1)]
+    return [samples[a:b] for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a]
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
