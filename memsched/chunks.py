@@ -1,0 +1,627 @@
+"""Chunks: trainable parameters packed into flat buffers of one size, with their optimizer state.
+
+Idea: PatrickStar's chunk-based memory management (arXiv 2108.05818, section 4) and ColossalAI Gemini's chunk
+manager. Parameters are packed in first-use order into flat buffers of ONE chunk size (numel), separately per
+param group; each parameter becomes a view into its chunk's flat compute buffer and its ``.grad`` a view into
+the chunk's flat gradient buffer. The optimizer state of a chunk (fp32 master weights, ``exp_avg``,
+``exp_avg_sq``, a step count) lives either on the device or in (pinned) host memory and moves as a whole.
+
+This module has three layers:
+
+* pure byte arithmetic (:func:`chunk_bytes`, the ONE place that says how many bytes a chunk weighs),
+* pure layout (:func:`search_chunk_size`, :func:`build_layout`) from numels only, so it runs on meta tensors,
+* runtime objects (:class:`Chunk`, :class:`ChunkStore`) that own the tensors.
+
+ZeRO hook points: a chunk's optimizer state covers a shard range ``[lo, hi)`` of the chunk (single
+process: the whole chunk). :meth:`ChunkStore.on_grads_ready` (a reduce-scatter goes there) and
+:meth:`ChunkStore.after_update` (an all-gather goes there) are the two moments a data-parallel extension
+needs; re-packing (:meth:`ChunkStore.repack`) assumes whole-chunk shards, so it runs before sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from policies.types import DEVICE, HOST
+
+DEFAULT_MIN_CHUNKS = 8
+DEFAULT_MAX_CANDIDATES = 512
+STEP_BYTES = 4  # the fp32 step count of a chunk lives next to its moments
+
+
+# ---- bytes per parameter: the one place -------------------------------------------------------------------
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one chunk weighs, bytes.
+
+    Attributes:
+        compute_bytes: the flat compute buffer on the device (compute dtype, whole chunk).
+        grad_bytes: the flat gradient buffer on the device (compute dtype, whole chunk).
+        device_state_bytes: optimizer state on the device when placed there: fp32 ``exp_avg`` + ``exp_avg_sq``
+            of the shard, plus an fp32 master copy of the shard under mixed precision (in fp32 the compute
+            buffer is the master), plus the fp32 step count.
+        host_state_bytes: pinned host memory when placed on the host: fp32 master, ``exp_avg``, ``exp_avg_sq``
+            and gradient buffer of the shard, plus a compute-dtype staging buffer for the H2D copy under mixed
+            precision, plus the fp32 step count.
+    """
+
+    compute_bytes: int
+    grad_bytes: int
+    device_state_bytes: int
+    host_state_bytes: int
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes that stay on the device whatever the placement (compute + gradient buffers)."""
+        return self.compute_bytes + self.grad_bytes
+
+
+def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
+                shard_numel: int | None = None, master_weights: bool | None = None) -> ChunkBytes:
+    """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
+
+    Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
+    on the device and a compute-dtype H2D staging buffer on the host. Used by :mod:`memsched.planning` and
+    checked against the real tensors of :class:`Chunk` in the tests.
+    """
+    shard = chunk_numel if shard_numel is None else shard_numel
+    cb = dtype_bytes(compute_dtype)
+    mixed = compute_dtype != torch.float32 if master_weights is None else master_weights
+    return ChunkBytes(
+        compute_bytes=chunk_numel * cb,
+        grad_bytes=chunk_numel * cb,
+        device_state_bytes=shard * 4 * (3 if mixed else 2) + STEP_BYTES,
+        host_state_bytes=shard * 4 * 4 + (shard * cb if mixed else 0) + STEP_BYTES,
+    )
+
+
+# ---- layout (pure) ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives: ``group`` and ``index`` name it (position in its group's input sequence);
+    ``chunk`` is the chunk index, ``offset``/``numel`` its range in the chunk's flat buffers (elements)."""
+
+    group: int
+    index: int
+    chunk: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """A packing of parameters into chunks of one size.
+
+    Attributes:
+        chunk_numel: elements per chunk (capacity, including the padding at the end).
+        chunk_groups: param group of each chunk.
+        chunks: the slots of each chunk, in packing order.
+    """
+
+    chunk_numel: int
+    chunk_groups: tuple[int, ...]
+    chunks: tuple[tuple[Slot, ...], ...]
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    def used_numel(self, chunk: int) -> int:
+        return sum(s.numel for s in self.chunks[chunk])
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of all chunks, padding included."""
+        return self.chunk_numel * self.n_chunks
+
+    @property
+    def waste_numel(self) -> int:
+        """Padding elements summed over chunks."""
+        return self.total_numel - sum(self.used_numel(i) for i in range(self.n_chunks))
+
+    def slots(self) -> dict[tuple[int, int], Slot]:
+        """``(group, index) -> Slot`` for every parameter."""
+        return {(s.group, s.index): s for c in self.chunks for s in c}
+
+
+def _as_groups(numels: Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
+    groups = [list(g) for g in numels] if numels and not isinstance(numels[0], int) else [list(numels)]  # type: ignore[arg-type]
+    for gi, g in enumerate(groups):
+        for i, n in enumerate(g):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"parameter numels must be positive integers; group {gi} item {i} is {n!r}")
+    if not any(groups):
+        raise ValueError("no parameters to pack: every group is empty")
+    return groups
+
+
+def _greedy_waste(groups: list[list[int]], c: int) -> int:
+    waste = 0
+    for g in groups:
+        used = 0
+        for n in g:
+            if used + n > c:
+                waste += c - used
+                used = 0
+            used += n
+        if g:
+            waste += c - used
+    return waste
+
+
+def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
+                      min_chunks: int = DEFAULT_MIN_CHUNKS,
+                      max_candidates: int = DEFAULT_MAX_CANDIDATES) -> int:
+    """Choose the chunk size (elements) that minimises padding, PatrickStar-style (arXiv 2108.05818, 4.1).
+
+    Method: parameters are packed greedily in the given order (a new chunk starts when the next parameter does
+    not fit; groups are packed separately), so the wasted elements of a candidate size ``c`` are computed
+    exactly in O(n). Candidates lie on a grid over ``[lo, hi]`` with ``lo`` = the largest parameter (a
+    parameter is never split) and ``hi = max(lo, ceil(total / min_chunks))`` (a lower bound of ``min_chunks``
+    chunks, so that placement has granularity when the model allows it). The grid step is
+    ``ceil((hi - lo) / max_candidates)``, so the cost is O(n * max_candidates) and the search is exact when
+    ``hi - lo <= max_candidates``. Ties go to the smaller size.
+
+    Args:
+        numels: parameter sizes (elements) in packing order, one flat sequence or one sequence per group.
+
+    Raises:
+        ValueError: a size is not a positive integer, there are no parameters, or ``min_chunks`` /
+            ``max_candidates`` is < 1.
+    """
+    if min_chunks < 1 or max_candidates < 1:
+        raise ValueError(f"min_chunks and max_candidates must be >= 1, got {min_chunks}, {max_candidates}")
+    groups = _as_groups(numels)
+    lo = max(n for g in groups for n in g)
+    total = sum(n for g in groups for n in g)
+    hi = max(lo, math.ceil(total / min_chunks))
+    step = max(1, math.ceil((hi - lo) / max_candidates))
+    candidates = list(range(lo, hi + 1, step))
+    if candidates[-1] != hi:
+        candidates.append(hi)
+    return min(candidates, key=lambda c: (_greedy_waste(groups, c), c))
+
+
+def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel: int | None = None,
+                 min_chunks: int = DEFAULT_MIN_CHUNKS) -> ChunkLayout:
+    """Pack parameters (given by their numels, in order, per group) greedily into chunks of one size.
+
+    Args:
+        numels: parameter sizes (elements), one flat sequence or one sequence per param group.
+        chunk_numel: the chunk size (elements); ``None`` = :func:`search_chunk_size`.
+
+    Raises:
+        ValueError: bad numels, or ``chunk_numel`` smaller than the largest parameter (names both).
+    """
+    groups = _as_groups(numels)
+    largest = max(n for g in groups for n in g)
+    if chunk_numel is None:
+        chunk_numel = search_chunk_size(groups, min_chunks=min_chunks)
+    elif isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < largest:
+        raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} elements), "
+                         f"got {chunk_numel!r}")
+    chunks: list[tuple[Slot, ...]] = []
+    chunk_groups: list[int] = []
+    for gi, g in enumerate(groups):
+        cur: list[Slot] = []
+        used = 0
+        for i, n in enumerate(g):
+            if used + n > chunk_numel:
+                chunks.append(tuple(cur))
+                chunk_groups.append(gi)
+                cur, used = [], 0
+            cur.append(Slot(gi, i, len(chunks), used, n))
+            used += n
+        if cur:
+            chunks.append(tuple(cur))
+            chunk_groups.append(gi)
+    return ChunkLayout(chunk_numel, tuple(chunk_groups), tuple(chunks))
+
+
+def ordered_groups(groups: Sequence[Sequence[torch.Tensor]], order: Sequence[torch.Tensor] | None,
+                   ) -> list[list[torch.Tensor]]:
+    """Each group's parameters sorted by their position in ``order`` (first-use order); parameters absent from
+    ``order`` keep their relative order after the others. ``None`` keeps the groups as they are."""
+    if order is None:
+        return [list(g) for g in groups]
+    rank = {id(p): i for i, p in enumerate(order)}
+    base = len(rank)
+    out = []
+    for g in groups:
+        pos = {id(p): i for i, p in enumerate(g)}
+        out.append(sorted(g, key=lambda p: (rank.get(id(p), base), pos[id(p)])))
+    return out
+
+
+# ---- runtime ----------------------------------------------------------------------------------------------
+class Allocator:
+    """Where chunk tensors come from: the compute device, and host memory (pinned when CUDA is present).
+
+    ``host_context`` wraps host allocations (the stand-in device pauses its accounting there, so host-placed
+    buffers are not counted as device memory).
+    """
+
+    def __init__(self, device: torch.device, *, pin: bool | None = None,
+                 host_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+        self.device = device
+        # Pinning needs a CUDA runtime; CPU-only torch cannot pin, so skip it cleanly.
+        self.pin = (device.type == "cuda" and torch.cuda.is_available()) if pin is None else pin
+        self.host_context = host_context or contextlib.nullcontext
+
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    def device_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        with self.host_context():
+            return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin)
+
+    def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = self.host_empty(numel, dtype)
+        with self.host_context():
+            t.zero_()
+        return t
+
+    def empty(self, placement: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.device_empty(numel, dtype) if placement == DEVICE else self.host_empty(numel, dtype)
+
+    def step_tensor(self, placement: str, value: float = 0.0) -> torch.Tensor:
+        dev = self.device if placement == DEVICE else torch.device("cpu")
+        ctx = contextlib.nullcontext() if placement == DEVICE else self.host_context()
+        with ctx:
+            return torch.tensor(float(value), dtype=torch.float32, device=dev)
+
+
+class Chunk:
+    """One chunk: flat compute and gradient buffers on the device, optimizer state of the shard ``[lo, hi)``.
+
+    Tensors (all 1-D):
+        ``data``: ``[numel]`` compute dtype, device: the parameters are views into it.
+        ``grad``: ``[numel]`` compute dtype, device: the parameters' ``.grad`` are views into it.
+        ``master``: ``[hi - lo]`` fp32 on the state's side; ``None`` in fp32 on the device (``data`` is
+            the master).
+        ``exp_avg``, ``exp_avg_sq``: ``[hi - lo]`` fp32, on the state's side.
+        ``step``: fp32 scalar, on the state's side (one step count per chunk).
+        ``host_grad``: ``[hi - lo]`` fp32 host buffer for the D2H copy (host placement only).
+        ``staging``: ``[hi - lo]`` compute-dtype host buffer for the H2D copy (host placement, mixed
+            precision).
+    """
+
+    def __init__(self, index: int, group: int, numel: int, params: list[torch.nn.Parameter],
+                 ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor) -> None:
+        self.index = index
+        self.group = group
+        self.numel = numel
+        self.params = params
+        self.ranges = ranges  # (offset, numel) per parameter
+        self.data = data
+        self.grad = grad
+        self.lo, self.hi = 0, numel
+        self.placement: str | None = None
+        self.master: torch.Tensor | None = None
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        self.step: torch.Tensor | None = None
+        self.host_grad: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
+        self.ready = 0  # parameters whose gradient is complete in the current backward
+        self.d2h_version: int | None = None  # grad._version when host_grad was last filled
+        self.d2h_event = None  # CUDA event of the in-flight D2H copy
+        self.h2d_event = None  # CUDA event of the in-flight H2D copy of the updated parameters
+        self.initial_master: torch.Tensor | None = None  # fp32 host values before the first init_state
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def mixed(self) -> bool:
+        return self.data.dtype != torch.float32
+
+    @property
+    def shard_numel(self) -> int:
+        return self.hi - self.lo
+
+    def master_view(self) -> torch.Tensor:
+        """The fp32 master of the shard wherever it lives (``data[lo:hi]`` in fp32 on the device)."""
+        return self.master if self.master is not None else self.data[self.lo:self.hi]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        ts = (self.master, self.exp_avg, self.exp_avg_sq, self.step, self.host_grad, self.staging)
+        return [t for t in ts if t is not None]
+
+    def state_nbytes(self) -> int:
+        """Bytes held by the optimizer state (incl. host gradient and staging buffers), bytes."""
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    # -- placement: whole-chunk copies; everything new is allocated before anything is swapped --------------
+    def init_state(self, placement: str, alloc: Allocator, *, master: torch.Tensor | None = None,
+                   exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None,
+                   step: float = 0.0) -> None:
+        """Allocate the optimizer state at ``placement`` (``DEVICE``/``HOST``); zeros unless given (fp32
+        ``[hi-lo]``). Under mixed precision the master starts from the full-precision parameter values."""
+        new = self._alloc_state(placement, alloc)
+        if master is None and self.initial_master is not None:
+            master = self.initial_master[self.lo:self.hi]
+        self.initial_master = None
+        src_master = master if master is not None else self.data[self.lo:self.hi]
+        ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            if new["master"] is not None:
+                new["master"].copy_(src_master)
+            elif master is not None:
+                self.data[self.lo:self.hi].copy_(master)
+            for k, src in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                if src is None:
+                    new[k].zero_()
+                else:
+                    new[k].copy_(src)
+            new["step"].fill_(step)
+        self._install(placement, new)
+
+    def _alloc_state(self, placement: str, alloc: Allocator) -> dict[str, torch.Tensor | None]:
+        n = self.shard_numel
+        host = placement == HOST
+        return {
+            "master": alloc.empty(placement, n, torch.float32) if (host or self.mixed) else None,
+            "exp_avg": alloc.empty(placement, n, torch.float32),
+            "exp_avg_sq": alloc.empty(placement, n, torch.float32),
+            "step": alloc.step_tensor(placement),
+            "host_grad": alloc.host_empty(n, torch.float32) if host else None,
+            "staging": alloc.host_empty(n, self.compute_dtype) if (host and self.mixed) else None,
+        }
+
+    def _install(self, placement: str, new: dict[str, torch.Tensor | None]) -> None:
+        self.placement = placement
+        self.master = new["master"]
+        self.exp_avg = new["exp_avg"]
+        self.exp_avg_sq = new["exp_avg_sq"]
+        self.step = new["step"]
+        self.host_grad = new["host_grad"]
+        self.staging = new["staging"]
+        self.d2h_version = None
+        self.d2h_event = None
+
+    def move_to(self, placement: str, alloc: Allocator) -> int:
+        """Move the optimizer state to ``placement`` by whole-chunk copies; returns the bytes copied.
+
+        Bit-exact: fp32 tensors are copied as they are. Allocation happens first, so a failure (e.g. out of
+        memory) leaves the chunk as it was.
+        """
+        if placement not in (DEVICE, HOST):
+            raise ValueError(f"placement must be {DEVICE!r} or {HOST!r}, got {placement!r}")
+        if placement == self.placement:
+            return 0
+        self.wait_h2d()
+        new = self._alloc_state(placement, alloc)
+        ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            src_master = self.master_view()
+            if new["master"] is not None:
+                new["master"].copy_(src_master)
+            else:  # fp32 to the device: the compute buffer becomes the master (it already holds its value)
+                self.data[self.lo:self.hi].copy_(src_master)
+            new["exp_avg"].copy_(self.exp_avg)
+            new["exp_avg_sq"].copy_(self.exp_avg_sq)
+            new["step"].copy_(self.step)
+        self._install(placement, new)
+        return 3 * self.shard_numel * 4
+
+    # -- H2D / D2H helpers --------------------------------------------------------------------------------
+    def wait_h2d(self) -> None:
+        """Block the host until the chunk's last H2D copy is done (its buffers may then be rewritten)."""
+        if self.h2d_event is not None:
+            self.h2d_event.synchronize()
+            self.h2d_event = None
+
+    def wait_d2h(self) -> None:
+        if self.d2h_event is not None:
+            self.d2h_event.synchronize()
+            self.d2h_event = None
+
+
+class ChunkStore:
+    """The chunks of a model: builds them from param groups and a layout, binds parameters as views, counts
+    gradient readiness with post-accumulate-grad hooks and re-packs on request.
+
+    Args:
+        groups: trainable parameters per param group (tied parameters once; no frozen ones).
+        alloc: where buffers come from.
+        compute_dtype: dtype of the compute and gradient buffers (fp32 masters are kept when it is not fp32).
+        chunk_numel: chunk size override (elements); ``None`` = searched.
+        on_grads_ready: ``f(chunk)`` called when all of a chunk's gradients are complete in a backward.
+
+    Raises:
+        ValueError: a parameter is on the meta device or the groups are empty.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
+                 compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
+                 on_grads_ready: Callable[[Chunk], None] | None = None) -> None:
+        self.groups = [list(g) for g in groups]
+        self.alloc = alloc
+        self.compute_dtype = compute_dtype
+        self.on_grads_ready_cb = on_grads_ready
+        # [zero] hook points for memsched.distributed (None in a single process): after a chunk's update, and
+        # before the gradient buffers are zeroed.
+        self.after_update_cb: Callable[[Chunk], None] | None = None
+        self.zero_grad_cb: Callable[[], None] | None = None
+        for gi, g in enumerate(self.groups):
+            for p in g:
+                if p.device.type == "meta":
+                    raise ValueError(f"parameter of shape {tuple(p.shape)} in group {gi} is on the meta "
+                                     "device: materialise the model (e.g. model.to_empty(device=...)) "
+                                     "before attach")
+        self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel)
+        self.chunks: list[Chunk] = []
+        self.param_chunk: dict[int, Chunk] = {}
+        self._hooks: list = []
+        self._build(self.layout, self.groups)
+        for g in self.groups:
+            for p in g:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+
+    # -- building / re-packing ---------------------------------------------------------------------------
+    def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
+               keep_initial: bool = True) -> None:
+        """Allocate chunk buffers for ``layout``, copy parameters (and gradients) in, bind them as views."""
+        new_chunks: list[Chunk] = []
+        with torch.no_grad():
+            for ci, slots in enumerate(layout.chunks):
+                data = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+                grad = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+                params = [groups[s.group][s.index] for s in slots]
+                ranges = [(s.offset, s.numel) for s in slots]
+                # Mixed precision: the fp32 master starts from the parameters' full-precision values, not from
+                # their compute-dtype rounding (kept on the host until the optimizer state is made).
+                initial = None
+                if self.compute_dtype != torch.float32 and keep_initial:
+                    initial = self.alloc.host_zeros(layout.chunk_numel, torch.float32)
+                for p, (off, n) in zip(params, ranges, strict=True):
+                    src = p.data
+                    data[off:off + n].copy_(src.reshape(-1))
+                    if initial is not None:
+                        with self.alloc.host_context():
+                            initial[off:off + n].copy_(src.reshape(-1))
+                    if p.grad is not None and p.grad.shape == p.shape:
+                        grad[off:off + n].copy_(p.grad.reshape(-1))
+                c = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad)
+                c.initial_master = initial
+                new_chunks.append(c)
+        # Bind only after every buffer exists: a failed allocation leaves the model untouched.
+        for c in new_chunks:
+            for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                p.data = c.data[off:off + n].view(p.shape)
+                p.grad = c.grad[off:off + n].view(p.shape)
+        self.chunks = new_chunks
+        self.layout = layout
+        self.param_chunk = {id(p): c for c in new_chunks for p in c.params}
+        self.param_range = {id(p): r for c in new_chunks for p, r in zip(c.params, c.ranges, strict=True)}
+
+    def params(self) -> Iterator[torch.nn.Parameter]:
+        for g in self.groups:
+            yield from g
+
+    def repack(self, order: Sequence[torch.nn.Parameter], *, chunk_numel: int | None = None) -> bool:
+        """Re-pack the chunks so parameters follow ``order`` (first-use order; parameters not in it keep their
+        relative order after those that are), moving each parameter's optimizer state with it (bit-exact).
+
+        Returns ``False`` (and changes nothing) when the layout would be the same, or when parameters with
+        different step counts would share a chunk (one step count per chunk).
+        """
+        new_groups = ordered_groups(self.groups, order)
+        layout = build_layout([[p.numel() for p in g] for g in new_groups], chunk_numel=chunk_numel)
+        same = (layout.chunk_numel == self.layout.chunk_numel
+                and all(a is b for ga, gb in zip(new_groups, self.groups, strict=True)
+                        for a, b in zip(ga, gb, strict=True)))
+        if same:
+            return False
+        # One step count per chunk: refuse a packing that would merge different counts.
+        steps = {id(p): float(self.param_chunk[id(p)].step) for p in self.params()}
+        for slots in layout.chunks:
+            if len({steps[id(new_groups[s.group][s.index])] for s in slots}) > 1:
+                return False
+        # Stage everything through host memory and free the old device buffers before allocating the new ones,
+        # so re-packing never needs twice the chunk buffers on the device.
+        staged: dict[int, tuple[torch.Tensor, ...]] = {}
+        side: dict[int, str | None] = {}
+        with torch.no_grad(), self.alloc.host_context():
+            for c in self.chunks:
+                c.wait_h2d()
+                c.wait_d2h()
+                tensors = (c.data, c.grad, c.master_view(), c.exp_avg, c.exp_avg_sq)
+                flat = [t.to("cpu", copy=True) for t in tensors]
+                for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                    staged[id(p)] = tuple(t[off:off + n] for t in flat)
+                    side[id(p)] = c.placement
+                    p.data = staged[id(p)][0].view(p.shape)
+                    p.grad = staged[id(p)][1].view(p.shape)
+        self.chunks = []
+        self._build(layout, new_groups, keep_initial=False)
+        self.groups = new_groups
+        # Optimizer state: each parameter's slice goes into its new chunk, on the old side when the whole new
+        # chunk came from one side, else on the host (the plan moves it afterwards).
+        with torch.no_grad():
+            for c in self.chunks:
+                sides = {side[id(p)] for p in c.params}
+                where = DEVICE if sides == {DEVICE} else HOST
+                with self.alloc.host_context():
+                    master, exp_avg, exp_avg_sq = (torch.zeros(c.numel) for _ in range(3))  # fp32
+                    for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                        _, _, m, ea, eas = staged[id(p)]
+                        master[off:off + n].copy_(m)
+                        exp_avg[off:off + n].copy_(ea)
+                        exp_avg_sq[off:off + n].copy_(eas)
+                c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                             step=steps[id(c.params[0])])
+        return True
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def _grad_hook(self, p: torch.nn.Parameter) -> None:
+        c = self.param_chunk.get(id(p))
+        if c is None:
+            return
+        self.rebind_grad(p, c)
+        c.ready += 1
+        if c.ready % len(c.params) == 0:
+            self.on_grads_ready(c)
+
+    def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
+        c = c or self.param_chunk[id(p)]
+        off, n = self.param_range[id(p)]
+        return c.grad[off:off + n].view(p.shape)
+
+    def rebind_grad(self, p: torch.nn.Parameter, c: Chunk | None = None) -> None:
+        """Put ``p.grad`` back into its chunk view if autograd or the user produced a separate tensor."""
+        g = p.grad
+        view = self.grad_view(p, c)
+        if g is None:
+            return
+        if g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.dtype != view.dtype:
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+
+    def on_grads_ready(self, chunk: Chunk) -> None:
+        """ZeRO hook point: all of ``chunk``'s gradients are complete (a reduce-scatter goes here)."""
+        if self.on_grads_ready_cb is not None:
+            self.on_grads_ready_cb(chunk)
+
+    def after_update(self, chunk: Chunk) -> None:
+        """ZeRO hook point: ``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes
+        here). Single process: nothing to do."""
+        if self.after_update_cb is not None:  # [zero]
+            self.after_update_cb(chunk)
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffers, keep the views, reset readiness."""
+        if self.zero_grad_cb is not None:  # [zero] pending gradient reductions finish first
+            self.zero_grad_cb()
+        with torch.no_grad():
+            for c in self.chunks:
+                c.grad.zero_()
+                c.ready = 0
+                c.d2h_version = None
+            for p in self.params():
+                c = self.param_chunk[id(p)]
+                view = self.grad_view(p, c)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+
+    def close(self) -> None:
+        """Remove the gradient hooks (parameters stay views into the chunks)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

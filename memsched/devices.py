@@ -1,0 +1,98 @@
+"""Which device memsched computes on, and how much memory it has.
+
+``device`` strings: ``"cuda"`` / ``"cuda:N"`` (a real GPU), ``"cpu"`` (no accelerator: host and device memory
+are the same, every chunk stays where it is), ``"sim:8GiB"`` (the stand-in accelerator of
+:mod:`memsched.simdevice`: tensors on the CPU, capacity accounted and enforced like a GPU's). ``None`` means
+``"cuda"`` when CUDA is available, else ``"cpu"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from policies.units import parse_bytes
+
+ALLOWED = "'cuda', 'cuda:N', 'cpu', 'sim:SIZE' (e.g. 'sim:8GiB'; units B, KiB, MiB, GiB, KB, MB, GB) or None"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed compute device.
+
+    Attributes:
+        kind: ``"cuda"``, ``"cpu"`` or ``"sim"``.
+        torch_device: where the tensors live (``cpu`` for ``sim``).
+        capacity_bytes: memory usable by this process, bytes (CUDA: total memory times the per-process memory
+            fraction when one is set; cpu: the machine's memory; sim: the given size).
+        name: the device name in traces (``"cuda:0"``, ``"cpu"``, ``"sim"``).
+    """
+
+    kind: str
+    torch_device: torch.device
+    capacity_bytes: int
+    name: str
+
+    @property
+    def is_sim(self) -> bool:
+        return self.kind == "sim"
+
+
+def cuda_capacity_bytes(device: torch.device) -> int:
+    """Total memory of a CUDA device, times the per-process fraction if one was set
+    (``torch.cuda.set_per_process_memory_fraction``; read where this torch exposes it), bytes."""
+    _free, total = torch.cuda.mem_get_info(device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
+    if get_fraction is not None:
+        try:
+            total = int(total * float(get_fraction(device)))
+        except (RuntimeError, TypeError, ValueError):
+            pass
+    return int(total)
+
+
+def parse_device(device: str | torch.device | None) -> DeviceSpec:
+    """Parse a ``device`` argument of :func:`memsched.attach`.
+
+    Raises:
+        ValueError: the text is none of the allowed forms (the message names it and lists them), a CUDA device
+            was asked for without CUDA, the CUDA index is out of range, or a ``sim`` size is not > 0.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise ValueError(f"device must be one of {ALLOWED}; got {device!r}")
+    text = device.strip()
+    low = text.lower()
+    if low.startswith("sim:") or low == "sim":
+        size = text[4:] if low.startswith("sim:") else ""
+        if not size.strip():
+            raise ValueError(f"device {device!r} lacks a size; allowed: {ALLOWED}")
+        try:
+            cap = parse_bytes(size)
+        except ValueError as e:
+            raise ValueError(f"bad device {device!r}: {e}; allowed: {ALLOWED}") from None
+        if cap <= 0:
+            raise ValueError(f"device {device!r}: the capacity must be > 0 bytes")
+        return DeviceSpec("sim", torch.device("cpu"), cap, "sim")
+    if low == "cpu":
+        return DeviceSpec("cpu", torch.device("cpu"), int(psutil.virtual_memory().total), "cpu")
+    if low == "cuda" or low.startswith("cuda:"):
+        try:
+            dev = torch.device(low)
+        except RuntimeError:
+            raise ValueError(f"bad device {device!r}; allowed: {ALLOWED}") from None
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} needs CUDA, which is not available here; use 'cpu' or a "
+                             "stand-in such as 'sim:8GiB'")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices "
+                             f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+        dev = torch.device("cuda", index)
+        return DeviceSpec("cuda", dev, cuda_capacity_bytes(dev), str(dev))
+    raise ValueError(f"bad device {device!r}; allowed: {ALLOWED}")

@@ -1,0 +1,409 @@
+"""``memsched.attach``: trace during warmup, plan once, then train with the hybrid optimizer.
+
+The life of a :class:`Scheduler` (PatrickStar's warmup-then-schedule, arXiv 2108.05818 section 5; ColossalAI
+Gemini's warmup phase):
+
+1. attach: the trainable parameters are packed into chunks (registration order) on the compute device; all
+   optimizer-state chunks start on the host (safe whatever the device size); the tracer starts.
+2. warmup (the first ``warmup_steps`` optimizer steps): training runs under :class:`tracer.MemoryTracer`.
+3. end of warmup (inside the last warmup ``step()``, after its update): the tracer stops and its hooks go away
+   (later steps carry no tracing cost); the chunks are re-packed in first-use order (optimizer state moves
+   with the parameters, bit-exact); the :class:`policies.PlacementProblem` is built, the policy runs once, and
+   the chunks move to their planned side. If the policy finds no plan (:class:`policies.PlacementError`, with
+   the numbers), that error is raised from that ``step()``, whose update is nonetheless complete; the state
+   stays on the host and training can go on.
+
+Devices (see :mod:`memsched.devices`): ``device=None`` picks CUDA when present, else the CPU. On the CPU, host
+and device memory are one: every chunk is device-resident from the start, no copies are made, and the plan is
+trivially "everything on the device" (the policy is not consulted; the warmup trace still runs for reports).
+On the stand-in ``sim:SIZE`` device the capacity is enforced by :class:`memsched.simdevice.SimDevice`, whose
+accounting is active from attach until :meth:`Scheduler.close` (or the end of ``with memsched.attach(...)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import policies
+from memsched.chunks import Allocator, ChunkStore
+from memsched.devices import DeviceSpec, parse_device
+from memsched.optimizer import HybridAdamW, hyperparameter_groups
+from memsched.planning import build_problem
+from memsched.precision import LossScaler, check_dtype
+from memsched.simdevice import SimDevice
+from memsched.transfers import Streams, TransferStats
+from policies.types import DEVICE, HOST, PlacementPlan
+
+# Models a live Scheduler owns (their parameters are views into its chunks).
+_ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _check_ratio(r: Any) -> float:
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or not 0 <= r <= 1:
+        raise ValueError(f"gpu_margin_mem_ratio must be a number in [0, 1], got {r!r}")
+    return float(r)
+
+
+def _check_warmup(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"warmup_steps must be an integer >= 1, got {n!r}")
+    return int(n)
+
+
+def _check_not_meta(model: torch.nn.Module) -> None:
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type == "meta":
+            raise ValueError(f"{name!r} is on the meta device: materialise the model first (e.g. "
+                             "model.to_empty(device='cpu') and initialise it) before memsched.attach")
+
+
+class Scheduler:
+    """The scheduler :func:`attach` returns. Attributes: ``model``, ``optimizer`` (:class:`HybridAdamW`),
+    ``plan`` (the :class:`policies.PlacementPlan` in force; ``None`` during warmup), ``timeline`` (the warmup
+    trace), ``device`` (:class:`memsched.devices.DeviceSpec`), ``sim`` (the stand-in device or ``None``),
+    ``store`` (the chunks)."""
+
+    def __init__(self, model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
+                 device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 3e-4,
+                 weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
+                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
+                 process_group: Any = None, fetch: str = "all_gather",
+                 dist_timeout: float | None = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")
+        # ---- validate everything before touching the model ------------------------------------------------
+        self.gpu_margin_mem_ratio = _check_ratio(gpu_margin_mem_ratio)
+        self.warmup_steps = _check_warmup(warmup_steps)
+        self.policy = policies.get(policy, **(policy_options or {}))
+        self.compute_dtype = check_dtype(dtype)
+        self.device: DeviceSpec = parse_device(device)
+        _check_not_meta(model)
+        if model in _ATTACHED:
+            raise RuntimeError("memsched is already attached to this model: close() the first scheduler (or "
+                               "leave its with-block) before attaching again")
+        groups = hyperparameter_groups(params, model)
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        from memsched.optimizer import check_hyperparameters
+        check_hyperparameters(defaults, "attach()")
+        for i, g in enumerate(groups):
+            check_hyperparameters({**defaults, **g}, f"param group {i}")
+        if chunk_numel is not None:
+            largest = max(p.numel() for g in groups for p in g["params"])
+            if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < largest:
+                raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} "
+                                 f"elements), got {chunk_numel!r}")
+        self.chunk_numel = chunk_numel
+        # [zero] data parallelism over torch.distributed (memsched.distributed); None with one rank.
+        from memsched.distributed import make_engine
+        self.zero = make_engine(zero_stage, fetch, process_group, timeout=dist_timeout)
+        if self.zero is not None:
+            chunk_numel = self.zero.chunk_numel_for([g["params"] for g in groups], None, chunk_numel)
+        self.model = model
+        self.plan: PlacementPlan | None = None
+        self.plan_error: Exception | None = None
+        self.timeline = None
+        self.transfers = TransferStats()
+        self._closed = False
+        self._warmup_done = False
+        self._handles: list[Any] = []
+        tdev = self.device.torch_device
+
+        # ---- the stand-in device's accounting starts before any device buffer is made ---------------------
+        self.sim: SimDevice | None = None
+        if self.device.is_sim:
+            self.sim = SimDevice(self.device.capacity_bytes)
+        trainable = {id(p) for g in groups for p in g["params"]}
+        try:
+            if self.sim is not None:
+                # Model data made before attach (frozen parameters, buffers) is resident on the stand-in.
+                self.sim.start([t for t in (*model.parameters(), *model.buffers()) if id(t) not in trainable])
+            alloc = Allocator(tdev, host_context=self.sim.paused if self.sim is not None else None)
+            self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
+                                    chunk_numel=chunk_numel)
+            # Frozen parameters and buffers go to the device too (trainable ones already are chunk views).
+            if self.device.kind != "sim":
+                model.to(tdev)
+            initial = DEVICE if self.device.kind == "cpu" else HOST
+            if self.zero is not None:  # [zero] rank 0's parameters everywhere; each chunk's own piece
+                self.zero.broadcast_model(model, self.store)
+                self.zero.shard(self.store)
+            for c in self.store.chunks:
+                c.init_state(initial, alloc)
+        except BaseException:
+            if self.sim is not None:
+                self.sim.stop()
+            raise
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.streams = Streams(tdev)
+        self.scaler = LossScaler(tdev) if self.compute_dtype == torch.float16 else None
+        self.optimizer = HybridAdamW(
+            self.store, groups, defaults=defaults, streams=self.streams, transfers=self.transfers,
+            scaler=self.scaler, capacity_check=self.sim.require if self.sim is not None else None,
+            names=self.names)
+        self.store.on_grads_ready_cb = self.optimizer.on_grads_ready
+        if self.zero is not None:  # [zero] reductions, fetches, whole state dicts
+            self.zero.install(self.store, self.optimizer)
+        # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
+        # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
+        # can be removed without mutating the dict torch is iterating.
+        self._handles.append(register_optimizer_step_post_hook(self._global_post_hook))
+        if self.streams.cuda:
+            self._install_h2d_waits()
+        self._tracer = None
+        try:
+            self._start_tracer()
+        except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
+            self.close()
+            raise
+        _ATTACHED.add(model)
+
+    # ---- warmup --------------------------------------------------------------------------------------------
+    def _start_tracer(self) -> None:
+        from tracer import MemoryTracer
+
+        # The stand-in's tensors are CPU tensors: the tracer measures the CPU, which is the stand-in's memory.
+        dev = "cpu" if self.device.is_sim else self.device.name
+        tracer = MemoryTracer(self.model, optimizer=self.optimizer, device=dev)
+        tracer.__enter__()
+        self._tracer = tracer
+
+    def _stop_tracer(self) -> None:
+        if self._tracer is not None:
+            tr, self._tracer = self._tracer, None
+            tr.__exit__(None, None, None)
+            self.timeline = tr.timeline
+
+    @property
+    def in_warmup(self) -> bool:
+        return not self._warmup_done
+
+    def _global_post_hook(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if optimizer is self.optimizer:
+            self._after_step()
+
+    def _after_step(self) -> None:
+        if self._warmup_done or self._closed or self.transfers.steps < self.warmup_steps:
+            return
+        self._warmup_done = True
+        self._stop_tracer()
+        self._make_plan()
+
+    def first_use_order(self) -> list[torch.nn.Parameter]:
+        """Trainable parameters in first-use order from the warmup trace (modules in first-call order, each
+        module's own parameters in registration order); empty before the trace exists."""
+        if self.timeline is None:
+            return []
+        order, seen = [], set()
+        for st in self.timeline.module_stats():
+            try:
+                mod = self.model.get_submodule(st.name)
+            except (AttributeError, LookupError):
+                continue
+            for p in mod.parameters(recurse=False):
+                if id(p) in self.store.param_chunk and id(p) not in seen:
+                    seen.add(id(p))
+                    order.append(p)
+        return order
+
+    def peak_non_model_bytes(self) -> int:
+        """Peak non-model data of the warmup trace on the compute device, bytes."""
+        if self.timeline is None:
+            return 0
+        dev = self.timeline.device
+        return int(self.timeline.peak_non_model_bytes(dev))
+
+    def _make_plan(self) -> None:
+        order = self.first_use_order()
+        if self.zero is not None:  # [zero] re-pack across ranks (state gathered whole, then cut again)
+            self.zero.repack(self.store, order, self.chunk_numel)
+        else:
+            self.store.repack(order, chunk_numel=self.chunk_numel)
+        self.optimizer.record_param_versions()
+        peak, capacity = self.peak_non_model_bytes(), self.device.capacity_bytes
+        if self.zero is not None:  # [zero] every rank plans with the smallest margin over all ranks
+            capacity, peak = self.zero.agree_margin_inputs(capacity, peak)
+        problem, layout = build_problem(
+            self.model, peak, capacity,
+            gpu_margin_mem_ratio=self.gpu_margin_mem_ratio, param_order=order,
+            chunk_numel=self.store.layout.chunk_numel, param_groups=self.store.groups,
+            compute_dtype=self.compute_dtype,
+            world_size=self.zero.world if self.zero is not None and self.zero.sharded else 1)
+        assert layout == self.store.layout, "planning and chunks disagree on the layout"
+        self.problem = problem
+        if self.device.kind == "cpu":
+            self.plan = policies.make_plan(
+                problem, [DEVICE] * layout.n_chunks, budget_bytes=max(0, problem.margin_bytes),
+                policy="cpu-device",
+                reasons=("the compute device is the CPU: host and device memory are the same, so every chunk "
+                         "is device-resident and nothing is copied",))
+            return
+        try:
+            plan = self.policy.plan(problem)
+        except policies.PlacementError as e:
+            self.plan_error = e
+            raise policies.PlacementError(
+                f"{e} (the warmup step itself completed; the optimizer state stays on the host)") from e
+        if self.zero is not None:  # [zero] same plan on every rank, or the collectives would not match
+            self.zero.check_same("placement plan", tuple(plan.placement))
+        self._apply(plan)
+
+    def _apply(self, plan: PlacementPlan) -> None:
+        """Move chunks per ``plan``; on failure (e.g. the stand-in runs out) move back and re-raise."""
+        moved = []
+        try:
+            for c, where in zip(self.store.chunks, plan.placement, strict=True):
+                if c.placement != where:
+                    self.transfers.chunk_moves_bytes += c.move_to(where, self.store.alloc)
+                    moved.append(c)
+        except BaseException:
+            for c in moved:
+                c.move_to(HOST, self.store.alloc)
+            raise
+        self.plan = plan
+
+    # ---- CUDA: the next forward of a module waits only for its own chunks' H2D copies ----------------------
+    def _install_h2d_waits(self) -> None:
+        store = self.store
+        dev = self.device.torch_device
+
+        def wait(module: torch.nn.Module, _args: Any) -> None:
+            stream = torch.cuda.current_stream(dev)
+            for p in module.parameters(recurse=False):
+                c = store.param_chunk.get(id(p))
+                if c is not None and c.h2d_event is not None:
+                    stream.wait_event(c.h2d_event)
+
+        for m in self.model.modules():
+            if any(id(p) in store.param_chunk for p in m.parameters(recurse=False)):
+                self._handles.append(m.register_forward_pre_hook(wait))
+
+    def synchronize(self) -> None:
+        """Make the current stream wait for every pending H2D copy (before reading parameters outside a
+        module's forward, e.g. to save them)."""
+        if self.streams.cuda:
+            stream = torch.cuda.current_stream(self.device.torch_device)
+            for c in self.store.chunks:
+                if c.h2d_event is not None:
+                    stream.wait_event(c.h2d_event)
+
+    # ---- training API --------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``; under fp16 the loss is multiplied by the dynamic loss scale first."""
+        if self.scaler is not None:
+            loss = self.scaler.scale_loss(loss)
+        loss.backward(**kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the trainable parameters, aware of the fp16 loss scale
+        (clipping scaled gradients to ``max_norm * scale`` is clipping the true ones to ``max_norm``).
+        Returns the total norm of the true (unscaled) gradients."""
+        if self.zero is not None:  # [zero] the global norm over the ranks' gradient pieces
+            scale = float(self.scaler.scale.item()) if self.scaler is not None else 1.0
+            return self.zero.clip_grad_norm_(max_norm, norm_type, scale=scale)
+        params = list(self.store.params())
+        if self.scaler is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        scale = float(self.scaler.scale.item())
+        return torch.nn.utils.clip_grad_norm_(params, max_norm * scale, norm_type) / scale
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """[zero] Gradient accumulation: backward inside the context does not reduce gradients over the ranks;
+        the next backward outside it (or the step) does, once (like DDP's ``no_sync``). A no-op with one rank.
+        See :mod:`memsched.distributed.engine` for the memory cost."""
+        return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
+
+    @property
+    def transfers_dict(self) -> dict[str, int]:
+        return self.transfers.as_dict()
+
+    def report(self, **kwargs: Any) -> Any:
+        """Render the memory report (timeline + plan + transfer volumes) with :mod:`memsched.report`."""
+        from memsched.report import render_report
+
+        if self.timeline is None:
+            raise ValueError("no timeline yet: the report is available after the warmup steps")
+        return render_report(self.timeline, plan=self.plan, transfers=self.transfers.as_dict(), **kwargs)
+
+    def close(self) -> None:
+        """Stop tracing and the stand-in's accounting and remove memsched's hooks (idempotent). Parameters
+        stay views into the chunks and the optimizer keeps working (without the early D2H)."""
+        if self._closed:
+            return
+        self._closed = True
+        _ATTACHED.discard(self.model)
+        try:
+            self._stop_tracer()
+        finally:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self.store.close()
+            if self.sim is not None:
+                self.sim.stop()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
+           device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 3e-4,
+           weight_decay: float = 0.1, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+           params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
+           dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
+           process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
+           ) -> Scheduler:
+    """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
+
+    Args:
+        model: the model; its trainable parameters become views into chunks on the compute device (frozen
+            parameters and buffers are moved there too).
+        policy: placement policy name (``policies.names()``: ``auto``, ``cpu``, ``cuda``, ``static``, ...).
+        gpu_margin_mem_ratio: share of the GPU margin the policy may fill, in [0, 1].
+        device: ``None`` (CUDA if present, else the CPU, see :mod:`memsched.scheduler`), ``"cuda"``,
+            ``"cuda:1"``, ``"cpu"`` or the stand-in ``"sim:8GiB"``.
+        warmup_steps: optimizer steps traced before planning (>= 1).
+        lr, weight_decay, betas, eps: AdamW hyper-parameters (defaults for every group).
+        params: parameters or param-group dicts (per-group ``lr``/``betas``/``eps``/``weight_decay``); default
+            all of ``model.parameters()``.
+        policy_options: options of the policy (see ``memsched policies``).
+        dtype: ``None``/``torch.float32`` (fp32), ``torch.bfloat16`` or ``torch.float16`` (compute in that
+            dtype with fp32 master weights; fp16 adds dynamic loss scaling in :meth:`Scheduler.backward`).
+            The parameters become that dtype, so floating-point inputs must be cast to it too.
+        chunk_numel: chunk size (elements) instead of the searched one.
+        zero_stage: with ``torch.distributed`` initialised and more than one rank: 0 (plain data parallel), 1
+            (optimizer state sharded evenly over the ranks) or 2 (gradients reduce-scattered too); see
+            :mod:`memsched.distributed.engine`. Ignored with one rank.
+        process_group: the data-parallel group; ``None`` = the default group.
+        fetch: how updated pieces reach every rank: ``"all_gather"`` or ``"all_reduce"``.
+        dist_timeout: seconds the attach barrier waits for every rank (``None``: the group's timeout).
+
+    Returns:
+        the :class:`Scheduler`; train with ``sched.backward(loss); sched.optimizer.step();
+        sched.optimizer.zero_grad()``. Use it as a context manager (or call ``close()``) to stop the
+        stand-in's accounting and remove hooks.
+
+    Raises:
+        ValueError: a ratio outside [0, 1] or NaN, an unknown policy or option (lists the known ones), no
+            trainable parameters, parameters on the meta device, a bad device string, ``warmup_steps < 1``, a
+            bad dtype or hyper-parameter, a ``chunk_numel`` below the largest parameter.
+        TypeError: ``model`` is not an ``nn.Module``.
+        RuntimeError: memsched (or a :class:`tracer.MemoryTracer`) is already attached to ``model``.
+        memsched.simdevice.SimOutOfMemoryError: the stand-in cannot even hold the chunk buffers.
+    """
+    return Scheduler(model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
+                     warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                     params=params, policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel,
+                     zero_stage=zero_stage, process_group=process_group, fetch=fetch,
+                     dist_timeout=dist_timeout)

@@ -1,0 +1,237 @@
+"""Chunk layout (size search, packing), chunk buffers, parameter views, gradient hooks, moves, re-packing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from memsched.chunks import (
+    Allocator,
+    ChunkStore,
+    _greedy_waste,
+    build_layout,
+    chunk_bytes,
+    ordered_groups,
+    search_chunk_size,
+)
+from memsched.planning import build_problem
+from policies.types import DEVICE, HOST
+
+
+def brute_force_best(groups: list[list[int]], min_chunks: int) -> int:
+    lo = max(n for g in groups for n in g)
+    hi = max(lo, -(-sum(n for g in groups for n in g) // min_chunks))
+    return min(range(lo, hi + 1), key=lambda c: (_greedy_waste(groups, c), c))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=12), min_size=1, max_size=3),
+       st.integers(1, 10))
+def test_search_matches_brute_force_on_small_cases(groups, min_chunks):
+    # Exact whenever the candidate range fits max_candidates (here always).
+    c = search_chunk_size(groups, min_chunks=min_chunks, max_candidates=10_000)
+    assert c == brute_force_best(groups, min_chunks)
+
+
+def test_search_waste_exact_and_grid_on_large_ranges():
+    rnd = random.Random(0)
+    numels = [rnd.randint(1, 5000) for _ in range(300)]
+    c = search_chunk_size(numels, max_candidates=64)
+    layout = build_layout(numels, chunk_numel=c)
+    assert layout.waste_numel == _greedy_waste([numels], c)
+    # The grid result is never worse than the smallest legal size (always a candidate).
+    assert layout.waste_numel <= _greedy_waste([numels], max(numels))
+    assert layout.n_chunks >= 8
+
+
+@pytest.mark.parametrize("numels", [[10] * 100, [3, 7, 2, 9, 4, 4, 1, 8, 6, 5] * 5])
+def test_layout_packs_in_order_without_splitting(numels):
+    layout = build_layout(numels)
+    assert layout.n_chunks >= 8  # the model allows at least 8 chunks
+    seen = []
+    for ci, slots in enumerate(layout.chunks):
+        assert layout.used_numel(ci) <= layout.chunk_numel
+        end = 0
+        for s in slots:
+            assert s.chunk == ci and s.offset == end and s.numel == numels[s.index]
+            end += s.numel
+            seen.append(s.index)
+    assert seen == list(range(len(numels)))
+
+
+def test_layout_groups_never_share_a_chunk():
+    layout = build_layout([[5, 5, 5], [5, 5]], chunk_numel=12)
+    assert layout.chunk_groups == (0, 0, 1)
+    assert [[s.index for s in c] for c in layout.chunks] == [[0, 1], [2], [0, 1]]
+    assert layout.waste_numel == 3 * 12 - 25
+
+
+def test_layout_errors_name_the_value():
+    with pytest.raises(ValueError, match="largest parameter \\(9 elements\\), got 4"):
+        build_layout([9, 1], chunk_numel=4)
+    with pytest.raises(ValueError, match="item 1 is 0"):
+        build_layout([3, 0])
+    with pytest.raises(ValueError, match="no parameters"):
+        build_layout([[]])
+
+
+def test_ordered_groups_puts_used_first_and_keeps_the_rest():
+    a, b, c, d = (nn.Parameter(torch.zeros(i + 1)) for i in range(4))
+    assert ordered_groups([[a, b, c, d]], [c, a]) == [[c, a, b, d]]
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, idx):
+        return self.head(self.frozen(torch.relu(self.mid(self.emb(idx)))))
+
+
+def make_store(model, chunk_numel=None, **kw):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return ChunkStore([params], Allocator(torch.device("cpu")), chunk_numel=chunk_numel, **kw)
+
+
+def test_parameters_become_views_tied_once_frozen_untouched():
+    torch.manual_seed(0)
+    m = Tied()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    frozen_ptr = m.frozen.weight.data_ptr()
+    store = make_store(m, chunk_numel=48)
+    assert sum(len(c.params) for c in store.chunks) == 3  # emb.weight (= head.weight), mid.weight, mid.bias
+    assert m.head.weight is m.emb.weight
+    assert m.frozen.weight.data_ptr() == frozen_ptr and m.frozen.weight.grad is None
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]), n
+        if p.requires_grad:
+            c = store.param_chunk[id(p)]
+            base = c.data.data_ptr()
+            assert base <= p.data_ptr() < base + c.numel * c.data.element_size()
+            assert p.grad is not None and p.grad.data_ptr() >= c.grad.data_ptr()
+    # Writing the chunk buffer is seen by the module (views, not copies).
+    c = store.param_chunk[id(m.mid.bias)]
+    off, n = store.param_range[id(m.mid.bias)]
+    c.data[off:off + n] = 7.0
+    assert torch.all(m.mid.bias == 7.0)
+
+
+def test_gradients_land_in_the_flat_buffer_and_readiness_fires_once_per_chunk():
+    torch.manual_seed(0)
+    m = Tied()
+    ready = []
+    store = make_store(m, chunk_numel=48, on_grads_ready=lambda c: ready.append(c.index))
+    idx = torch.randint(0, 10, (6,))
+    m(idx).sum().backward()
+    assert sorted(ready) == list(range(len(store.chunks)))
+    g_emb = m.emb.weight.grad.clone()
+    # Reference gradients from an untouched copy.
+    torch.manual_seed(0)
+    ref = Tied()
+    ref(idx).sum().backward()
+    assert torch.allclose(g_emb, ref.emb.weight.grad)
+    assert torch.allclose(m.mid.weight.grad, ref.mid.weight.grad)
+    # The user sets grads to None (nn.Module.zero_grad): autograd makes new tensors; the hook puts them back.
+    m.zero_grad(set_to_none=True)
+    assert m.mid.weight.grad is None
+    m(idx).sum().backward()
+    assert m.mid.weight.grad.data_ptr() == store.grad_view(m.mid.weight).data_ptr()
+    assert torch.allclose(m.mid.weight.grad, ref.mid.weight.grad)
+    store.zero_grad()
+    assert all(torch.count_nonzero(c.grad) == 0 for c in store.chunks)
+    assert all(c.ready == 0 for c in store.chunks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_bytes_match_the_real_tensors(dtype):
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    store = make_store(m, chunk_numel=80, compute_dtype=dtype)
+    cb = chunk_bytes(80, compute_dtype=dtype)
+    alloc = store.alloc
+    for placement, expected in ((HOST, cb.host_state_bytes), (DEVICE, cb.device_state_bytes)):
+        for c in store.chunks:
+            c.init_state(placement, alloc)
+            real = sum(t.numel() * t.element_size() for t in c.state_tensors())
+            assert real == expected
+            assert c.data.numel() * c.data.element_size() + c.grad.numel() * c.grad.element_size() \
+                == cb.resident_bytes
+    assert m[0].weight.dtype == dtype
+
+
+def test_moves_are_bit_exact_round_trips():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    store = make_store(m, chunk_numel=80)
+    c = store.chunks[0]
+    c.init_state(HOST, store.alloc, exp_avg=torch.randn(80), exp_avg_sq=torch.rand(80), step=3)
+    snap = [t.clone() for t in (c.master, c.exp_avg, c.exp_avg_sq, c.step)]
+    assert c.move_to(DEVICE, store.alloc) == 3 * 80 * 4
+    assert c.master is None and c.host_grad is None
+    assert torch.equal(c.data, snap[0]) and torch.equal(c.exp_avg, snap[1]) and torch.equal(c.step, snap[3])
+    c.move_to(HOST, store.alloc)
+    for a, b in zip((c.master, c.exp_avg, c.exp_avg_sq, c.step), snap, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="placement must be"):
+        c.move_to("gpu", store.alloc)
+
+
+def test_repack_moves_state_with_parameters():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2))
+    store = make_store(m, chunk_numel=42)
+    for i, c in enumerate(store.chunks):
+        c.init_state(HOST if i % 2 else DEVICE, store.alloc, exp_avg=torch.randn(42),
+                     exp_avg_sq=torch.rand(42), step=5)
+
+    def per_param():
+        out = {}
+        for p in store.params():
+            c = store.param_chunk[id(p)]
+            off, n = store.param_range[id(p)]
+            out[id(p)] = tuple(t.clone() for t in (p.detach(), c.exp_avg[off:off + n],
+                                                    c.exp_avg_sq[off:off + n], c.master_view()[off:off + n]))
+        return out
+
+    before = per_param()
+    order = list(m[2].parameters()) + list(m[0].parameters()) + list(m[1].parameters())
+    assert store.repack(order)
+    assert store.chunks[0].params[0] is m[2].weight
+    after = per_param()
+    for k, vals in before.items():
+        for a, b in zip(vals, after[k], strict=True):
+            assert torch.equal(a, b)
+    assert all(float(c.step) == 5 for c in store.chunks)
+    assert not store.repack(order)  # same layout again: nothing to do
+
+
+def test_build_problem_on_meta_matches_the_real_chunks():
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    real = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+    real.register_buffer("stat", torch.zeros(10))
+    meta.register_buffer("stat", torch.zeros(10, device="meta"))
+    problem, layout = build_problem(meta, 1000, 10**6, gpu_margin_mem_ratio=0.5)
+    store = make_store(real)
+    assert layout == store.layout
+    resident = sum(c.data.nbytes + c.grad.nbytes for c in store.chunks) + 40
+    assert problem.resident_model_bytes == resident
+    assert problem.margin_bytes == 10**6 - 1000 - resident
+    assert [c.device_bytes for c in problem.chunks] == [layout.chunk_numel * 8 + 4] * layout.n_chunks
+    mixed, _ = build_problem(meta, 0, 10**6, master_weights=True)
+    assert mixed.chunks[0].device_bytes == layout.chunk_numel * 12 + 4
+    assert mixed.chunks[0].host_bytes == layout.chunk_numel * (16 + 2) + 4
+    zero2, _ = build_problem(meta, 0, 10**6, world_size=4)
+    assert zero2.chunks[0].device_bytes == -(-layout.chunk_numel // 4) * 8 + 4
+    with pytest.raises(ValueError, match="world_size"):
+        build_problem(meta, 0, 10**6, world_size=0)
