@@ -69,7 +69,8 @@ class Scheduler:
     """The scheduler :func:`attach` returns. Attributes: ``model``, ``optimizer`` (:class:`HybridAdamW`),
     ``plan`` (the :class:`policies.PlacementPlan` in force; ``None`` during warmup), ``timeline`` (the warmup
     trace), ``device`` (:class:`memsched.devices.DeviceSpec`), ``sim`` (the stand-in device or ``None``),
-    ``store`` (the chunks)."""
+    ``store`` (the chunks), ``zero`` (the :class:`memsched.distributed.ZeroEngine` with more than one rank,
+    else ``None``)."""
 
     def __init__(self, model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
                  device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 3e-4,
@@ -77,7 +78,7 @@ class Scheduler:
                  params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
                  dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
                  process_group: Any = None, fetch: str = "all_gather",
-                 dist_timeout: float | None = None) -> None:
+                 dist_timeout: float | None = None, chunk_build: str = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")
         # ---- validate everything before touching the model ------------------------------------------------
@@ -104,7 +105,8 @@ class Scheduler:
         self.chunk_numel = chunk_numel
         # [zero] data parallelism over torch.distributed (memsched.distributed); None with one rank.
         from memsched.distributed import make_engine
-        self.zero = make_engine(zero_stage, fetch, process_group, timeout=dist_timeout)
+        self.zero = make_engine(zero_stage, fetch, process_group, timeout=dist_timeout,
+                                chunk_build=chunk_build)
         if self.zero is not None:
             chunk_numel = self.zero.chunk_numel_for([g["params"] for g in groups], None, chunk_numel)
         self.model = model
@@ -127,6 +129,9 @@ class Scheduler:
                 # Model data made before attach (frozen parameters, buffers) is resident on the stand-in.
                 self.sim.start([t for t in (*model.parameters(), *model.buffers()) if id(t) not in trainable])
             alloc = Allocator(tdev, host_context=self.sim.paused if self.sim is not None else None)
+            if self.zero is not None:  # [zero] each chunk built on the device if it has room, else on the CPU
+                self.zero.prepare_build([g["params"] for g in groups], chunk_numel, self.device, alloc,
+                                        self.compute_dtype, self.zero.chunk_build)
             self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
                                     chunk_numel=chunk_numel)
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views).
@@ -363,7 +368,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
            dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-           ) -> Scheduler:
+           chunk_build: str = "auto") -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -388,6 +393,9 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         process_group: the data-parallel group; ``None`` = the default group.
         fetch: how updated pieces reach every rank: ``"all_gather"`` or ``"all_reduce"``.
         dist_timeout: seconds the attach barrier waits for every rank (``None``: the group's timeout).
+        chunk_build: with ZeRO, where chunks are built: ``"auto"`` (on the device while it has room for a full
+            copy, else on the CPU, per chunk), ``"device"`` or ``"cpu"``; see
+            :mod:`memsched.distributed.build`.
 
     Returns:
         the :class:`Scheduler`; train with ``sched.backward(loss); sched.optimizer.step();
@@ -401,9 +409,11 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: memsched (or a :class:`tracer.MemoryTracer`) is already attached to ``model``.
         memsched.simdevice.SimOutOfMemoryError: the stand-in cannot even hold the chunk buffers.
+        ValueError (ZeRO): a ``zero_stage``, ``fetch`` or ``chunk_build`` not among the allowed values.
+        memsched.distributed.ZeroCommError: another rank did not reach attach within ``dist_timeout``.
     """
     return Scheduler(model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
                      warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
                      params=params, policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel,
                      zero_stage=zero_stage, process_group=process_group, fetch=fetch,
-                     dist_timeout=dist_timeout)
+                     dist_timeout=dist_timeout, chunk_build=chunk_build)

@@ -6,6 +6,7 @@ versioned JSON (``schema = "memsched.timeline"``, ``version = 1``) that round-tr
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import tempfile
@@ -108,12 +109,14 @@ class MemoryTimeline:
         return [s for s in self.samples if s.device == dev]
 
     def peak_non_model_bytes(self, device: str | None = None) -> int:
-        """Peak non-model data (activations + temporaries + other) on ``device`` (default: traced device), bytes."""
+        """Peak non-model data (activations + temporaries + other) on ``device`` (default: traced device),
+        bytes."""
         samples = self.for_device(device)
         return max((s.peak_non_model_bytes for s in samples), default=0)
 
     def peak_non_model_sample(self, device: str | None = None) -> Sample | None:
-        """The sample that closes the interval in which the non-model peak occurred (module + phase of the peak)."""
+        """The sample that closes the interval in which the non-model peak occurred (module + phase of the
+        peak)."""
         samples = self.for_device(device)
         return max(samples, key=lambda s: s.peak_non_model_bytes, default=None)
 
@@ -130,35 +133,78 @@ class MemoryTimeline:
         return sorted({s.step for s in self.samples})
 
     def module_stats(self, device: str | None = None) -> list[ModuleStats]:
-        """Per-module figures, in first-call order (see :class:`ModuleStats`)."""
+        """Per-module figures, in first-call order (see :class:`ModuleStats`).
+
+        Linear in the number of samples: the peak over the samples between a module's pre and post event is
+        a range maximum, answered with a monotonic stack (decreasing peaks) and a binary search on it.
+        """
         stats: dict[str, ModuleStats] = {}
-        open_fwd: dict[str, list[Sample]] = {}
+        open_fwd: dict[str, list[int]] = {}
         open_bwd: dict[str, list[int]] = {}
         samples = self.for_device(device)
+        stack_idx: list[int] = []  # sample indices, increasing; their peaks strictly decreasing
+        stack_val: list[int] = []
+
+        def peak_after(j: int) -> int:  # max peak_non_model_bytes over samples (j, newest]
+            return stack_val[bisect.bisect_right(stack_idx, j)]
+
+        act = Category.ACTIVATION.value
         for i, s in enumerate(samples):
+            v = s.peak_non_model_bytes
+            while stack_val and stack_val[-1] <= v:
+                stack_val.pop()
+                stack_idx.pop()
+            stack_idx.append(i)
+            stack_val.append(v)
             if s.phase == "forward":
                 st = stats.setdefault(s.module, ModuleStats(s.module))
                 if s.event == "pre":
                     st.calls += 1
-                    open_fwd.setdefault(s.module, []).append(s)
+                    open_fwd.setdefault(s.module, []).append(i)
                 elif s.event == "post" and open_fwd.get(s.module):
-                    pre = open_fwd[s.module].pop()
-                    kept = s.bytes.get(Category.ACTIVATION.value, 0) - pre.bytes.get(Category.ACTIVATION.value, 0)
+                    j = open_fwd[s.module].pop()
+                    kept = s.bytes.get(act, 0) - samples[j].bytes.get(act, 0)
                     st.activation_bytes = max(st.activation_bytes, kept)
-                    j = samples.index(pre)
-                    st.forward_peak_bytes = max(
-                        st.forward_peak_bytes, max(x.peak_non_model_bytes for x in samples[j + 1 : i + 1])
-                    )
+                    st.forward_peak_bytes = max(st.forward_peak_bytes, peak_after(j))
             elif s.phase == "backward" and s.module in stats:
                 st = stats[s.module]
                 if s.event == "pre":
                     open_bwd.setdefault(s.module, []).append(i)
                 elif s.event == "post" and open_bwd.get(s.module):
                     j = open_bwd[s.module].pop()
-                    st.backward_peak_bytes = max(
-                        st.backward_peak_bytes, max(x.peak_non_model_bytes for x in samples[j + 1 : i + 1])
-                    )
+                    st.backward_peak_bytes = max(st.backward_peak_bytes, peak_after(j))
         return list(stats.values())
+
+    def peak_non_model_by_phase(self, device: str | None = None) -> dict[str, int]:
+        """Largest ``peak_non_model_bytes`` of the samples of each phase (a sample's phase is the phase at the
+        hook that closed its interval), bytes; phases without samples are left out."""
+        out: dict[str, int] = {}
+        for s in self.for_device(device):
+            if s.peak_non_model_bytes > out.get(s.phase, -1):
+                out[s.phase] = s.peak_non_model_bytes
+        return out
+
+    def summary(self, device: str | None = None) -> dict[str, Any]:
+        """Headline figures of ``device`` (default: traced device), all sizes in bytes:
+        ``peak_non_model_bytes`` and where it occurred (``peak_module``, ``peak_phase``, ``peak_step``,
+        ``peak_event``: the sample that closes the interval holding the peak), ``peak_bytes`` (all
+        categories), ``model_data_bytes`` (largest live bytes per model-data category),
+        ``peak_non_model_by_phase``, ``steps`` (``meta["steps"]`` when known) and ``samples``."""
+        dev = device or self.device
+        peak = self.peak_non_model_sample(dev)
+        return {
+            "device": dev,
+            "samples": len(self.for_device(dev)),
+            "steps": int(self.meta.get("steps", len(self.steps()))),
+            "peak_non_model_bytes": peak.peak_non_model_bytes if peak else 0,
+            "peak_module": peak.module if peak else None,
+            "peak_phase": peak.phase if peak else None,
+            "peak_step": peak.step if peak else None,
+            "peak_event": peak.event if peak else None,
+            "peak_bytes": self.peak_bytes(dev),
+            "model_data_bytes": self.model_data_bytes(dev),
+            "peak_non_model_by_phase": self.peak_non_model_by_phase(dev),
+        }
 
     def extend(self, samples: Iterable[Sample]) -> None:
         self.samples.extend(samples)
@@ -179,7 +225,8 @@ class MemoryTimeline:
             raise ValueError(f"not a memsched timeline: expected schema {SCHEMA!r}, got "
                              f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}")
         if data.get("version") != VERSION:
-            raise ValueError(f"unsupported timeline version {data.get('version')!r}: this release reads {VERSION}")
+            raise ValueError(f"unsupported timeline version {data.get('version')!r}: "
+                             f"this release reads {VERSION}")
         return cls(samples=[Sample(**s) for s in data["samples"]], meta=dict(data.get("meta", {})))
 
     def save(self, path: str | os.PathLike[str]) -> None:

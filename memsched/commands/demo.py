@@ -1,14 +1,276 @@
-"""`memsched demo` (placeholder until implemented)."""
+"""`memsched demo`: the main job end to end. Train the built-in GPT on real text (the Python standard
+library's sources, byte-level) under memsched: warmup trace, placement plan, hybrid CPU/device AdamW; then the
+report, the plan and the exports.
+
+Device: CUDA when present. Without a GPU the stand-in accelerator ``sim:SIZE`` is used, sized by
+:func:`stand_in_capacity` from a fake trace of the same model and batch so that about half of the optimizer
+state fits the ``auto`` policy's budget: the plan is a real device/host split, with real H2D/D2H traffic.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+import memsched
+import policies
+from memsched.data import TextCorpus, batches, load_stdlib_corpus
+from memsched.devices import ALLOWED as DEVICE_FORMS
+from memsched.devices import parse_device
+from memsched.models import config_for, lm_loss, sizes
+from memsched.models.gpt import build_gpt
+from memsched.planning import build_problem
+from memsched.progress import StepStats, TrainingProgress
+from policies.units import format_bytes
+from tracer.timeline import atomic_write_text
+
+DEFAULT_SIZE = "demo"
+DEFAULT_STEPS = 20
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_SEQ_LEN = 256
+DEFAULT_LR = 1e-3
+DEFAULT_OUT = "memsched-out/demo"
+EVAL_BATCHES = 4
+# torch.OutOfMemoryError exists from torch 2.5; torch 2.4 has the same class under torch.cuda.
+_OOM: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+# Headroom of the stand-in over the predicted resident + peak non-model data: the warmup trace of the real run
+# (memsched's own buffers, the batches) differs a little from the fake trace of the plain model.
+STAND_IN_SLACK = 0.01
+
+
+def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: float = 0.8) -> int:
+    """Capacity of the stand-in device (bytes, a whole number of MiB) at which ``auto`` offloads about half of
+    the optimizer state of GPT ``size`` trained on ``[batch_size, seq_len]`` batches.
+
+    From a fake trace (:func:`memsched.commands.plan.trace_step`) and the placement problem:
+    ``base = (peak non-model + resident model data) x (1 + STAND_IN_SLACK)``; ``auto``'s budget is
+    ``ratio x (margin - reserve_frac x capacity)``, so a budget of half the optimizer-state bytes needs
+    ``capacity = (base + optimizer / (2 ratio)) / (1 - reserve_frac)``. With ratio 0 nothing can go to the
+    device and the capacity is just ``base / (1 - reserve_frac)``.
+
+    Raises:
+        ValueError: unknown size, bad batch/sequence, or a ratio outside [0, 1].
+    """
+    from memsched.commands.plan import gpt_workload, trace_step
+    from policies.builtin import DEFAULT_RESERVE_FRAC
+
+    if not 0 <= gpu_margin_mem_ratio <= 1:
+        raise ValueError(f"gpu_margin_mem_ratio must be in [0, 1], got {gpu_margin_mem_ratio!r}")
+    prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True, device="cpu")
+    problem, _ = build_problem(prediction.model, prediction.peak_non_model_bytes, 1,
+                               gpu_margin_mem_ratio=gpu_margin_mem_ratio, param_order=prediction.param_order)
+    base = (problem.peak_non_model_bytes + problem.resident_model_bytes) * (1 + STAND_IN_SLACK)
+    optimizer = sum(c.device_bytes for c in problem.chunks)
+    room = optimizer / (2 * gpu_margin_mem_ratio) if gpu_margin_mem_ratio > 0 else 0.0
+    capacity = (base + room) / (1 - DEFAULT_RESERVE_FRAC)
+    return int(math.ceil(capacity / 2**20)) * 2**20
+
+
+def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_len: int,
+             device: torch.device, *, seed: int = 0, n_batches: int = EVAL_BATCHES) -> float:
+    """Mean loss (nats per token) of ``model`` over ``n_batches`` fixed batches of ``tokens``, no grad."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for x, y in batches(tokens, batch_size, seq_len, seed=seed, steps=n_batches):
+            total += float(lm_loss(model, x.to(device), y.to(device)))
+    model.train(was_training)
+    return total / n_batches
+
+
+# ---- argument types ----------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _lr(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="(not implemented yet)")
+    p = sub.add_parser(
+        "demo",
+        help="train a GPT on the Python standard library's sources under memsched (trace, plan, offload)",
+        description="Train the built-in GPT on byte-level text (this Python's standard library sources; no "
+                    "download) with memsched: the first step is traced, a placement policy splits the "
+                    "optimizer state between the device and pinned CPU memory, and training goes on with the "
+                    "hybrid AdamW. Without a GPU a stand-in device (sim:SIZE) is sized so that the optimizer "
+                    "state does not all fit. Prints a progress bar, the memory report and the plan, and "
+                    "writes the exports.",
+    )
+    p.add_argument("--size", default=DEFAULT_SIZE,
+                   help=f"GPT size (default {DEFAULT_SIZE}): {', '.join(sizes())}")
+    p.add_argument("--policy", default="auto", help="placement policy (default auto; see memsched policies)")
+    p.add_argument("--gpu-margin-mem-ratio", type=_ratio, default=0.8, metavar="R",
+                   help="share of the GPU margin the policy may fill, in [0, 1] (default 0.8)")
+    p.add_argument("--device", default=None,
+                   help="cuda, cuda:N, cpu, sim:SIZE (e.g. sim:64MiB) or sim (sized automatically); default: "
+                        "cuda when available, else an automatically sized stand-in")
+    p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+                   help=f"training steps (default {DEFAULT_STEPS})")
+    p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
+                   help=f"sequences per step (default {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN,
+                   help=f"tokens (bytes) per sequence (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--lr", type=_lr, default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR:g})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the batches")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"output folder for the exports (default {DEFAULT_OUT})")
     p.set_defaults(func=run)
 
 
+def _choose_device(args: argparse.Namespace) -> str:
+    """The device string for attach; validates ``--device`` (ValueError naming it and the allowed forms)."""
+    text = args.device
+    if text is None:
+        text = "cuda" if torch.cuda.is_available() else "sim"
+    if text.strip().lower() == "sim":
+        cap = stand_in_capacity(args.size, args.batch_size, args.seq_len,
+                                gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        return f"sim:{cap}"
+    try:
+        parse_device(text)
+    except ValueError as e:
+        raise ValueError(f"{e} (allowed: {DEVICE_FORMS}, or 'sim' to size the stand-in "
+                         "automatically)") from None
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("memsched demo is not implemented yet")
+    # ---- validate everything before any work -------------------------------------------------------------
+    config = config_for(args.size)  # ValueError listing the known sizes
+    if args.seq_len > config.block_size:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the {args.size!r} model's block size "
+                         f"{config.block_size}")
+    if args.policy not in policies.names():
+        raise ValueError(f"unknown policy {args.policy!r}: known policies are {', '.join(policies.names())}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a folder")
+
+    console = Console()
+    device = _choose_device(args)
+    corpus = load_stdlib_corpus()
+    torch.manual_seed(args.seed)
+    model = build_gpt(args.size)
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(f"[bold]memsched demo[/bold]: GPT [cyan]{args.size}[/cyan] ({n_params:,} parameters), "
+                  f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes of the Python standard "
+                  f"library ({corpus.files} files), policy [cyan]{args.policy}[/cyan], device "
+                  f"[cyan]{_device_label(device)}[/cyan]")
+    val_before = evaluate(model, corpus.val, args.batch_size, args.seq_len, torch.device("cpu"),
+                          seed=args.seed)
+
+    try:
+        summary = _train(args, model, corpus, device, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: training stopped, no exports written[/yellow]")
+        return 130
+    except _OOM as e:
+        console.print(f"[red]memsched demo: the device ran out of memory[/red]: {e}\n"
+                      "try a larger device (--device sim:SIZE) or leave --device out to size the stand-in "
+                      "automatically")
+        return 1
+    sched = summary.pop("_sched")
+    tdev = sched.device.torch_device
+    summary["val_loss_before"] = val_before
+    summary["val_loss_after"] = evaluate(model, corpus.val, args.batch_size, args.seq_len, tdev,
+                                         seed=args.seed)
+
+    # ---- report, plan, exports ---------------------------------------------------------------------------
+    from memsched.exports import write_all
+    from memsched.report import render_report
+
+    render_report(sched.timeline, plan=sched.plan, transfers=sched.transfers.as_dict(), console=console)
+    losses = summary["losses"]
+    console.print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out loss {val_before:.3f} -> "
+                  f"{summary['val_loss_after']:.3f} (nats per byte)")
+    paths = write_all(sched.timeline, out, stem="trace")
+    plan_path, summary_path = out / "plan.json", out / "demo.json"
+    atomic_write_text(plan_path, json.dumps(_plan_dict(sched), indent=2) + "\n")
+    atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
+    console.print(f"exports written to [bold]{out}[/bold]:")
+    for kind, path in [*paths.items(), ("plan", plan_path), ("summary", summary_path)]:
+        console.print(f"  {kind:<10} {path}")
+    return 0
+
+
+def _device_label(device: str) -> str:
+    if device.startswith("sim:"):
+        return f"stand-in sim:{format_bytes(int(device[4:]))}" if device[4:].isdigit() else device
+    return device
+
+
+def _train(args: argparse.Namespace, model: torch.nn.Module, corpus: TextCorpus, device: str,
+           console: Console) -> dict[str, Any]:
+    sched = memsched.attach(model, policy=args.policy, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
+                            device=device, lr=args.lr)
+    tdev = sched.device.torch_device
+    tokens = args.batch_size * args.seq_len
+    steps: list[dict[str, Any]] = []
+    with sched, TrainingProgress(args.steps, console=console) as bar:
+        data = batches(corpus.train, args.batch_size, args.seq_len, seed=args.seed, steps=args.steps)
+        for x, y in data:
+            t0 = time.perf_counter()
+            loss = lm_loss(model, x.to(tdev, non_blocking=True), y.to(tdev, non_blocking=True))
+            sched.backward(loss)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            value = float(loss.detach())  # synchronises with the device
+            stats = StepStats(value, time.perf_counter() - t0, tokens, sched.transfers.last_h2d_bytes,
+                              sched.transfers.last_d2h_bytes)
+            bar.update(stats)
+            steps.append({"loss": value, "seconds": stats.seconds, "tokens_per_s": stats.tokens_per_s,
+                          "h2d_bytes": stats.h2d_bytes, "d2h_bytes": stats.d2h_bytes})
+    return {
+        "_sched": sched,
+        "size": args.size, "parameters": sum(p.numel() for p in model.parameters()), "device": device,
+        "capacity_bytes": sched.device.capacity_bytes, "policy": args.policy,
+        "gpu_margin_mem_ratio": args.gpu_margin_mem_ratio, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed,
+        "losses": [s["loss"] for s in steps], "steps": steps, "transfers": sched.transfers.as_dict(),
+    }
+
+
+def _plan_dict(sched: memsched.Scheduler) -> dict[str, Any]:
+    problem = getattr(sched, "problem", None)
+    out: dict[str, Any] = {"plan": sched.plan.to_dict() if sched.plan is not None else None}
+    if problem is not None:
+        out["problem"] = {"capacity_bytes": problem.capacity_bytes,
+                          "peak_non_model_bytes": problem.peak_non_model_bytes,
+                          "resident_model_bytes": problem.resident_model_bytes,
+                          "margin_bytes": problem.margin_bytes,
+                          "gpu_margin_mem_ratio": problem.gpu_margin_mem_ratio,
+                          "chunks": [{"index": c.index, "device_bytes": c.device_bytes,
+                                      "host_bytes": c.host_bytes, "numel": c.numel} for c in problem.chunks]}
+    return out

@@ -1,0 +1,477 @@
+"""Training-step time of a GPT per placement policy under a GPU memory cap (needs CUDA).
+
+Run ``python bench/gpu_step_time.py`` from the repository root on a machine with a CUDA GPU. Without CUDA it
+prints one line saying so and exits 0, writing nothing. The result goes to
+``bench/results/gpu_step_time_<gpu-name>.json`` via :func:`bench._machine.write_result`.
+
+Each configuration runs in its own child process (a fresh CUDA context, so one run's cached blocks,
+fragmentation or out-of-memory cannot affect the next), capped with
+``torch.cuda.set_per_process_memory_fraction(f)``, ``f = --mem-cap / total device memory`` (or
+``--mem-fraction``): the caching allocator refuses to hold more than that share, as if the GPU were smaller.
+Configurations:
+
+* memsched: ``memsched.attach(model, policy=P, device="cuda")`` for each ``--policies`` entry (default
+  ``cpu``, ``static:offload_optim_frac=0.5``, ``auto``, ``cuda``; ``name:key=value,...`` passes
+  ``policy_options={key: value}``), step = forward, ``sched.backward(loss)``,
+  ``sched.optimizer.step()``, ``zero_grad()``. The plan and the H2D/D2H bytes are recorded.
+* ``torch_adamw``: plain ``torch.optim.AdamW(fused=True)`` with everything on the device (when it fits).
+* ``deepspeed_zero_offload``: DeepSpeed ZeRO stage 2 with ``offload_optimizer: cpu`` (if importable).
+* ``torchao_cpu_offload``: torchao's ``CPUOffloadOptimizer`` around ``torch.optim.AdamW`` (if importable).
+
+Step time is wall-clock from before forward to after the optimizer step, with ``torch.cuda.synchronize()``
+at both ends (so host-side optimizer work and copies are included); the median over ``--steps`` timed steps
+after ``--warmup`` untimed ones (memsched's tracing warmup step among them) is reported with min/max, tokens/s
+and the peak allocated / reserved device memory over the timed steps.
+
+The model is :class:`memsched.models.gpt.GPT` when that module is importable, else a small GPT built here
+from torch layers with the same layout (token + position embeddings, pre-norm
+``nn.TransformerEncoderLayer`` blocks with a causal mask, final LayerNorm, tied output projection).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._machine import write_result  # noqa: E402
+from policies.units import format_bytes, parse_bytes  # noqa: E402
+
+NEEDS_CUDA = "gpu_step_time: needs a CUDA device (torch.cuda.is_available() is False); nothing written"
+DEFAULT_POLICIES = ("cpu", "static:offload_optim_frac=0.5", "auto", "cuda")
+PEERS = ("torch_adamw", "deepspeed_zero_offload", "torchao_cpu_offload")
+LR, WEIGHT_DECAY = 3e-4, 0.1
+
+
+# ----------------------------------------------------------------------------------------- small helpers
+def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``"static:offload_optim_frac=0.5"`` -> ``("static", {"offload_optim_frac": "0.5"})``.
+
+    Values stay strings: the policy registry coerces and range-checks them (``policies.get``).
+
+    Raises:
+        ValueError: empty name or an option without ``=``.
+    """
+    name, _, rest = spec.partition(":")
+    if not name:
+        raise ValueError(f"policy spec {spec!r} has no name; expected NAME or NAME:key=value[,key=value]")
+    options: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"policy spec {spec!r}: option {item!r} is not key=value")
+        options[key] = value
+    return name, options
+
+
+def gpu_slug(name: str) -> str:
+    """File-name form of a GPU name: ``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "unknown-gpu"
+
+
+def summarize(times: Sequence[float]) -> dict[str, float]:
+    """Median / min / max of step times (seconds), and the spread ``(max - min) / median`` in percent."""
+    med = statistics.median(times)
+    return {
+        "median_s": med,
+        "min_s": min(times),
+        "max_s": max(times),
+        "spread_pct": 100.0 * (max(times) - min(times)) / med,
+        "n": len(times),
+    }
+
+
+def _jsonable(x: Any) -> Any:
+    """Plans, transfer stats and similar objects as JSON values (dataclasses -> dicts, tuples -> lists)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {
+            f.name: _jsonable(getattr(x, f.name)) for f in dataclasses.fields(x) if not f.name.startswith("_")
+        }
+    if hasattr(x, "as_dict"):
+        return _jsonable(x.as_dict())
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return repr(x)
+
+
+# ----------------------------------------------------------------------------------------- the model
+class _Gpt(nn.Module):
+    """Fallback GPT (only without :mod:`memsched.models.gpt`): ``forward(idx [B, T] int64) -> logits``."""
+
+    def __init__(self, n_layer: int, n_head: int, n_embd: int, vocab: int, block: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.wpe = nn.Embedding(block, n_embd)
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(
+                n_embd, n_head, 4 * n_embd, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+            )
+            for _ in range(n_layer)
+        )
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied, as GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device, dtype=x.dtype)
+        for b in self.blocks:
+            x = b(x, src_mask=mask, is_causal=True)
+        return self.head(self.ln_f(x))
+
+
+def build_model(dims: dict[str, int], device: str) -> tuple[nn.Module, str]:
+    """A GPT with ``dims`` (n_layer, n_head, n_embd, vocab_size, block_size) on ``device``, and its source."""
+    if importlib.util.find_spec("memsched.models.gpt") is not None:
+        from memsched.models.gpt import GPT, GPTConfig
+
+        with torch.device(device):
+            return GPT(GPTConfig(**dims)), "memsched.models.gpt.GPT"
+    with torch.device(device):
+        model = _Gpt(dims["n_layer"], dims["n_head"], dims["n_embd"], dims["vocab_size"], dims["block_size"])
+    return model, "bench.gpu_step_time._Gpt"
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``model(x)`` against ``y`` (both ``[B, T]`` int64)."""
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+# ----------------------------------------------------------------------------------------- one configuration
+def _is_oom(e: BaseException) -> bool:
+    oom = getattr(torch.cuda, "OutOfMemoryError", ())
+    return (bool(oom) and isinstance(e, oom)) or "out of memory" in str(e).lower()
+
+
+def _setup_memsched(model: nn.Module, spec: str, cfg: dict[str, Any]) -> tuple[Callable[..., None], dict]:
+    import memsched
+
+    if not hasattr(memsched, "attach"):
+        raise LookupError("memsched.attach is not available in this checkout")
+    name, options = parse_policy_spec(spec)
+    sched = memsched.attach(
+        model,
+        policy=name,
+        policy_options=options or None,
+        gpu_margin_mem_ratio=cfg["gpu_margin_mem_ratio"],
+        device=cfg["device"],
+        warmup_steps=1,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+    )
+    if next(model.parameters()).device.type != torch.device(cfg["device"]).type:
+        raise RuntimeError(f"memsched.attach(device={cfg['device']!r}) left the model's parameters elsewhere")
+    opt = sched.optimizer
+
+    def step(loss: torch.Tensor) -> None:
+        sched.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    return step, {"sched": sched}
+
+
+def _setup_torch_adamw(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[..., None], dict]:
+    model.to(cfg["device"])
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=torch.device(cfg["device"]).type == "cuda"
+    )
+
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, {}
+
+
+def _setup_torchao(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[..., None], dict]:
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+    except ImportError:
+        from torchao.prototype.low_bit_optim import CPUOffloadOptimizer
+    model.to(cfg["device"])
+    opt = CPUOffloadOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        offload_gradients=False,
+        fused=True,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+    )
+
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, {}
+
+
+def _setup_deepspeed(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[..., Any], dict]:
+    import deepspeed
+
+    # A one-rank process group on this machine only (ZeRO needs torch.distributed).
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(k, v)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg["batch"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+
+    def step(loss: torch.Tensor) -> None:
+        engine.backward(loss)
+        engine.step()
+
+    return step, {"engine": engine, "ds_config": ds_config}
+
+
+def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Time one configuration in this process; returns its result (``status`` ok / oom / error / skipped).
+
+    ``cfg`` keys: ``kind`` ("memsched" or a peer name), ``policy`` (memsched spec), ``dims``, ``batch``,
+    ``seq``, ``steps``, ``warmup``, ``device``, ``mem_fraction`` (None: no cap), ``gpu_margin_mem_ratio``.
+    On CPU (``device="cpu"``, smoke tests only) there is no memory cap and no device memory statistics.
+    """
+    out: dict[str, Any] = {"kind": cfg["kind"], "policy": cfg.get("policy"), "status": "error"}
+    cuda = torch.device(cfg["device"]).type == "cuda"
+    try:
+        if cuda and cfg.get("mem_fraction") is not None:
+            torch.cuda.set_per_process_memory_fraction(cfg["mem_fraction"])
+        torch.manual_seed(0)
+        model, out["model_source"] = build_model(cfg["dims"], "cpu")
+        out["parameters"] = sum(p.numel() for p in model.parameters())
+        kind = cfg["kind"]
+        if kind == "memsched":
+            step, extra = _setup_memsched(model, cfg["policy"], cfg)
+        elif kind == "torch_adamw":
+            step, extra = _setup_torch_adamw(model, cfg)
+        elif kind == "torchao_cpu_offload":
+            if importlib.util.find_spec("torchao") is None:
+                return {**out, "status": "skipped", "why": "torchao is not installed"}
+            step, extra = _setup_torchao(model, cfg)
+        elif kind == "deepspeed_zero_offload":
+            if importlib.util.find_spec("deepspeed") is None:
+                return {**out, "status": "skipped", "why": "deepspeed is not installed"}
+            step, extra = _setup_deepspeed(model, cfg)
+            model = extra["engine"]
+        else:
+            raise ValueError(f"unknown configuration kind {kind!r}; allowed: memsched, {', '.join(PEERS)}")
+        g = torch.Generator().manual_seed(1)
+        vocab = cfg["dims"]["vocab_size"]
+        x = torch.randint(vocab, (cfg["batch"], cfg["seq"]), generator=g).to(cfg["device"])
+        y = torch.randint(vocab, (cfg["batch"], cfg["seq"]), generator=g).to(cfg["device"])
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        times, losses = [], []
+        for i in range(cfg["warmup"] + cfg["steps"]):
+            if cuda and i == cfg["warmup"]:
+                torch.cuda.reset_peak_memory_stats()
+            sync()
+            t0 = time.perf_counter()
+            loss = lm_loss(model, x, y)
+            step(loss)
+            sync()
+            if i >= cfg["warmup"]:
+                times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+        out.update(
+            status="ok",
+            step_time=summarize(times),
+            losses=losses,
+            tokens_per_s=cfg["batch"] * cfg["seq"] / statistics.median(times),
+        )
+        if cuda:
+            out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+            out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        if "sched" in extra:
+            out["plan"] = _jsonable(getattr(extra["sched"], "plan", None))
+            out["transfers"] = _jsonable(getattr(extra["sched"], "transfers", None))
+        if "ds_config" in extra:
+            out["ds_config"] = extra["ds_config"]
+        if hasattr(extra.get("sched"), "close"):
+            extra["sched"].close()  # hooks off (matters in-process, e.g. the CPU smoke test)
+    except Exception as e:  # noqa: BLE001 - a failed configuration is a result (OOM above all), not a crash
+        out.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:2000])
+    return out
+
+
+def run_child(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """:func:`run_one` in a fresh Python process (fresh CUDA context); a crash or timeout is a result too."""
+    with tempfile.TemporaryDirectory(prefix="memsched-gpu-step-") as d:
+        cfg_path, out_path = Path(d) / "cfg.json", Path(d) / "out.json"
+        cfg_path.write_text(json.dumps(cfg))
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(cfg_path), str(out_path)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {
+                "kind": cfg["kind"],
+                "policy": cfg.get("policy"),
+                "status": "timeout",
+                "timeout_s": timeout_s,
+            }
+        if out_path.exists():
+            return json.loads(out_path.read_text())
+        return {
+            "kind": cfg["kind"],
+            "policy": cfg.get("policy"),
+            "status": "crashed",
+            "returncode": proc.returncode,
+            "stderr_tail": proc.stderr[-2000:],
+        }
+
+
+# ----------------------------------------------------------------------------------------- the whole run
+def model_dims(args: argparse.Namespace) -> dict[str, int]:
+    """Model shape from ``--size`` (a :mod:`memsched.models.gpt` preset) with explicit overrides."""
+    dims = {
+        "n_layer": 24,
+        "n_head": 16,
+        "n_embd": 1024,
+        "vocab_size": 50257,
+        "block_size": 1024,
+    }  # GPT-2 355M
+    if args.size:
+        from memsched.models.gpt import config_for
+
+        c = config_for(args.size)
+        dims = {k: getattr(c, k) for k in dims}
+    for k in dims:
+        if getattr(args, k, None) is not None:
+            dims[k] = getattr(args, k)
+    dims["block_size"] = max(dims["block_size"], args.seq)
+    return dims
+
+
+def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One config dict per run: every ``--policies`` entry, then every ``--peers`` entry."""
+    if args.mem_fraction is not None:
+        fraction = args.mem_fraction
+    else:
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, parse_bytes(args.mem_cap) / total)
+    base = {
+        "dims": model_dims(args),
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "device": "cuda",
+        "mem_fraction": fraction,
+        "gpu_margin_mem_ratio": args.gpu_margin_mem_ratio,
+    }
+    runs = [{**base, "kind": "memsched", "policy": p} for p in args.policies]
+    runs += [{**base, "kind": peer} for peer in args.peers]
+    return runs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--child"]:  # internal: one configuration, result to a file
+        cfg = json.loads(Path(argv[1]).read_text())
+        Path(argv[2]).write_text(json.dumps(run_one(cfg)))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--policies",
+        nargs="*",
+        default=list(DEFAULT_POLICIES),
+        help="memsched policy specs NAME[:key=value,...] (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--peers",
+        nargs="*",
+        default=list(PEERS),
+        choices=PEERS,
+        help="peer optimizers to time too (default: all; skipped when not importable)",
+    )
+    ap.add_argument("--size", default=None, help="memsched.models.gpt preset (default: GPT-2 355M shapes)")
+    for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
+        ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=int, default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (10)")
+    ap.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first, memsched's trace step among them"
+    )
+    cap = ap.add_mutually_exclusive_group()
+    cap.add_argument("--mem-cap", default="16GiB", help="device memory cap in bytes, e.g. 16GiB (default)")
+    cap.add_argument("--mem-fraction", type=float, default=None, help="cap as a share of device memory")
+    ap.add_argument("--gpu-margin-mem-ratio", type=float, default=0.8)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration (300)")
+    ap.add_argument("--name", default=None, help="result name (default gpu_step_time_<gpu-name>)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(NEEDS_CUDA)
+        return 0
+    for spec in args.policies:
+        parse_policy_spec(spec)  # fail fast on a malformed spec
+    runs = configurations(args)
+    gpu = torch.cuda.get_device_properties(0)
+    fraction = runs[0]["mem_fraction"] if runs else None
+    print(
+        f"{gpu.name}: cap {fraction:.3f} of {format_bytes(gpu.total_memory)} "
+        f"= {format_bytes(int(fraction * gpu.total_memory))}; {len(runs)} configurations",
+        flush=True,
+    )
+    results = []
+    for cfg in runs:
+        r = run_child(cfg, args.timeout)
+        label = cfg.get("policy") or cfg["kind"]
+        med = r.get("step_time", {}).get("median_s")
+        print(
+            f"  {label:34s} {r['status']:8s} "
+            + (f"{med * 1e3:9.1f} ms/step" if med else r.get("error", "")[:80]),
+            flush=True,
+        )
+        results.append(r)
+    payload = {
+        "memory_cap": {
+            "method": "torch.cuda.set_per_process_memory_fraction(f) in each configuration's own process",
+            "fraction": fraction,
+            "bytes": int(fraction * gpu.total_memory) if fraction else None,
+            "device_total_bytes": gpu.total_memory,
+        },
+        "config": {k: v for k, v in runs[0].items() if k not in ("kind", "policy")} if runs else {},
+        "timing": "wall clock per step (forward + backward + optimizer step), cuda.synchronize at both ends; "
+        "median over the timed steps after the warmup steps",
+        "results": results,
+    }
+    path = write_result(args.name or f"gpu_step_time_{gpu_slug(gpu.name)}", payload)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""Collectives for the ZeRO engine: one process group, this torch's collective names, errors and timeouts.
+
+Every collective goes through :class:`Comm`, which
+
+* picks the flat-tensor collectives of this torch (``all_gather_single`` / ``reduce_scatter_single`` in newer
+  torch, ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` since 2.x), with a fallback for backends that
+  lack them (``all_gather`` into views of the output; ``all_reduce`` then keep the own piece);
+* keeps tensors on the backend's side (NCCL: CUDA tensors, others: CPU), staging a copy when needed;
+* turns a failed or timed-out collective into a :class:`ZeroCommError` that says which collective, which rank,
+  and what to check, instead of a bare backend error or a silent hang. Hangs are bounded by the process
+  group's timeout (``torch.distributed.init_process_group(timeout=...)``; gloo honours it for every
+  collective) and, at attach, by :meth:`Comm.check_peers` (``monitored_barrier`` on gloo, which names the
+  ranks that did not arrive).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class ZeroCommError(RuntimeError):
+    """A collective of the ZeRO engine failed or timed out (a peer rank died, hung or disagrees)."""
+
+
+def as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """``timeout`` (seconds or a timedelta; ``None`` = the process group's) as a timedelta.
+
+    Raises:
+        ValueError: not a positive number of seconds.
+    """
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        if timeout is not None and timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 or a datetime.timedelta, got {timeout!r}")
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def _pick(*names: str) -> Any:
+    for n in names:
+        f = getattr(dist, n, None)
+        if f is not None:
+            return f
+    return None
+
+
+class Comm:
+    """One data-parallel process group as the ZeRO engine sees it.
+
+    Args:
+        group: the process group; ``None`` = the default group (``torch.distributed`` must be initialised for
+            a world size above 1).
+        timeout: bound of :meth:`check_peers`, seconds or a timedelta; ``None`` = the group's timeout.
+
+    Attributes: ``rank``, ``world`` (in ``group``), ``backend``, ``device`` (where tensors must be for the
+    backend: CUDA for NCCL, else the CPU).
+    """
+
+    def __init__(self, group: Any = None, *, timeout: float | datetime.timedelta | None = None) -> None:
+        self.group = group
+        self.timeout = as_timedelta(timeout)
+        if not (dist.is_available() and dist.is_initialized()):
+            if group is not None:
+                raise ValueError("a process_group was given but torch.distributed is not initialised")
+            self.rank, self.world, self.backend = 0, 1, "none"
+        else:
+            self.rank = dist.get_rank(group)
+            self.world = dist.get_world_size(group)
+            self.backend = str(dist.get_backend(group))
+        self.nccl = self.backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.nccl else torch.device("cpu")
+        self._all_gather = _pick("all_gather_single", "all_gather_into_tensor")
+        self._reduce_scatter = _pick("reduce_scatter_single", "reduce_scatter_tensor")
+        self.reduce_scatter_supported = self._reduce_scatter is not None
+        self.all_gather_supported = self._all_gather is not None
+
+    # ---- errors --------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def guard(self, what: str) -> Iterator[None]:
+        """Re-raise a backend failure inside as :class:`ZeroCommError` naming ``what`` and this rank."""
+        try:
+            with warnings.catch_warnings():
+                # newer torch deprecates the *_tensor collectives; the new names are used where present
+                warnings.simplefilter("ignore", FutureWarning)
+                yield
+        except ZeroCommError:
+            raise
+        except (RuntimeError, ValueError) as e:  # DistBackendError / DistNetworkError are RuntimeErrors
+            raise ZeroCommError(
+                f"{what} failed on rank {self.rank} of {self.world} (backend {self.backend}): "
+                f"{_first_line(e)}. A peer rank probably died, hung past the process group's timeout "
+                "(init_process_group(timeout=...)), or runs a different model/configuration."
+            ) from e
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for an async collective (NCCL: the current stream waits; gloo: the host blocks)."""
+        if work is None:
+            return
+        with self.guard(what):
+            work.wait()
+
+    # ---- collectives ---------------------------------------------------------------------------------------
+    def all_reduce(
+        self, t: torch.Tensor, *, op: Any = None, what: str = "all_reduce", async_op: bool = False
+    ) -> Any:
+        """In-place all-reduce (default SUM) of ``t``; returns the work when ``async_op``."""
+        with self.guard(what):
+            return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+    def reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, *, what: str = "reduce_scatter", async_op: bool = False
+    ) -> Any:
+        """SUM-reduce ``inp`` (``[world * k]``) over ranks into this rank's piece ``out`` (``[k]``).
+
+        Backends without a flat reduce-scatter (older gloo) all-reduce ``inp`` in place and copy the own piece
+        (twice the traffic, same result); the work is then already complete and ``None`` is returned.
+        """
+        if self.reduce_scatter_supported:
+            try:
+                with self.guard(what):
+                    return self._reduce_scatter(out, inp, group=self.group, async_op=async_op)
+            except ZeroCommError as e:
+                if not _unsupported(e.__cause__):
+                    raise
+                self.reduce_scatter_supported = False
+        k = out.numel()
+        with self.guard(what + " (all_reduce fallback)"):
+            dist.all_reduce(inp, group=self.group)
+        out.copy_(inp[self.rank * k : (self.rank + 1) * k])
+        return None
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, *, what: str = "all_gather", async_op: bool = False
+    ) -> Any:
+        """Gather every rank's ``inp`` (``[k]``) into ``out`` (``[world * k]``) without concatenation.
+
+        ``inp`` may be this rank's own view of ``out`` (in place) on NCCL, which supports that form; elsewhere
+        it is cloned first. Fallback for backends without a flat all-gather: ``all_gather`` into views of
+        ``out``.
+        """
+        if (
+            not self.nccl
+            and inp.data_ptr() >= out.data_ptr()
+            and inp.data_ptr() < out.data_ptr() + out.numel() * out.element_size()
+        ):
+            inp = inp.clone()
+        if self.all_gather_supported:
+            try:
+                with self.guard(what):
+                    return self._all_gather(out, inp, group=self.group, async_op=async_op)
+            except ZeroCommError as e:
+                if not _unsupported(e.__cause__):
+                    raise
+                self.all_gather_supported = False
+        with self.guard(what + " (list fallback)"):
+            return dist.all_gather(list(out.chunk(self.world)), inp, group=self.group, async_op=async_op)
+
+    def all_gather_piece_to(self, piece: torch.Tensor, numel: int, *, what: str) -> torch.Tensor:
+        """Every rank's ``piece`` gathered into one new CPU tensor of ``numel`` elements (``piece`` may live
+        anywhere; it is staged on the backend's device). For checkpoints and re-packing, not the hot path."""
+        src = piece.detach().to(self.device)
+        out = torch.empty(numel, dtype=piece.dtype, device=self.device)
+        self.all_gather(out, src, what=what)
+        return out.cpu()
+
+    def broadcast(self, t: torch.Tensor, *, src_rank: int = 0, what: str = "broadcast") -> None:
+        """Broadcast ``t`` in place from group rank ``src_rank`` (staged on the backend's device)."""
+        staged = t if t.device == self.device else t.detach().to(self.device)
+        with self.guard(what):
+            dist.broadcast(staged, src=self.global_rank(src_rank), group=self.group)
+        if staged is not t:
+            t.copy_(staged)
+
+    def all_gather_object(self, obj: Any, *, what: str = "all_gather_object") -> list[Any]:
+        out: list[Any] = [None] * self.world
+        with self.guard(what):
+            dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather_object(self, obj: Any, *, dst_rank: int = 0, what: str = "gather_object") -> list[Any] | None:
+        """``obj`` of every rank, on group rank ``dst_rank`` (``None`` elsewhere)."""
+        out: list[Any] | None = [None] * self.world if self.rank == dst_rank else None
+        with self.guard(what):
+            dist.gather_object(obj, out, dst=self.global_rank(dst_rank), group=self.group)
+        return out
+
+    def reduce_ints(self, values: Sequence[int], op: str, *, what: str) -> list[int]:
+        """Element-wise ``"min"`` or ``"max"`` of integers over ranks (exact for |v| < 2**63)."""
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        self.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, what=what)
+        return [int(v) for v in t.tolist()]
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.group is None or self.world == 1:
+            return group_rank
+        get = getattr(dist, "get_global_rank", None)
+        return (
+            get(self.group, group_rank)
+            if get is not None
+            else dist.distributed_c10d._get_global_rank(self.group, group_rank)
+        )
+
+    def check_peers(self, what: str = "attach") -> None:
+        """A barrier that fails within the timeout, naming the missing ranks on gloo (``monitored_barrier``),
+        instead of hanging when a rank died or never got here.
+
+        Raises:
+            ZeroCommError: a rank did not arrive in time, or the group is broken.
+        """
+        if self.world == 1:
+            return
+        with self.guard(f"barrier at {what}"):
+            if self.backend == "gloo":
+                dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+            else:
+                dist.barrier(group=self.group)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _unsupported(e: BaseException | None) -> bool:
+    text = str(e).lower()
+    return isinstance(e, (RuntimeError, NotImplementedError)) and (
+        "not support" in text or "unsupported" in text or "not implemented" in text
+    )

@@ -1,0 +1,581 @@
+"""ZeRO-1/2 data parallelism over memsched's chunks: every rank owns an equal piece of every chunk.
+
+Layout (:mod:`memsched.distributed.layout`): the chunk size is padded to a multiple of the world size and
+rank ``r`` owns elements ``[r * s, (r + 1) * s)``, ``s = chunk_numel / world``, of every chunk. A chunk's
+optimizer state (fp32 master, ``exp_avg``, ``exp_avg_sq``) covers only that piece, so each rank holds
+``1 / world`` of the optimizer state, and when the state lives in host memory all ranks copy their pieces
+between host and device at the same moment.
+
+Stages (ZeRO, arXiv 1910.02054; ``memsched.attach(zero_stage=...)``):
+
+* ``0``: plain data parallelism. Gradients are all-reduced (averaged) whole; every rank keeps the whole
+  optimizer state and updates whole chunks; nothing is fetched after the step.
+* ``1``: optimizer state sharded. Gradients are all-reduced (averaged) whole; each rank updates its piece.
+* ``2``: gradients sharded too. Each chunk's gradients are reduce-scattered into the owning piece as soon as
+  the chunk's gradients are complete in backward (overlapping the rest of backward); only that piece is
+  copied device-to-host for host-placed chunks. memsched keeps each chunk's whole gradient buffer on the
+  device in every stage (the parameters' ``.grad`` are views into it and backward writes there), so here
+  stage 2 saves communication (a reduce-scatter moves half the bytes of an all-reduce) rather than gradient
+  memory; outside the own piece the gradients are zero after the reduction.
+
+After the update (stages 1 and 2) the updated pieces are fetched into the pre-allocated flat chunk, whose
+views the parameters already are: ``fetch="all_gather"`` gathers them with ``all_gather_into_tensor`` (no
+concatenation, no slicing); ``fetch="all_reduce"`` zeroes the rest of the chunk and all-reduces it (adding
+zeros is exact). ``bench/zero_fetch.py`` compares the two.
+
+Collective order: every rank must issue the same collectives in the same order. Gradient reductions are
+launched in a fixed chunk order (last chunk first, the order in which backward completes them), a chunk that
+is ready early waiting for its predecessors (DistributedDataParallel's in-order bucket launch); whatever
+backward did not complete is reduced before the update. Fetches follow the optimizer's update order, which
+depends only on the placement plan, and the plan is the same on every rank (planning uses the smallest GPU
+margin over all ranks: an all-reduce MIN of the capacity and MAX of the peak non-model data; the plans are
+compared).
+
+Gradient accumulation: ``with sched.no_sync(): ...`` (as in DDP) runs backward without reducing; the next
+backward outside it (or the step) reduces once per accumulation boundary, not per micro-batch. Cost: the whole
+gradient buffer of every chunk is kept across the micro-batches (``chunk_numel * n_chunks`` elements of the
+compute dtype per rank). Because the gradients must then stay whole, gradient sharding gives no memory gain
+(the reason DeepSpeed allows only ZeRO-1 with pipeline parallelism); ``zero_stage=2`` with ``no_sync`` warns
+about it once.
+
+Re-packing at the end of warmup: the optimizer state of every chunk is gathered whole (temporarily, one-off:
+full fp32 state per rank on the state's side), the chunks are re-packed as in a single process, and the pieces
+are cut again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memsched.chunks import Chunk, ChunkStore, ordered_groups, search_chunk_size
+from memsched.distributed.comm import Comm, ZeroCommError
+from memsched.distributed.layout import padded_chunk_numel, param_pieces, shard_range
+
+if TYPE_CHECKING:
+    from memsched.optimizer import HybridAdamW
+
+ZERO_STAGES = (0, 1, 2)
+FETCH_MODES = ("all_gather", "all_reduce")
+
+
+class ZeroAccumulationWarning(UserWarning):
+    """ZeRO-2 with gradient accumulation: gradient sharding saves nothing there."""
+
+
+def check_zero_options(zero_stage: Any, fetch: Any) -> tuple[int, str]:
+    """Validate ``zero_stage`` and ``fetch`` of :func:`memsched.attach`.
+
+    Raises:
+        ValueError: ``zero_stage`` not in (0, 1, 2) or ``fetch`` not in ("all_gather", "all_reduce"); the
+            message names the value and the allowed ones.
+    """
+    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
+        raise ValueError(
+            f"zero_stage must be one of {ZERO_STAGES} (0 = plain data parallel, 1 = optimizer "
+            f"state sharded, 2 = gradients sharded too), got {zero_stage!r}"
+        )
+    if fetch not in FETCH_MODES:
+        raise ValueError(f"fetch must be one of {FETCH_MODES}, got {fetch!r}")
+    return int(zero_stage), str(fetch)
+
+
+class ZeroEngine:
+    """The ZeRO machinery of one rank, plugged into a :class:`ChunkStore` and a :class:`HybridAdamW` at their
+    hook points (:meth:`install`). Built by :func:`memsched.attach` when the world size is above 1.
+
+    Args:
+        comm: the process group (:class:`Comm`).
+        stage: 0, 1 or 2 (see the module docstring).
+        fetch: ``"all_gather"`` or ``"all_reduce"``.
+
+    Attributes:
+        stats: bytes sent into collectives by this rank (``reduce_bytes``: gradient reductions,
+            ``fetch_bytes``: parameter fetches), and their counts.
+    """
+
+    def __init__(self, comm: Comm, stage: int = 1, fetch: str = "all_gather") -> None:
+        self.stage, self.fetch = check_zero_options(stage, fetch)
+        self.comm = comm
+        self.rank, self.world = comm.rank, comm.world
+        self.store: ChunkStore | None = None
+        self.optimizer: HybridAdamW | None = None
+        self._forward_ready: Any = None
+        self._sync = True
+        self._warned_accumulation = False
+        self._reset_round()
+        self._reduced: set[int] = set()  # chunks reduced since the last zero_grad
+        self._fetches: list[Any] = []
+        self.stats = {"reduce_bytes": 0, "fetch_bytes": 0, "reductions": 0, "fetches": 0}
+        self.build_stats: dict[str, Any] = {}
+        self.chunk_build = "auto"  # where chunks are built at attach (memsched.distributed.build)
+
+    @property
+    def sharded(self) -> bool:
+        """Optimizer state split over ranks (stages 1 and 2)."""
+        return self.stage >= 1
+
+    # ---- layout -------------------------------------------------------------------------------------------
+    def chunk_numel(self, numel: int) -> int:
+        """The chunk size (elements) to use for a wanted ``numel``: padded to a multiple of the world size
+        when the state is sharded."""
+        return padded_chunk_numel(numel, self.world) if self.sharded else numel
+
+    def chunk_numel_for(
+        self,
+        groups: Sequence[Sequence[torch.nn.Parameter]],
+        order: Sequence[torch.nn.Parameter] | None,
+        chunk_numel: int | None,
+    ) -> int:
+        """Chunk size for packing ``groups`` in ``order``: ``chunk_numel`` or the searched size, padded."""
+        if chunk_numel is None:
+            chunk_numel = search_chunk_size([[p.numel() for p in g] for g in ordered_groups(groups, order)])
+        return self.chunk_numel(chunk_numel)
+
+    def piece(self, chunk: Chunk) -> tuple[int, int]:
+        """``[lo, hi)`` of ``chunk`` this rank owns (the whole chunk at stage 0)."""
+        return shard_range(chunk.numel, self.rank, self.world) if self.sharded else (0, chunk.numel)
+
+    def shard(self, store: ChunkStore) -> None:
+        """Set each chunk's piece before its optimizer state is allocated (``Chunk.init_state``)."""
+        for c in store.chunks:
+            c.lo, c.hi = self.piece(c)
+
+    # ---- building the chunks ------------------------------------------------------------------------------
+    def prepare_build(
+        self,
+        groups: Sequence[Sequence[torch.nn.Parameter]],
+        chunk_numel: int,
+        device: Any,
+        alloc: Any,
+        compute_dtype: torch.dtype,
+        mode: str = "auto",
+        free_bytes: int | None = None,
+    ) -> dict[str, Any]:
+        """Before the chunks are built: decide per chunk whether it is built on the device or on the CPU
+        (:mod:`memsched.distributed.build`) and put its parameters there. ``device`` is the
+        :class:`memsched.devices.DeviceSpec`; ``free_bytes`` overrides the free device memory (bytes).
+        Records ``build_stats`` (decisions, bytes moved, seconds)."""
+        import time
+
+        from memsched.chunks import build_layout, chunk_bytes
+        from memsched.distributed.build import plan_build, stage_params
+
+        t0 = time.perf_counter()
+        layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel)
+        tdev = device.torch_device
+        param_bytes = [
+            sum(
+                groups[s.group][s.index].numel() * groups[s.group][s.index].element_size()
+                for s in slots
+                if groups[s.group][s.index].device != tdev
+            )
+            for slots in layout.chunks
+        ]
+        if free_bytes is None:
+            if device.kind == "cuda":
+                free_bytes = int(torch.cuda.mem_get_info(tdev)[0] * 0.9)  # 10 % kept for the allocator
+            else:
+                free_bytes = int(device.capacity_bytes)
+        buffers = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype).resident_bytes
+        decisions = plan_build(param_bytes, buffers, free_bytes, mode)
+        stats = stage_params(groups, layout, tdev, decisions, host_context=alloc.host_context)
+        self.build_stats = {
+            **stats,
+            "mode": mode,
+            "decisions": decisions,
+            "seconds": time.perf_counter() - t0,
+        }
+        return self.build_stats
+
+    # ---- wiring -------------------------------------------------------------------------------------------
+    def install(self, store: ChunkStore, optimizer: HybridAdamW) -> None:
+        """Plug into the hook points: gradients ready, after each chunk's update, before the update, end of
+        step, zero_grad, state_dict and the fp16 overflow check."""
+        self.store, self.optimizer = store, optimizer
+        self._forward_ready = optimizer.on_grads_ready
+        store.on_grads_ready_cb = self.on_grads_ready
+        store.after_update_cb = self.after_update
+        store.zero_grad_cb = self.on_zero_grad
+        optimizer.before_update_callbacks.append(self.flush)
+        optimizer.step_end_callbacks.insert(0, self.wait_fetches)
+        optimizer.sharding = self
+
+    def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:
+        """Start every rank from group rank 0's parameters and buffers (as DistributedDataParallel does)."""
+        with torch.no_grad():
+            for c in store.chunks:
+                self.comm.broadcast(c.data, what=f"broadcast of chunk {c.index}")
+            chunked = {id(p) for p in store.params()}
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if id(t) not in chunked:
+                    self.comm.broadcast(t.data, what=f"broadcast of {name!r}")
+
+    def check_same(self, what: str, value: Any) -> None:
+        """Raise :class:`ZeroCommError` when ``value`` differs between ranks (layout, plan)."""
+        values = self.comm.all_gather_object(value, what=f"comparing the {what}")
+        if any(v != values[0] for v in values):
+            bad = [r for r, v in enumerate(values) if v != values[0]]
+            raise ZeroCommError(
+                f"the {what} differs between ranks (ranks {bad} differ from rank 0): every rank "
+                "must attach the same model with the same options"
+            )
+
+    # ---- gradients ----------------------------------------------------------------------------------------
+    def _reset_round(self) -> None:
+        self._next = 0
+        self._ready: set[int] = set()
+        self._launched: set[int] = set()
+        self._pending: list[tuple[Chunk, Any, torch.Tensor | None]] = []
+
+    def _order(self) -> list[int]:
+        assert self.store is not None
+        return list(range(len(self.store.chunks) - 1, -1, -1))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside only accumulates local gradients (no collective, no D2H); see the module docstring
+        for the memory cost. Warns (:class:`ZeroAccumulationWarning`) once at stage 2."""
+        if self.stage == 2 and not self._warned_accumulation:
+            self._warned_accumulation = True
+            warnings.warn(
+                "zero_stage=2 with gradient accumulation (no_sync): the whole gradient buffer is kept across "
+                "micro-batches, so gradient sharding saves no memory; zero_stage=1 keeps the same memory "
+                "(DeepSpeed allows only ZeRO-1 with pipeline parallelism for the same reason)",
+                ZeroAccumulationWarning,
+                stacklevel=3,
+            )
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    def on_grads_ready(self, c: Chunk) -> None:
+        """Hook: all of ``c``'s gradients are complete in this backward. Launch reductions in the fixed
+        order."""
+        if not self._sync:
+            return
+        if c.index in self._launched:  # a second backward in one step window: close the previous round first
+            self._finish_round()
+        self._ready.add(c.index)
+        order = self._order()
+        while self._next < len(order) and order[self._next] in self._ready:
+            self._launch(self.store.chunks[order[self._next]])
+            self._next += 1
+        self._poll()
+
+    def _launch(self, c: Chunk) -> None:
+        w = self.world
+        with torch.no_grad():
+            if self.stage == 2 and c.index in self._reduced:
+                # The own piece holds an average already; scale it back to a sum so that adding the new local
+                # gradients of every rank and averaging again is right.
+                c.grad[c.lo : c.hi].mul_(w)
+            what = f"gradient reduction of chunk {c.index}"
+            if self.stage < 2:
+                work, out = self.comm.all_reduce(c.grad, what=what, async_op=True), None
+                self.stats["reduce_bytes"] += 2 * (w - 1) * c.grad.numel() * c.grad.element_size() // w
+            else:
+                # NCCL reduces in place when the output is the own piece of the input; elsewhere a temporary.
+                out = (
+                    c.grad[c.lo : c.hi]
+                    if self.comm.nccl
+                    else torch.empty(c.shard_numel, dtype=c.grad.dtype, device=c.grad.device)
+                )
+                work = self.comm.reduce_scatter(out, c.grad, what=what, async_op=True)
+                self.stats["reduce_bytes"] += (w - 1) * c.grad.numel() * c.grad.element_size() // w
+        self.stats["reductions"] += 1
+        self._launched.add(c.index)
+        self._pending.append((c, work, out))
+
+    def _finalize(self, c: Chunk, work: Any, out: torch.Tensor | None) -> None:
+        self.comm.wait(work, f"gradient reduction of chunk {c.index}")
+        with torch.no_grad():
+            if self.stage < 2:
+                c.grad.div_(self.world)
+            else:
+                own = c.grad[c.lo : c.hi]
+                if out is not None and out.data_ptr() != own.data_ptr():
+                    own.copy_(out)
+                own.div_(self.world)
+                c.grad[: c.lo].zero_()
+                c.grad[c.hi :].zero_()
+        self._reduced.add(c.index)
+        if self._forward_ready is not None:
+            self._forward_ready(c)  # the optimizer's early D2H of the own piece (host-placed chunks)
+
+    def _poll(self) -> None:
+        while self._pending:
+            c, work, out = self._pending[0]
+            if work is not None and not work.is_completed():
+                return
+            self._pending.pop(0)
+            self._finalize(c, work, out)
+
+    def _finish_round(self) -> None:
+        order = self._order()
+        for i in order[self._next :]:
+            self._launch(self.store.chunks[i])
+        for c, work, out in self._pending:
+            self._finalize(c, work, out)
+        self._reset_round()
+
+    def flush(self) -> None:
+        """Before the update: reduce whatever backward did not (in order) and wait for every reduction."""
+        self._finish_round()
+
+    def on_zero_grad(self) -> None:
+        """Hook, before the gradient buffers are zeroed: no reduction may still be writing into them."""
+        if self._launched or self._pending:
+            self._finish_round()
+        self._reset_round()
+        self._reduced.clear()
+
+    # ---- parameters after the update ----------------------------------------------------------------------
+    def after_update(self, c: Chunk) -> None:
+        """Hook: ``c.data[lo:hi]`` holds this rank's updated piece; fetch the others' into ``c.data``."""
+        if not self.sharded:
+            return
+        if c.h2d_event is not None and torch.cuda.is_available():
+            torch.cuda.current_stream(c.data.device).wait_event(c.h2d_event)  # the piece's H2D comes first
+        what = f"parameter fetch ({self.fetch}) of chunk {c.index}"
+        nbytes = c.data.numel() * c.data.element_size()
+        with torch.no_grad():
+            if self.fetch == "all_gather":
+                work = self.comm.all_gather(c.data, c.data[c.lo : c.hi], what=what, async_op=True)
+                self.stats["fetch_bytes"] += (self.world - 1) * nbytes // self.world
+            else:
+                c.data[: c.lo].zero_()
+                c.data[c.hi :].zero_()
+                work = self.comm.all_reduce(c.data, what=what, async_op=True)
+                self.stats["fetch_bytes"] += 2 * (self.world - 1) * nbytes // self.world
+        self.stats["fetches"] += 1
+        self._fetches.append((c.index, work))
+
+    def wait_fetches(self) -> None:
+        """End of step: every fetch is complete before the next forward reads the parameters."""
+        fetches, self._fetches = self._fetches, []
+        for i, work in fetches:
+            self.comm.wait(work, f"parameter fetch ({self.fetch}) of chunk {i}")
+
+    # ---- global quantities --------------------------------------------------------------------------------
+    def agree_margin_inputs(self, capacity_bytes: int, peak_non_model_bytes: int) -> tuple[int, int]:
+        """The smallest capacity and the largest peak non-model data over all ranks (bytes), so that every
+        rank plans with the smallest GPU margin and follows the same plan."""
+        cap, neg_peak = self.comm.reduce_ints(
+            [capacity_bytes, -peak_non_model_bytes], "min", what="agreeing on the GPU margin"
+        )
+        return cap, -neg_peak
+
+    def reduce_found_inf(self, found: torch.Tensor) -> torch.Tensor:
+        """fp16: a step is skipped on every rank when any rank saw inf/NaN (a CPU float tensor ``[1]``)."""
+        t = found.to(self.comm.device)
+        self.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
+        return t.to(found.device)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, scale: float = 1.0) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm`` (gradients scaled by ``scale``, the fp16 loss scale);
+        returns the global norm of the unscaled gradients (a float32 scalar on the CPU). A collective."""
+        self.flush()
+        norm_type = float(norm_type)
+        store = self.store
+        pieces = (
+            [c.grad[c.lo : c.hi].float() for c in store.chunks]
+            if self.sharded
+            else [c.grad.float() for c in store.chunks]
+        )
+        if math.isinf(norm_type):
+            local = torch.stack([p.abs().max() for p in pieces]).max().reshape(1)
+            total = local.to(self.comm.device)
+            if self.sharded:
+                self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX, what="gradient norm")
+            total = total.cpu()[0]
+        else:
+            local = torch.stack([p.norm(norm_type) ** norm_type for p in pieces]).sum().reshape(1)
+            total = local.to(self.comm.device)
+            if self.sharded:
+                self.comm.all_reduce(total, what="gradient norm")
+            total = total.cpu()[0] ** (1.0 / norm_type)
+        total = total / scale
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1:
+            with torch.no_grad():
+                torch._foreach_mul_([c.grad for c in store.chunks], coef)
+        return total
+
+    # ---- re-packing at the end of warmup ------------------------------------------------------------------
+    def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None) -> None:
+        """``store.repack`` across ranks: gather the state whole, re-pack with a padded chunk size, check that
+        every rank got the same layout, cut the pieces again."""
+        self.unshard(store)
+        store.repack(order, chunk_numel=self.chunk_numel_for(store.groups, order, chunk_numel))
+        lay = store.layout
+        self.check_same(
+            "chunk layout",
+            (
+                lay.chunk_numel,
+                lay.chunk_groups,
+                tuple((s.group, s.index, s.numel) for c in lay.chunks for s in c),
+            ),
+        )
+        self.reshard(store)
+
+    def _full_state(self, c: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.sharded:
+            return (
+                c.master_view().detach().cpu().clone(),
+                c.exp_avg.detach().cpu().clone(),
+                c.exp_avg_sq.detach().cpu().clone(),
+            )
+        g = self.comm.all_gather_piece_to
+        return (
+            g(c.master_view(), c.numel, what=f"gathering the master of chunk {c.index}"),
+            g(c.exp_avg, c.numel, what=f"gathering exp_avg of chunk {c.index}"),
+            g(c.exp_avg_sq, c.numel, what=f"gathering exp_avg_sq of chunk {c.index}"),
+        )
+
+    def unshard(self, store: ChunkStore) -> None:
+        """Give every chunk its whole optimizer state (gathered), so the store can re-pack as one process."""
+        self.wait_fetches()
+        for c in store.chunks:
+            if (c.lo, c.hi) == (0, c.numel):
+                continue
+            with store.alloc.host_context():  # temporary host copies, not device memory
+                master, m, v = self._full_state(c)
+            step = float(c.step)
+            c.lo, c.hi = 0, c.numel
+            c.init_state(c.placement, store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=step)
+
+    def reshard(self, store: ChunkStore) -> None:
+        """Cut each (whole-state) chunk back to this rank's piece; reset the reduction bookkeeping."""
+        for c in store.chunks:
+            lo, hi = self.piece(c)
+            if (c.lo, c.hi) == (lo, hi):
+                continue
+            if (c.lo, c.hi) != (0, c.numel):
+                raise RuntimeError(
+                    f"chunk {c.index} is neither whole nor this rank's piece: [{c.lo}, {c.hi})"
+                )
+            with store.alloc.host_context():
+                master = c.master_view()[lo:hi].detach().cpu().clone()
+                m = c.exp_avg[lo:hi].detach().cpu().clone()
+                v = c.exp_avg_sq[lo:hi].detach().cpu().clone()
+            step = float(c.step)
+            c.lo, c.hi = lo, hi
+            c.init_state(c.placement, store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=step)
+        self._reset_round()
+        self._reduced.clear()
+
+    # ---- state dicts --------------------------------------------------------------------------------------
+    def state_dict(self, opt: HybridAdamW) -> dict[str, Any]:
+        """The whole optimizer state in ``torch.optim.AdamW`` format on every rank (a collective: call it on
+        every rank). Same layout as :meth:`HybridAdamW.state_dict`."""
+        self.wait_fetches()
+        with opt.store.alloc.host_context():
+            full = {c.index: self._full_state(c) for c in opt.store.chunks}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            c = opt.store.param_chunk[id(p)]
+            off, n = opt.store.param_range[id(p)]
+            master, m, v = full[c.index]
+            st = {
+                "step": c.step.detach().to("cpu", copy=True).reshape(()),
+                "exp_avg": m[off : off + n].clone().view(p.shape),
+                "exp_avg_sq": v[off : off + n].clone().view(p.shape),
+            }
+            if c.mixed:
+                st["master_weight"] = master[off : off + n].clone().view(p.shape)
+            state[i] = st
+        groups, idx = [], 0
+        for g in opt.param_groups:
+            d = {k: val for k, val in g.items() if k != "params"}
+            d["params"] = list(range(idx, idx + len(g["params"])))
+            idx += len(g["params"])
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
+        """Load a whole (``torch.optim.AdamW``-format) state dict: each rank keeps its pieces. Every rank must
+        load the same dict. Checks run before anything is written.
+
+        Raises:
+            ValueError: as :meth:`HybridAdamW.load_state_dict` (group sizes, shapes, missing keys, mixed
+                steps).
+        """
+        from memsched.optimizer import check_hyperparameters
+
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("optimizer state dict must be a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(opt.param_groups):
+            raise ValueError(
+                f"state dict has {len(saved_groups)} param groups, this optimizer has {len(opt.param_groups)}"
+            )
+        per_param: dict[int, dict[str, torch.Tensor]] = {}
+        for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(
+                    f"param group {i} of the state dict has {len(sg['params'])} parameters, this "
+                    f"optimizer's has {len(g['params'])}"
+                )
+            check_hyperparameters({**g, **{k: v for k, v in sg.items() if k != "params"}}, f"param group {i}")
+            for key, p in zip(sg["params"], g["params"], strict=True):
+                st = state_dict["state"].get(key)
+                if not st:
+                    continue
+                for k in ("step", "exp_avg", "exp_avg_sq"):
+                    if k not in st:
+                        raise ValueError(f"state of parameter {opt._name(p)} lacks {k!r}")
+                for k in ("exp_avg", "exp_avg_sq", "master_weight"):
+                    if k in st and tuple(st[k].shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"state {k!r} of parameter {opt._name(p)} has shape "
+                            f"{tuple(st[k].shape)}, expected {tuple(p.shape)}"
+                        )
+                per_param[id(p)] = st
+        steps = {}
+        for c in opt.store.chunks:
+            vals = {float(per_param[id(p)]["step"]) if id(p) in per_param else 0.0 for p in c.params}
+            if len(vals) > 1:
+                raise ValueError(
+                    f"parameters of chunk {c.index} have different step counts {sorted(vals)}; "
+                    "memsched keeps one step count per chunk"
+                )
+            steps[c.index] = vals.pop()
+        self.wait_fetches()
+        with torch.no_grad():
+            for c in opt.store.chunks:
+                c.wait_h2d()
+                with opt.store.alloc.host_context():
+                    master = c.master_view().detach().cpu().clone()
+                    m = torch.zeros(c.shard_numel)
+                    v = torch.zeros(c.shard_numel)
+                for p, r, piece in zip(c.params, c.ranges, param_pieces(c.ranges, c.lo, c.hi), strict=True):
+                    st = per_param.get(id(p))
+                    if piece is None:
+                        continue
+                    ps, ss, n = piece.param_start, piece.shard_start, piece.numel
+                    if st is not None:
+                        m[ss : ss + n].copy_(st["exp_avg"].reshape(-1)[ps : ps + n])
+                        v[ss : ss + n].copy_(st["exp_avg_sq"].reshape(-1)[ps : ps + n])
+                    src = st.get("master_weight") if st is not None else None
+                    if src is not None:
+                        master[ss : ss + n].copy_(src.reshape(-1)[ps : ps + n])
+                    else:
+                        master[ss : ss + n].copy_(c.data[piece.chunk_start : piece.chunk_start + n])
+                    del r
+                c.init_state(
+                    c.placement, opt.store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=steps[c.index]
+                )
+        for sg, g in zip(saved_groups, opt.param_groups, strict=True):
+            for k, val in sg.items():
+                if k != "params":
+                    g[k] = val
+        opt.record_param_versions()

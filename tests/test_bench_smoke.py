@@ -1,0 +1,213 @@
+"""Tiny runs of the functions of bench/cpu_adam.py and bench/gpu_step_time.py, so the scripts cannot rot.
+
+No timing is asserted here: speed lives in the committed bench results, not in unit tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for ``import bench``
+
+from bench import cpu_adam, gpu_step_time  # noqa: E402
+from bench.cpu_adam import ADAMW_BYTES_PER_PARAM, Impl  # noqa: E402
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+# ----------------------------------------------------------------------------------------- cpu_adam helpers
+@pytest.mark.parametrize(("numel", "hidden"), [(2**16, 16), (64 * 2**20, 1024), (5_000_003, 256)])
+def test_transformer_shapes_total_exactly_numel(numel: int, hidden: int) -> None:
+    shapes = cpu_adam.transformer_shapes(numel, hidden)
+    assert sum(cpu_adam._prod(s) for s in shapes) == numel
+    assert shapes[0][1] == hidden  # the embedding comes first
+    assert (3 * hidden, hidden) in shapes and (hidden, 4 * hidden) in shapes  # qkv and fc2 of a block
+
+
+def test_transformer_shapes_rejects_too_small() -> None:
+    with pytest.raises(ValueError, match="numel=1000 is too small for hidden=64"):
+        cpu_adam.transformer_shapes(1000, 64)
+    with pytest.raises(ValueError, match="hidden must be >= 8"):
+        cpu_adam.transformer_shapes(2**20, 4)
+
+
+def test_chunk_bounds_cover_without_overlap() -> None:
+    bounds = cpu_adam.chunk_bounds(10, 4)
+    assert bounds == [(0, 4), (4, 4), (8, 2)]
+    assert cpu_adam.chunk_bounds(3, 8) == [(0, 3)]
+    with pytest.raises(ValueError, match="chunk_numel=0"):
+        cpu_adam.chunk_bounds(10, 0)
+
+
+def test_interleaved_runs_abc_abc_and_counts_rounds() -> None:
+    calls: list[str] = []
+    impls = [Impl(n, "bandwidth", lambda n=n: calls.append(n), bytes_per_elem=4) for n in "ABC"]
+    out = cpu_adam.interleaved(impls, repeats=3)
+    assert calls == list("ABC") * 3
+    assert len(out.pop("_load_avg_per_round")) == 3
+    assert all(out[n]["n"] == 3 and out[n]["min_s"] <= out[n]["median_s"] <= out[n]["max_s"] for n in "ABC")
+
+
+def test_check_numerics_flags_a_wrong_update() -> None:
+    numels = [3, 5]
+    ref_p, ref_m, ref_v = torch.arange(8.0), torch.ones(8), torch.ones(8)
+    good = [ref_p[:3].clone(), ref_p[3:].clone()]
+    bad = [t.clone() for t in good]
+    bad[1][2] += 1e-3
+    state = [ref_m[:3], ref_m[3:]], [ref_v[:3], ref_v[3:]]
+    ref = Impl("ref", "adamw", lambda: None, state=lambda: ([ref_p], [ref_m], [ref_v]))
+    same = Impl("same", "adamw", lambda: None, state=lambda: (good, *state))
+    wrong = Impl("wrong", "adamw", lambda: None, state=lambda: (bad, *state))
+    out = cpu_adam.check_numerics(ref, [same, wrong], numels)
+    assert out["same"]["ok"] is True and out["wrong"]["ok"] is False and out["ok"] is False
+    assert out["same"]["max_abs_diff_param"] == 0.0
+    assert out["wrong"]["max_abs_diff_param"] == pytest.approx(1e-3, rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------- cpu_adam end to end
+def _tiny_run(**kw):
+    sizes = {"numel": 2**16, "hidden": 64, "chunk_numel": 2**14, "chunk_sweep": (2**12,)}
+    return cpu_adam.run(repeats=2, thread_counts=[1], thread_repeats=1, **sizes, **kw)
+
+
+def test_cpu_adam_tiny_run_without_deepspeed() -> None:
+    threads = torch.get_num_threads()
+    out = _tiny_run(deepspeed=False)
+    assert torch.get_num_threads() == threads == out["config"]["torch_threads"]  # the study restores it
+    res = out["results"]
+    expected = {
+        "memsched_chunk16384",
+        "memsched_chunk4096",
+        "torch_fused",
+        "torch_foreach",
+        "torch_forloop",
+        "triad",
+        "copy",
+        "axpy",
+    }
+    assert set(res) == expected
+    # All implementations produced the same update as memsched's fused chunks (the check can fail: see above).
+    assert out["numerics"]["ok"] is True
+    assert {"torch_fused", "torch_foreach", "torch_forloop"} <= set(out["numerics"])
+    for name, r in res.items():
+        assert r["n"] == 2 and r["median_s"] > 0
+        if name.startswith(("memsched", "torch")):
+            assert r["params_per_s"] == pytest.approx(2**16 / r["median_s"])
+    assert res["memsched_chunk4096"]["tensors_per_step"] == 16
+    roof = out["roof"]
+    assert roof["params_per_s"] == pytest.approx(res["triad"]["bytes_per_s"] / ADAMW_BYTES_PER_PARAM)
+    t = out["targets"]
+    assert t["headline"] == "memsched_chunk16384"
+    assert t["vs_roof"]["ratio"] == pytest.approx(
+        res["memsched_chunk16384"]["params_per_s"] / roof["params_per_s"]
+    )
+    assert t["vs_deepspeed"]["ratio"] is None and "disabled" in t["vs_deepspeed"]["why"]
+    assert set(out["threads_study"]["torch_fused"]) == {"1"}
+
+
+def test_cpu_adam_main_writes_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    argv = "--numel 65536 --repeats 1 --hidden 64 --chunk-numel 16384 --chunk-sweep --no-deepspeed"
+    rc = cpu_adam.main([*argv.split(), "--no-reference", "--threads", "--name", "smoke"])
+    assert rc == 0
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    assert data["machine"]["torch"] == torch.__version__
+    assert set(data["results"]) == {"memsched_chunk16384", "torch_fused", "triad", "copy", "axpy"}
+    assert data["threads_study"] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is a benchmark-only peer, not installed")
+def test_cpu_adam_tiny_run_with_deepspeed() -> None:
+    out = _tiny_run(deepspeed=True, reference=False)
+    if not out["deepspeed"]["available"]:
+        pytest.skip(f"DeepSpeed CPU Adam op unavailable: {out['deepspeed']['error']}")
+    assert {"deepspeed_param", "deepspeed_chunk16384"} <= set(out["results"])
+    assert out["numerics"]["deepspeed_param"]["ok"] and out["numerics"]["deepspeed_chunk16384"]["ok"]
+    assert out["targets"]["vs_deepspeed"]["ratio"] > 0
+
+
+# ----------------------------------------------------------------------------------------- gpu_step_time
+def test_parse_policy_spec() -> None:
+    assert gpu_step_time.parse_policy_spec("auto") == ("auto", {})
+    assert gpu_step_time.parse_policy_spec("static:offload_optim_frac=0.5") == (
+        "static",
+        {"offload_optim_frac": "0.5"},
+    )
+    with pytest.raises(ValueError, match="is not key=value"):
+        gpu_step_time.parse_policy_spec("static:0.5")
+    with pytest.raises(ValueError, match="has no name"):
+        gpu_step_time.parse_policy_spec(":x=1")
+
+
+def test_gpu_slug() -> None:
+    assert gpu_step_time.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gpu_step_time.gpu_slug("  ") == "unknown-gpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA exit")
+def test_gpu_step_time_without_cuda_says_so_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    assert gpu_step_time.main([]) == 0
+    assert "needs a CUDA device" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+TINY = {
+    "dims": {"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 32, "block_size": 8},
+    "batch": 2,
+    "seq": 8,
+    "steps": 2,
+    "warmup": 1,
+    "device": "cpu",
+    "mem_fraction": None,
+    "gpu_margin_mem_ratio": 0.8,
+}
+
+
+def test_gpu_step_time_run_one_times_plain_adamw_on_cpu() -> None:
+    r = gpu_step_time.run_one({**TINY, "kind": "torch_adamw"})
+    assert r["status"] == "ok", r
+    assert r["step_time"]["n"] == 2 and len(r["losses"]) == 3
+    assert r["losses"][-1] < r["losses"][0]  # the optimizer really stepped
+    assert r["parameters"] == sum(
+        p.numel() for p in gpu_step_time.build_model(TINY["dims"], "cpu")[0].parameters()
+    )
+
+
+def test_gpu_step_time_run_one_reports_bad_kind_and_missing_peer() -> None:
+    r = gpu_step_time.run_one({**TINY, "kind": "nope"})
+    assert r["status"] == "error" and "unknown configuration kind 'nope'" in r["error"]
+    if importlib.util.find_spec("torchao") is None:
+        assert gpu_step_time.run_one({**TINY, "kind": "torchao_cpu_offload"})["status"] == "skipped"
+
+
+def test_gpu_step_time_memsched_policy_on_cpu_stand_in() -> None:
+    import memsched
+
+    if not hasattr(memsched, "attach"):
+        pytest.skip("memsched.attach is not in this checkout yet")
+    r = gpu_step_time.run_one({**TINY, "kind": "memsched", "policy": "static:offload_optim_frac=0.5"})
+    assert r["status"] == "ok", r
+    assert r["plan"] is not None and r["transfers"] is not None
+
+
+def test_fallback_model_matches_layout() -> None:
+    m = gpu_step_time._Gpt(n_layer=1, n_head=2, n_embd=16, vocab=32, block=8)
+    logits = m(torch.randint(32, (2, 8)))
+    assert logits.shape == (2, 8, 32)
+    assert m.head.weight is m.wte.weight
+
+
+@pytest.mark.slow
+def test_gpu_step_time_child_process_round_trip() -> None:
+    r = gpu_step_time.run_child({**TINY, "kind": "torch_adamw"}, timeout_s=120)
+    assert r["status"] == "ok", r

@@ -1,0 +1,129 @@
+"""`memsched demo`: trains on stdlib text under memsched, plans a real split, writes exports; validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memsched.cli import main
+from memsched.commands import demo
+from tracer.timeline import MemoryTimeline
+
+SMALL = ["--size", "tiny", "--batch-size", "8", "--seq-len", "64"]
+
+
+@pytest.mark.slow
+def test_demo_loss_goes_down_and_writes_exports(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", *SMALL, "--steps", "40", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Placement plan" in text and str(out) in text
+
+    summary = json.loads((out / "demo.json").read_text())
+    losses = summary["losses"]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.8  # from ~ln(256) = 5.5 towards byte statistics
+    assert summary["val_loss_after"] < summary["val_loss_before"] - 0.5  # held-out files improve too
+
+    # Without a GPU the stand-in is sized so that the optimizer state does not all fit: a real split.
+    plan = json.loads((out / "plan.json").read_text())
+    if not torch.cuda.is_available():
+        assert summary["device"].startswith("sim:")
+        placement = plan["plan"]["placement"]
+        assert "device" in placement and "host" in placement
+        # Host-placed chunks move their gradients down and parameters up at every step after the warmup.
+        assert all(s["h2d_bytes"] > 0 and s["d2h_bytes"] > 0 for s in summary["steps"][2:])
+    timeline = MemoryTimeline.load(out / "trace.json")
+    assert timeline.peak_non_model_bytes() == plan["problem"]["peak_non_model_bytes"]
+    assert json.loads((out / "trace.perfetto.json").read_text())
+    assert not list(out.glob(".tmp-*"))  # atomic writes leave no temporary behind
+
+
+def test_stand_in_capacity_gives_auto_a_real_split() -> None:
+    import policies
+    from memsched.commands.plan import gpt_workload, trace_step
+    from memsched.planning import build_problem
+
+    cap = demo.stand_in_capacity("tiny", 8, 64)
+    assert cap % 2**20 == 0
+    pred = trace_step(gpt_workload("tiny", 8, 64), fake=True, device="cpu")
+    problem, _ = build_problem(pred.model, pred.peak_non_model_bytes, cap, param_order=pred.param_order)
+    plan = policies.get("auto").plan(problem)
+    optimizer = sum(c.device_bytes for c in problem.chunks)
+    assert plan.device_chunks and plan.host_chunks
+    assert 0.3 * optimizer < plan.device_bytes < 0.8 * optimizer  # about half on the device
+    # Ratio 0: nothing may go to the device, and the stand-in still holds the step.
+    cap0 = demo.stand_in_capacity("tiny", 8, 64, gpu_margin_mem_ratio=0.0)
+    assert cap0 >= problem.peak_non_model_bytes + problem.resident_model_bytes
+
+
+def test_demo_on_the_cpu_device(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "cpu"
+    assert main(["demo", *SMALL, "--steps", "2", "--device", "cpu", "--out", str(out)]) == 0
+    summary = json.loads((out / "demo.json").read_text())
+    assert summary["device"] == "cpu" and len(summary["losses"]) == 2
+    assert summary["transfers"]["h2d_bytes"] == summary["transfers"]["d2h_bytes"] == 0
+    assert {p.name for p in out.iterdir()} >= {"trace.json", "trace.perfetto.json", "plan.json", "demo.json"}
+
+
+def test_ctrl_c_stops_cleanly_without_exports(tmp_path: Path, capsys, monkeypatch) -> None:
+    calls = {"n": 0}
+    real_loss = demo.lm_loss
+
+    def interrupting_loss(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3 + demo.EVAL_BATCHES:  # the held-out evaluation runs first
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "lm_loss", interrupting_loss)
+    out = tmp_path / "interrupted"
+    assert main(["demo", *SMALL, "--steps", "5", "--device", "cpu", "--out", str(out)]) == 130
+    assert "interrupted" in capsys.readouterr().out
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_too_small_stand_in_is_a_clean_error(tmp_path: Path, capsys) -> None:
+    code = main(["demo", *SMALL, "--steps", "2", "--device", "sim:64KiB", "--out", str(tmp_path / "x")])
+    assert code in (1, 2)
+    captured = capsys.readouterr()
+    assert "out of memory" in captured.out + captured.err
+    assert "Traceback" not in captured.err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--size", "huge"], "unknown model size 'huge': known sizes are tiny"),
+    (["--size", "tiny", "--seq-len", "1000"], "exceeds the 'tiny' model's block size 256"),
+    (["--device", "toaster"], "bad device 'toaster'"),
+    (["--policy", "magic"], "unknown policy 'magic'"),
+])
+def test_bad_input_gives_one_clear_line(capsys, argv: list[str], message: str) -> None:
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_without_a_gpu_is_refused(capsys) -> None:
+    assert main(["demo", "--device", "cuda"]) == 2
+    assert "needs CUDA" in capsys.readouterr().err
+
+
+def test_out_must_be_a_folder(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["demo", "--out", str(f)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "-3"], ["--batch-size", "x"],
+                                  ["--gpu-margin-mem-ratio", "1.5"], ["--gpu-margin-mem-ratio", "nan"],
+                                  ["--lr", "-1"], ["--lr", "inf"]])
+def test_argument_errors(capsys, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *argv])
+    assert e.value.code == 2
+    assert "error: argument" in capsys.readouterr().err

@@ -1,0 +1,243 @@
+"""`memsched plan`: fake-tensor prediction (checked against real runs), plans, verdicts, JSON and the CLI."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from memsched.chunks import STEP_BYTES
+from memsched.cli import main
+from memsched.commands.plan import (
+    VERDICTS,
+    fake_device,
+    gpt_workload,
+    plan_for_capacity,
+    trace_step,
+    verdict,
+)
+from memsched.gpus import get_gpu, gpu_names
+from memsched.models import build_gpt
+
+TARGET_SRC = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def build(device):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 8)).to(device)
+
+        def loss_fn(m):
+            x = torch.randn(16, 32, device=device)
+            return nn.functional.cross_entropy(m(x), torch.randint(0, 8, (16,), device=device))
+
+        return model, loss_fn
+""")
+
+
+@pytest.fixture(scope="module")
+def tiny_prediction():
+    return trace_step(gpt_workload("tiny", 4, 64), fake=True)
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> str:
+    path = tmp_path / "mlp_target.py"
+    path.write_text(TARGET_SRC)
+    return f"{path}:build"
+
+
+# ---- prediction against real runs --------------------------------------------------------------------------
+@pytest.mark.parametrize("attention", ["math", "default"])
+def test_fake_trace_predicts_the_real_cpu_peak_within_1_percent(attention: str) -> None:
+    if attention == "default" and fake_device().type != "cpu":
+        pytest.skip("the default attention kernel differs between fake CUDA and a real CPU run")
+    build = gpt_workload("tiny", 4, 96)
+    fake = trace_step(build, fake=True, attention=attention)
+    real = trace_step(build, fake=False, device="cpu", attention=attention)
+    assert fake.fake and not real.fake
+    assert real.peak_non_model_bytes > 1_000_000  # activations of 4 x 96 tokens through 2 blocks
+    assert abs(fake.peak_non_model_bytes - real.peak_non_model_bytes) <= 0.01 * real.peak_non_model_bytes
+    # The fake run allocated nothing real: its parameters are fake tensors.
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    assert all(isinstance(p, FakeTensor) for p in fake.model.parameters())
+
+
+def test_math_attention_keeps_the_attention_matrix() -> None:
+    # [batch, heads, seq, seq] fp32 probabilities are saved for backward by the math kernel only.
+    build = gpt_workload("tiny", 4, 96)
+    default = trace_step(build, fake=True, device="cpu").peak_non_model_bytes
+    math_ = trace_step(build, fake=True, device="cpu", attention="math").peak_non_model_bytes
+    assert math_ - default >= 4 * 2 * 96 * 96 * 4
+    with pytest.raises(ValueError, match="unknown attention kernel 'flash2'"):
+        trace_step(build, attention="flash2")
+
+
+def test_target_prediction_matches_real_run(target: str) -> None:
+    fake = trace_step(target, fake=True)
+    real = trace_step(target, fake=False, device="cpu")
+    assert real.peak_non_model_bytes > 0
+    assert abs(fake.peak_non_model_bytes - real.peak_non_model_bytes) <= 0.01 * real.peak_non_model_bytes
+    assert [tuple(p.shape) for p in fake.param_order] == [(64, 32), (64,), (64,), (64,), (8, 64), (8,)]
+
+
+# ---- model data, plans and verdicts ------------------------------------------------------------------------
+def test_model_data_follows_adamw_arithmetic(tiny_prediction) -> None:
+    cp = plan_for_capacity(tiny_prediction, 2**30)
+    md = cp.model_data
+    padded = cp.n_chunks * cp.chunk_numel
+    assert padded >= sum(p.numel() for p in tiny_prediction.model.parameters())
+    assert md["parameter"] == md["gradient"] == 4 * padded  # fp32 compute parameters and gradients
+    assert md["optimizer_state"] == 8 * padded + STEP_BYTES * cp.n_chunks  # fp32 exp_avg + exp_avg_sq, step
+    assert cp.problem.resident_model_bytes == md["parameter"] + md["gradient"] + md["other"]
+    assert cp.problem.peak_non_model_bytes == tiny_prediction.peak_non_model_bytes
+
+
+def test_bf16_adds_the_fp32_master_and_keeps_ties() -> None:
+    pred = trace_step(gpt_workload("tiny", 2, 32), fake=True, dtype=torch.bfloat16)
+    assert pred.dtype == torch.bfloat16
+    assert pred.model.lm_head.weight is pred.model.wte.weight
+    cp = plan_for_capacity(pred, 2**30)
+    assert cp.model_data["parameter"] == 2 * cp.n_chunks * cp.chunk_numel
+    # fp32 master + exp_avg + exp_avg_sq (and the step count)
+    assert cp.model_data["optimizer_state"] == (12 * cp.chunk_numel + STEP_BYTES) * cp.n_chunks
+
+
+def test_module_to_works_on_fake_models() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memsched.commands.plan import fake_module_conversions
+
+    with FakeTensorMode(), fake_module_conversions():
+        model = build_gpt("tiny")
+        weight = model.wte.weight
+        model.to("cpu").to(torch.float16)
+        assert model.wte.weight is weight and weight.dtype == torch.float16
+        assert model.lm_head.weight is model.wte.weight  # still tied
+    assert torch.utils.swap_tensors.__module__ == "torch.utils"  # restored on exit
+
+
+def test_verdicts_for_three_capacities(tiny_prediction) -> None:
+    probe = plan_for_capacity(tiny_prediction, 2**30).problem
+    base = probe.peak_non_model_bytes + probe.resident_model_bytes
+    optimizer = sum(c.device_bytes for c in probe.chunks)
+
+    short = verdict(plan_for_capacity(tiny_prediction, base - 1000))
+    assert short["status"] == "does_not_fit" and short["short_bytes"] == 1000
+
+    roomy = verdict(plan_for_capacity(tiny_prediction, 4 * (base + optimizer)))
+    assert roomy["status"] == "fits" and roomy["offloaded_bytes"] == 0
+    assert roomy["device_bytes"] == optimizer and roomy["needed_all_on_device_bytes"] == base + optimizer
+
+    # auto's budget = 0.8 x (margin - 5% of capacity): aim it at half of the optimizer state.
+    capacity = int((base + optimizer / 1.6) / 0.95)
+    split = verdict(plan_for_capacity(tiny_prediction, capacity))
+    assert split["status"] == "offload"
+    assert 0 < split["offloaded_bytes"] < optimizer
+    assert split["device_bytes"] + split["offloaded_bytes"] == optimizer
+    assert split["host_bytes"] > split["offloaded_bytes"]  # pinned master + states + gradient buffer
+
+    cuda_only = verdict(plan_for_capacity(tiny_prediction, capacity), "cuda")
+    assert cuda_only["status"] == "does_not_fit" and "no plan" in cuda_only["message"]
+    with pytest.raises(LookupError, match="'nope' was not planned"):
+        verdict(plan_for_capacity(tiny_prediction, capacity, policy_names=["auto"]), "nope")
+
+
+# ---- the command line --------------------------------------------------------------------------------------
+def _plan_json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_json_result(capsys) -> None:
+    r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu", "T4")
+    assert r["schema"] == "memsched.plan" and r["version"] == 1
+    assert r["workload"] == {"model": "tiny", "batch_size": 2, "seq_len": 64, "parameters": 132864,
+                             "dtype": "float32"}
+    assert r["gpu"] == "t4" and r["capacity_bytes"] == 16 * 2**30
+    assert r["trace"]["fake"] is True and r["trace"]["peak_non_model_bytes"] > 0
+    assert r["margin_bytes"] == r["capacity_bytes"] - r["trace"]["peak_non_model_bytes"] - \
+        r["model_data"]["resident_bytes"]
+    assert set(r["plans"]) >= {"auto", "cpu", "cuda", "static"}
+    assert r["verdict"]["status"] == "fits" and r["verdict"]["status"] in VERDICTS
+    assert r["plans"]["cpu"]["device_bytes"] == 0
+
+
+def test_cli_target(capsys, target: str) -> None:
+    r = _plan_json(capsys, target, "--capacity", "1MiB", "--dtype", "bf16")
+    assert r["workload"]["target"] == target and r["workload"]["dtype"] == "bfloat16"
+    assert r["capacity_bytes"] == 2**20 and r["gpu"] is None
+
+
+def test_cli_table_output(capsys) -> None:
+    argv = ["plan", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--capacity", "2MiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "peak non-model data" in out and "optimizer states (AdamW)" in out
+    assert "Verdict (auto)" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "give either a TARGET"),
+    (["x.py:f", "--model", "tiny"], "give either a TARGET"),
+    (["--model", "huge", "--capacity", "1GiB"], "unknown model size 'huge': known sizes are tiny"),
+    (["--model", "tiny", "--gpu", "k80"], "unknown GPU 'k80': known GPUs are t4"),
+    (["--model", "tiny", "--capacity", "1GiB", "--seq-len", "4096"], "exceeds the 'tiny' model's block_size"),
+    (["--model", "tiny", "--capacity", "1GiB", "--policy", "magic"], "unknown policy 'magic'"),
+    (["x.py:f", "--capacity", "1GiB", "--batch-size", "2"], "apply to --model only"),
+])
+def test_cli_bad_input_gives_one_clear_line(capsys, argv: list[str], message: str) -> None:
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_cli_target_that_needs_real_data(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "item_target.py"
+    path.write_text(TARGET_SRC.replace("x = torch.randn(16, 32, device=device)",
+                                       "x = torch.randn(16, 32, device=device) * x_scale(device)") +
+                    "\ndef x_scale(device):\n    return float(torch.rand(1, device=device).item())\n")
+    assert main(["plan", f"{path}:build", "--capacity", "1GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run on fake tensors" in err and ".item()" in err and "Traceback" not in err
+    assert main(["plan", f"{tmp_path / 'missing.py'}:build", "--capacity", "1GiB"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU the capacity must be given")
+def test_cli_without_gpu_needs_a_capacity(capsys) -> None:
+    assert main(["plan", "--model", "tiny"]) == 2
+    assert "no GPU here: give --capacity" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--capacity", "lots"], ["--gpu-margin-mem-ratio", "1.5"],
+                                  ["--batch-size", "0"], ["--dtype", "fp8"]])
+def test_cli_argument_errors(capsys, argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "tiny", *argv])
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_gpu_table() -> None:
+    assert get_gpu("A100-40GB").memory_bytes == 40 * 2**30
+    names = gpu_names()
+    assert names == sorted(names, key=lambda n: get_gpu(n).memory_bytes)
+    with pytest.raises(ValueError, match="known GPUs are"):
+        get_gpu("voodoo2")
+
+
+@pytest.mark.slow
+def test_1_3b_at_batch_8_seq_1024_on_24gib(capsys) -> None:
+    r = _plan_json(capsys, "--model", "1.3b", "--batch-size", "8", "--seq-len", "1024", "--capacity", "24GiB")
+    assert 1.25e9 < r["workload"]["parameters"] < 1.4e9
+    v, p = r["verdict"], r["trace"]["peak_non_model_bytes"]
+    assert v["needed_all_on_device_bytes"] == p + r["model_data"]["resident_bytes"] + \
+        r["model_data"]["optimizer_state"]
+    # fp32: activations of 24 layers x 8 x 1024 tokens alone exceed 24 GiB, so no placement helps.
+    assert v["status"] == "does_not_fit" and v["short_bytes"] == -r["margin_bytes"] > 0
+    assert p > 20 * 2**30

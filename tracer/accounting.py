@@ -1,0 +1,453 @@
+"""Exact live-storage accounting from the ops themselves.
+
+:class:`StorageAccountant` is a ``TorchDispatchMode`` (``torch.utils._python_dispatch``) that sees every aten
+op, registers each storage an op creates (``tensor.untyped_storage()``, counted once however many views or
+tied parameters share it) under the current category, and subtracts its bytes when a weak reference to the
+storage's Python object fires (torch keeps that object alive exactly as long as the storage, torch >= 2.1).
+It works for CPU, CUDA and ``FakeTensorMode`` tensors (also fake ``cuda`` tensors on a machine with no GPU),
+which is what lets memsched plan before running. The idea of tracking storages from the dispatcher follows
+``torch.distributed._tools.mem_tracker.MemTracker``; the categories follow PatrickStar (arXiv 2108.05818).
+
+Semantics (all sizes are storage bytes, ``UntypedStorage.nbytes()``, without allocator rounding):
+
+* A storage is *new* when an op outputs it and it was not seen before. Ops whose every output aliases an
+  input (views, in-place and ``out=`` ops) create nothing, except that ``resize_``-like and ``out=`` ops are
+  checked for storages that grew. Storages created before the mode was entered are not counted unless
+  :meth:`StorageAccountant.classify` registers them (the tracer does that for parameters, buffers,
+  gradients and optimizer states).
+* Peaks are exact per event (every allocation, free, resize and reclassification), not only at samples.
+* Reclassification is retroactive inside the current interval: a storage allocated since the last
+  :meth:`~StorageAccountant.take_peaks` / :meth:`~StorageAccountant.live_bytes` and then classified counts
+  under its new category from its allocation on (so a ``.grad`` or an optimizer state never inflates the
+  non-model peak). A storage classified later moves its bytes at that moment. To stay lean, the hot path only
+  appends events to a log; the per-category counters and peaks are computed when they are asked for.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA, Category
+
+__all__ = ["StorageAccountant", "AllocateCallback", "device_name"]
+
+AllocateCallback = Callable[[str, int, int], None]
+"""``on_allocate(device, nbytes, live_total_bytes_on_device_after)``; may raise to fail the op."""
+
+_CAT_INDEX: dict[Category, int] = {c: i for i, c in enumerate(ALL_CATEGORIES)}
+_CAT_NAMES: tuple[str, ...] = tuple(c.value for c in ALL_CATEGORIES)
+_IS_NON_MODEL: tuple[bool, ...] = tuple(c in NON_MODEL_DATA for c in ALL_CATEGORIES)
+_OTHER = _CAT_INDEX[Category.OTHER]
+_TEMPORARY = _CAT_INDEX[Category.TEMPORARY]
+
+# How an op is handled, decided once per OpOverload from its schema.
+_SKIP, _TRACK, _RESIZE = 0, 1, 2
+# Rare log events, logged as ``(kind, entry, arg)``. Allocations and frees (the hot ones) are logged as the
+# entry itself, without a tuple: its first appearance is the allocation, a later one its free.
+_MOVE, _GROW = 1, 2
+# Replay the log once it is this long even if nobody asks, so memory stays bounded.
+_LOG_LIMIT = 4096
+
+_aten = torch.ops.aten
+_RESIZING_PACKETS = {_aten.resize_, _aten.resize_as_}
+if hasattr(_aten, "_resize_output_"):
+    _RESIZING_PACKETS.add(_aten._resize_output_)
+# These alias their input in the schema, but the input was made inside the op (``torch.tensor(...)``).
+_FRESH_PACKETS = {getattr(_aten, n) for n in ("lift_fresh", "lift_fresh_copy") if hasattr(_aten, n)}
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_autograd() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
+def _op_kind(func: Any) -> int:
+    schema = func._schema
+    if func.overloadpacket in _FRESH_PACKETS:
+        return _TRACK
+    if not any("Tensor" in str(r.type) for r in schema.returns):
+        return _SKIP  # no tensor output (``item``, in-place foreach ops returning ``()``)
+    if func.overloadpacket in _RESIZING_PACKETS or any(getattr(a, "is_out", False) for a in schema.arguments):
+        return _RESIZE
+    if all(r.alias_info is not None for r in schema.returns):
+        return _SKIP  # views and in-place ops: no new storage
+    return _TRACK
+
+
+def device_name(device: str | torch.device) -> str:
+    """Canonical device name as used in samples: ``"cpu"``, ``"cuda:0"``; a bare ``"cuda"`` gets the current
+    index (0 when CUDA is not really available, e.g. under ``FakeTensorMode``). Names torch does not know
+    (a stand-in ``"sim"`` device) are returned unchanged.
+
+    Raises:
+        TypeError: ``device`` is neither a string nor a ``torch.device``.
+    """
+    if isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            return device
+    elif isinstance(device, torch.device):
+        dev = device
+    else:
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    if dev.type == "cuda" and dev.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        dev = torch.device("cuda", index)
+    return str(dev)
+
+
+class _Entry(weakref.ref):
+    """A weak reference to a storage that carries its accounting record (no closure per storage)."""
+
+    __slots__ = ("key", "nbytes", "cur", "cat", "dev", "counted", "cbytes")
+
+
+class _DeviceState:
+    __slots__ = ("counts", "total", "non_model", "peak_total", "peak_non_model")
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(_CAT_NAMES)
+        self.total = 0
+        self.non_model = 0
+        self.peak_total = 0
+        self.peak_non_model = 0
+
+
+class StorageAccountant(TorchDispatchMode):
+    """Live storage bytes per category per device, with exact peaks between two reads.
+
+    Use as a context manager (it is a ``TorchDispatchMode``): ``with acc: ...``. Counting continues after
+    ``__exit__`` for storages that were registered (their frees still count) until :meth:`close`.
+
+    Args:
+        category: category of storages created from now on (default ``other``); change it with
+            :attr:`category` when a phase begins. While the category is ``other`` and the autograd engine
+            runs a backward pass, new storages are ``temporary``.
+        on_allocate: called as ``on_allocate(device, nbytes, live_total_bytes_on_device_after)`` for every new
+            storage (and every growth of one), before it is counted; an exception it raises (for example
+            ``torch.OutOfMemoryError``) propagates out of the op and the storage is not counted.
+
+    Raises:
+        TypeError: ``on_allocate`` is not callable.
+        ValueError: ``category`` is not a category name (names the allowed ones).
+    """
+
+    def __init__(self, *, category: Category | str = Category.OTHER,
+                 on_allocate: AllocateCallback | None = None) -> None:
+        super().__init__()
+        if on_allocate is not None and not callable(on_allocate):
+            raise TypeError(f"on_allocate must be callable, got {type(on_allocate).__name__}")
+        self._cat = _category_index(category)
+        self._on_allocate = on_allocate
+        self._live: dict[int, _Entry] = {}  # id(storage) -> entry; the id is stable while the storage lives
+        self._log: list[Any] = []
+        self._states: dict[str, _DeviceState] = {}
+        self._names: dict[torch.device, str] = {}
+        self._kinds: dict[Any, int] = {}
+        # Running total per device name, kept per event only for ``on_allocate``.
+        self._totals: dict[str, int] = {}
+        self._free_cb = self._freed
+
+    # ---- configuration ---------------------------------------------------------------------------------
+    @property
+    def category(self) -> Category:
+        """Category given to storages created from now on."""
+        return ALL_CATEGORIES[self._cat]
+
+    @category.setter
+    def category(self, value: Category | str) -> None:
+        self._cat = _category_index(value)
+
+    # ---- queries ---------------------------------------------------------------------------------------
+    def devices(self) -> list[str]:
+        """Names of the devices that had tracked storages, sorted."""
+        self._replay()
+        return sorted(self._states)
+
+    def live_bytes(self, device: str | torch.device) -> dict[str, int]:
+        """Live bytes per category name (all categories, zeros included) on ``device``, in bytes."""
+        self._replay()
+        state = self._states.get(device_name(device))
+        counts = state.counts if state is not None else [0] * len(_CAT_NAMES)
+        return dict(zip(_CAT_NAMES, counts, strict=True))
+
+    def total_bytes(self, device: str | torch.device) -> int:
+        """All live tracked bytes on ``device``, in bytes."""
+        self._replay()
+        state = self._states.get(device_name(device))
+        return state.total if state is not None else 0
+
+    def take_peaks(self, device: str | torch.device) -> tuple[int, int]:
+        """``(peak_total_bytes, peak_non_model_bytes)`` on ``device`` since the previous call for it (or since
+        tracking began), then start a new interval at the current values. Bytes."""
+        self._replay()
+        state = self._states.get(device_name(device))
+        if state is None:
+            return 0, 0
+        peaks = state.peak_total, state.peak_non_model
+        state.peak_total, state.peak_non_model = state.total, state.non_model
+        return peaks
+
+    def _snapshot(self, name: str) -> tuple[dict[str, int], int, int]:
+        """``(live_bytes, peak_total, peak_non_model)`` for a canonical device name, starting a new interval.
+        One call instead of :meth:`live_bytes` + :meth:`take_peaks` (the tracer samples often)."""
+        if self._log:
+            self._replay()
+        state = self._states.get(name)
+        if state is None:
+            return dict.fromkeys(_CAT_NAMES, 0), 0, 0
+        peaks = state.peak_total, state.peak_non_model
+        state.peak_total, state.peak_non_model = state.total, state.non_model
+        return dict(zip(_CAT_NAMES, state.counts, strict=True)), peaks[0], peaks[1]
+
+    def _device_names(self) -> list[str]:
+        if self._log:
+            self._replay()
+        return list(self._states)
+
+    def category_of(self, tensor: torch.Tensor) -> Category | None:
+        """Current category of ``tensor``'s storage, or ``None`` if it is not tracked."""
+        entry = self._live.get(id(tensor.untyped_storage()))
+        return None if entry is None else ALL_CATEGORIES[entry.cat]
+
+    # ---- registration ----------------------------------------------------------------------------------
+    def classify(self, tensor: torch.Tensor, category: Category | str) -> int:
+        """Put ``tensor``'s storage under ``category``; register it (live from now on) if it is not tracked.
+
+        Returns the bytes that changed category or were registered (0 if nothing changed).
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor.
+            ValueError: unknown ``category``.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+        cat = _category_index(category)
+        st = tensor.untyped_storage()
+        entry = self._live.get(id(st))
+        if entry is None:
+            nbytes = st.nbytes()
+            if nbytes == 0:
+                return 0
+            dev = self._names.get(tensor.device) or self._name(tensor.device)
+            self._register(st, nbytes, cat, dev)
+            if self._on_allocate is not None:
+                self._totals[dev] = self._totals.get(dev, 0) + nbytes
+            return nbytes
+        if entry.cat == cat:
+            return 0
+        entry.cat = cat
+        if entry.counted >= 0:  # already in the counters: move the bytes now
+            self._log.append((_MOVE, entry, cat))
+        return entry.cur
+
+    def close(self) -> None:
+        """Fold pending events into the counters and stop tracking: drop every weak reference, so storages
+        freed later cost nothing. The counters keep their last values."""
+        self._replay()
+        self._live.clear()
+        self._totals.clear()
+
+    # ---- the dispatch hook (hot path: keep it lean) ----------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _op_kind(func)
+        if kind == _SKIP:
+            return func(*args, **(kwargs or {}))
+        if kind == _RESIZE:
+            return self._resizing_op(func, args, kwargs or {})
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._track(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._track(o)
+                elif isinstance(o, (tuple, list)):
+                    for p in o:
+                        if isinstance(p, torch.Tensor):
+                            self._track(p)
+        return out
+
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # wrapper subclasses without a storage of their own
+            self._track_inner(t)
+            return
+        key = id(st)
+        if key in self._live:
+            return
+        nbytes = st.nbytes()
+        if not nbytes:
+            return
+        cat = self._cat
+        if cat == _OTHER and _in_autograd():
+            cat = _TEMPORARY
+        dev = self._names.get(t.device) or self._name(t.device)
+        if self._on_allocate is not None:
+            self._charge(dev, nbytes)
+        entry = _Entry(st, self._free_cb)
+        entry.key = key
+        entry.nbytes = entry.cur = nbytes
+        entry.cat = cat
+        entry.dev = dev
+        entry.counted = -1
+        self._live[key] = entry
+        log = self._log
+        log.append(entry)
+        if len(log) > _LOG_LIMIT:
+            self._replay()
+
+    def _track_inner(self, t: torch.Tensor) -> None:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            for name in attrs:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._track(inner)
+
+    def _register(self, st: Any, nbytes: int, cat: int, dev: str) -> None:
+        entry = _Entry(st, self._free_cb)
+        entry.key = id(st)
+        entry.nbytes = entry.cur = nbytes
+        entry.cat = cat
+        entry.dev = dev
+        entry.counted = -1
+        self._live[entry.key] = entry
+        self._log.append(entry)
+
+    def _charge(self, dev: str, nbytes: int) -> None:
+        after = self._totals.get(dev, 0) + nbytes
+        self._on_allocate(dev, nbytes, after)  # may raise: then nothing is counted
+        self._totals[dev] = after
+
+    def _freed(self, entry: _Entry) -> None:
+        # Runs when the storage dies (any thread, GIL held). Entries dropped by close() never get here.
+        if self._live.pop(entry.key, None) is None:
+            return
+        self._log.append(entry)
+        if self._on_allocate is not None:
+            self._totals[entry.dev] = self._totals.get(entry.dev, 0) - entry.cur
+
+    def _resizing_op(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        # Rare ops (resize_, out=): compare storage sizes around the op.
+        before: dict[int, int] = {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                st = a.untyped_storage()
+                before[id(st)] = st.nbytes()
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        for t in outs:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            key = id(st)
+            nbytes = st.nbytes()
+            entry = self._live.get(key)
+            if entry is None:
+                if nbytes > before.get(key, 0):
+                    # A buffer made inside the block (the old one, if any, was not tracked).
+                    self._track(t)
+            elif nbytes != entry.cur:
+                delta = nbytes - entry.cur
+                if delta > 0 and self._on_allocate is not None:
+                    self._charge(entry.dev, delta)
+                elif self._on_allocate is not None:
+                    self._totals[entry.dev] = self._totals.get(entry.dev, 0) + delta
+                entry.cur = nbytes
+                self._log.append((_GROW, entry, delta))
+        return out
+
+    # ---- folding the log into counters -----------------------------------------------------------------
+    def _name(self, dev: torch.device) -> str:
+        # Device names are interned here, so entries compare them by identity when replaying.
+        name = self._names[dev] = device_name(dev)
+        return name
+
+    def _state(self, name: str) -> _DeviceState:
+        state = self._states.get(name)
+        if state is None:
+            state = self._states[name] = _DeviceState()
+        return state
+
+    def _replay(self) -> None:
+        log = self._log
+        if not log:
+            return
+        self._log = []  # frees that happen while replaying land in the new log
+        nm_flag = _IS_NON_MODEL
+        state_of = self._state
+        last_dev, s = None, None
+        for ev in log:
+            if type(ev) is _Entry:
+                e = ev
+                if e.dev is not last_dev:
+                    last_dev, s = e.dev, state_of(e.dev)
+                c = e.counted
+                if c < 0:  # allocation
+                    c = e.cat
+                    n = e.nbytes
+                    e.counted, e.cbytes = c, n
+                    s.counts[c] += n
+                    s.total += n
+                    if s.total > s.peak_total:
+                        s.peak_total = s.total
+                    if nm_flag[c]:
+                        s.non_model += n
+                        if s.non_model > s.peak_non_model:
+                            s.peak_non_model = s.non_model
+                else:  # free
+                    n = e.cbytes
+                    s.counts[c] -= n
+                    s.total -= n
+                    if nm_flag[c]:
+                        s.non_model -= n
+                continue
+            kind, e, arg = ev
+            if e.dev is not last_dev:
+                last_dev, s = e.dev, state_of(e.dev)
+            c = e.counted
+            if kind == _MOVE:
+                if arg == c:
+                    continue
+                n = e.cbytes
+                s.counts[c] -= n
+                s.counts[arg] += n
+                e.counted = arg
+                if nm_flag[c]:
+                    s.non_model -= n
+                if nm_flag[arg]:
+                    s.non_model += n
+                    if s.non_model > s.peak_non_model:
+                        s.peak_non_model = s.non_model
+            else:  # _GROW
+                e.cbytes += arg
+                s.counts[c] += arg
+                s.total += arg
+                if s.total > s.peak_total:
+                    s.peak_total = s.total
+                if nm_flag[c]:
+                    s.non_model += arg
+                    if s.non_model > s.peak_non_model:
+                        s.peak_non_model = s.non_model
+
+
+def _category_index(category: Category | str) -> int:
+    try:
+        return _CAT_INDEX[Category(category)]
+    except ValueError:
+        allowed = ", ".join(_CAT_NAMES)
+        raise ValueError(f"unknown category {category!r}: expected one of {allowed}") from None
