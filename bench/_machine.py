@@ -42,7 +42,9 @@ def describe_machine() -> dict[str, Any]:
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``bench/results/<name>.json`` with the machine description under ``"machine"``; returns the path."""
+    """Write ``bench/results/<name>.json`` with the machine description under ``"machine"``.
+
+    Returns the path written. ``MEMSCHED_BENCH_OUT`` overrides the folder."""
     out = Path(os.environ.get("MEMSCHED_BENCH_OUT", Path(__file__).parent / "results")) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": describe_machine(), **payload}, indent=2) + "\n")

@@ -36,7 +36,7 @@ def fused_adamw_(
             device, dtype float32 (params may be bf16/fp16 only if their grads match).
         steps: one float32 scalar tensor per param (same device), incremented here before the update, as
             ``torch.optim.AdamW`` does.
-        grad_scale, found_inf: optional fp16 loss-scaling inputs of the fused kernel (unscale and skip on inf).
+        grad_scale, found_inf: optional fp16 loss-scaling inputs of the fused kernel (unscale, skip on inf).
 
     Raises:
         RuntimeError: from torch when the tensors are on different devices or of unsupported dtypes.

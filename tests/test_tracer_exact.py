@@ -120,3 +120,13 @@ def test_forward_activation_kept_per_module():
     assert stats[""].forward_peak_bytes == FORWARD
     assert stats["3"].backward_peak_bytes == BACKWARD  # ReluBackward of layer 3 holds the peak
     assert all(m.calls == 1 for m in stats.values())
+
+
+def test_summary_names_where_the_peak_is():
+    summary = _trace(steps=1).summary()
+    assert summary["peak_non_model_bytes"] == BACKWARD and summary["peak_phase"] == "backward"
+    # The peak is inside ReLU 3's backward. Hooks registered on one autograd node fire together: ReLU 3's
+    # backward pre and Linear 4's backward post at ReluBackward, Linear 2's pre and ReLU 3's post at the
+    # next node. So the interval opens at Linear 4's post and closes at Linear 2's pre.
+    assert (summary["peak_after_module"], summary["peak_after_event"]) == ("4", "post")
+    assert (summary["peak_module"], summary["peak_event"]) == ("2", "pre")

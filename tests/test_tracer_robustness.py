@@ -328,3 +328,27 @@ def test_json_round_trip_of_a_real_trace(tmp_path):
     assert back == tl
     assert back.summary() == tl.summary()
     assert back.module_stats() == tl.module_stats()
+
+
+def test_one_sample_per_device_per_hook_with_the_traced_device_first():
+    class TwoDevices(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D0, D1)
+
+        def forward(self, x):
+            self.scratch = torch.empty(1000, device="meta")  # 4000 B on another device, kept
+            return self.lin(x)
+
+    model = TwoDevices()
+    with MemoryTracer(model) as t:
+        model(torch.randn(B, D0)).sum().backward()
+    tl = t.timeline
+    assert tl.devices() == ["cpu", "meta"]
+    assert [s.device for s in tl.samples[:2]] == ["cpu", "cpu"]  # nothing on meta yet
+    pairs = {(s.phase, s.module, s.event): [] for s in tl.samples}
+    for s in tl.samples:
+        pairs[(s.phase, s.module, s.event)].append(s.device)
+    assert pairs[("forward", "lin", "post")] == ["cpu", "meta"]
+    assert tl.peak_non_model_bytes("meta") == 4000
+    assert tl.peak_non_model_bytes() == tl.peak_non_model_bytes("cpu") > 0

@@ -21,10 +21,15 @@ Semantics (all sizes are storage bytes, ``UntypedStorage.nbytes()``, without all
   under its new category from its allocation on (so a ``.grad`` or an optimizer state never inflates the
   non-model peak). A storage classified later moves its bytes at that moment. To stay lean, the hot path only
   appends events to a log; the per-category counters and peaks are computed when they are asked for.
+
+Not seen: scratch memory a kernel allocates and frees inside one op, ``UntypedStorage.resize_`` called from
+Python (it bypasses the dispatcher), tensors made outside the dispatcher (``torch.from_numpy``) unless
+classified, and the caching allocator's rounding (the tracer's ``cuda`` backend reports that side).
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +47,8 @@ AllocateCallback = Callable[[str, int, int], None]
 _CAT_INDEX: dict[Category, int] = {c: i for i, c in enumerate(ALL_CATEGORIES)}
 _CAT_NAMES: tuple[str, ...] = tuple(c.value for c in ALL_CATEGORIES)
 _IS_NON_MODEL: tuple[bool, ...] = tuple(c in NON_MODEL_DATA for c in ALL_CATEGORIES)
+_ZEROS = (0,) * len(_CAT_NAMES)
+_CPU = sys.intern("cpu")
 _OTHER = _CAT_INDEX[Category.OTHER]
 _TEMPORARY = _CAT_INDEX[Category.TEMPORARY]
 
@@ -151,7 +158,7 @@ class StorageAccountant(TorchDispatchMode):
         self._log: list[Any] = []
         self._states: dict[str, _DeviceState] = {}
         self._names: dict[torch.device, str] = {}
-        self._kinds: dict[Any, int] = {}
+        self._kinds: dict[int, int] = {}  # id(OpOverload) -> how to handle it (OpOverload.__hash__ is Python)
         # Running total per device name, kept per event only for ``on_allocate``.
         self._totals: dict[str, int] = {}
         self._free_cb = self._freed
@@ -196,17 +203,17 @@ class StorageAccountant(TorchDispatchMode):
         state.peak_total, state.peak_non_model = state.total, state.non_model
         return peaks
 
-    def _snapshot(self, name: str) -> tuple[dict[str, int], int, int]:
-        """``(live_bytes, peak_total, peak_non_model)`` for a canonical device name, starting a new interval.
-        One call instead of :meth:`live_bytes` + :meth:`take_peaks` (the tracer samples often)."""
+    def _snapshot(self, name: str) -> tuple[tuple[int, ...], int, int]:
+        """``(live bytes per category in ALL_CATEGORIES order, peak_total, peak_non_model)`` for a canonical
+        device name, starting a new interval: :meth:`live_bytes` + :meth:`take_peaks` in one cheap call."""
         if self._log:
             self._replay()
         state = self._states.get(name)
         if state is None:
-            return dict.fromkeys(_CAT_NAMES, 0), 0, 0
+            return _ZEROS, 0, 0
         peaks = state.peak_total, state.peak_non_model
         state.peak_total, state.peak_non_model = state.total, state.non_model
-        return dict(zip(_CAT_NAMES, state.counts, strict=True)), peaks[0], peaks[1]
+        return tuple(state.counts), peaks[0], peaks[1]
 
     def _device_names(self) -> list[str]:
         if self._log:
@@ -258,14 +265,14 @@ class StorageAccountant(TorchDispatchMode):
 
     # ---- the dispatch hook (hot path: keep it lean) ----------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kind = self._kinds.get(func)
+        kind = self._kinds.get(id(func))  # OpOverloads are cached singletons: their id is stable
         if kind is None:
-            kind = self._kinds[func] = _op_kind(func)
+            kind = self._kinds[id(func)] = _op_kind(func)
         if kind == _SKIP:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs) if kwargs else func(*args)
         if kind == _RESIZE:
             return self._resizing_op(func, args, kwargs or {})
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs) if kwargs else func(*args)
         if isinstance(out, torch.Tensor):
             self._track(out)
         elif isinstance(out, (tuple, list)):
@@ -293,7 +300,7 @@ class StorageAccountant(TorchDispatchMode):
         cat = self._cat
         if cat == _OTHER and _in_autograd():
             cat = _TEMPORARY
-        dev = self._names.get(t.device) or self._name(t.device)
+        dev = _CPU if t.is_cpu else (self._names.get(t.device) or self._name(t.device))
         if self._on_allocate is not None:
             self._charge(dev, nbytes)
         entry = _Entry(st, self._free_cb)
@@ -374,7 +381,7 @@ class StorageAccountant(TorchDispatchMode):
     # ---- folding the log into counters -----------------------------------------------------------------
     def _name(self, dev: torch.device) -> str:
         # Device names are interned here, so entries compare them by identity when replaying.
-        name = self._names[dev] = device_name(dev)
+        name = self._names[dev] = sys.intern(device_name(dev))
         return name
 
     def _state(self, name: str) -> _DeviceState:

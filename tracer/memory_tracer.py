@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracer.accounting import StorageAccountant, device_name
+from tracer.accounting import _CAT_NAMES, StorageAccountant, device_name
 from tracer.categories import Category
 from tracer.cuda_probe import CudaProbe
 from tracer.module_hooks import ModuleHooks
@@ -114,6 +114,8 @@ class MemoryTracer:
         self.model = model
         self.optimizer = optimizer
         self._timeline = MemoryTimeline()
+        self._raw: list[tuple] = []
+        self._last_step = 0
         self._active = False
         self._acc: StorageAccountant | None = None
         self._hooks: ModuleHooks | None = None
@@ -122,12 +124,24 @@ class MemoryTracer:
         self._mode_entered = False
         self._param_ids: set[int] = set()
         self._opt_signatures: dict[int, tuple[int, int]] = {}
+        self._owned: dict[int, bool] = {}
 
     # ---- public ----------------------------------------------------------------------------------------
     @property
     def timeline(self) -> MemoryTimeline:
         """The samples so far (complete after the ``with`` block), a :class:`tracer.MemoryTimeline`."""
+        self._flush()
         return self._timeline
+
+    def _flush(self) -> None:
+        # Samples are kept as tuples while tracing (cheaper in the hooks) and become Sample objects here.
+        raw = self._raw
+        if raw:
+            self._raw = []
+            self._timeline.samples.extend(
+                Sample(t, step, phase, module, event, dev, dict(zip(_CAT_NAMES, counts, strict=True)), peak,
+                       peak_nm, cuda)
+                for t, step, phase, module, event, dev, counts, peak, peak_nm, cuda in raw)
 
     @property
     def accountant(self) -> StorageAccountant | None:
@@ -155,12 +169,15 @@ class MemoryTracer:
             raise RuntimeError("a MemoryTracer is already attached to this model "
                                f"({type(self.model).__name__}); exit it before entering another one")
         self._timeline = MemoryTimeline(meta=self._base_meta())
+        self._raw = []
+        self._last_step = 0
         self._step = 0
         self._optimizer_steps = 0
         self._phase = "other"
         self._fw_depth = 0
         self._backward_since_step = False
         self._opt_signatures = {}
+        self._owned = {}
         self._t0 = time.perf_counter_ns()
         try:
             self._acc = StorageAccountant(category=Category.OTHER)
@@ -193,8 +210,7 @@ class MemoryTracer:
                 self._mode_entered = False
                 self._acc.__exit__(exc_type, exc, tb)
             # The closing mark belongs to the last step that had any activity, not to the next one.
-            samples = self._timeline.samples
-            self._sample(self._phase, "exit", "mark", step=samples[-1].step if samples else self._step)
+            self._sample(self._phase, "exit", "mark", step=self._last_step)
         finally:
             self._teardown()
         return None
@@ -254,6 +270,7 @@ class MemoryTracer:
         meta["steps"] = self._step + (1 if self._backward_since_step and self._optimizer_steps == 0 else 0)
         meta["optimizer_steps"] = self._optimizer_steps
         meta["duration_ns"] = time.perf_counter_ns() - self._t0
+        self._flush()
         if errors:
             raise errors[0]
 
@@ -288,8 +305,12 @@ class MemoryTracer:
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
         if optimizer is self.optimizer:
             return True
-        ids = self._param_ids
-        return any(id(p) in ids for group in optimizer.param_groups for p in group["params"])
+        owned = self._owned.get(id(optimizer))
+        if owned is None:  # checked once per optimizer: its hooks run twice per step
+            ids = self._param_ids
+            owned = self._owned[id(optimizer)] = any(
+                id(p) in ids for group in optimizer.param_groups for p in group["params"])
+        return owned
 
     # ---- events ----------------------------------------------------------------------------------------
     def module_event(self, phase: str, event: str, name: str) -> None:
@@ -345,11 +366,15 @@ class MemoryTracer:
 
     def _sample(self, phase: str, module: str, event: str, step: int | None = None) -> None:
         acc = self._acc
-        step = self._step if step is None else step
+        if step is None:
+            step = self._last_step = self._step
         t_ns = time.perf_counter_ns() - self._t0
         traced = self.device
-        samples = self._timeline.samples
-        for dev in (traced, *(d for d in acc._device_names() if d != traced)):
-            live, peak, peak_nm = acc._snapshot(dev)
+        raw = self._raw
+        names = acc._device_names()
+        if len(names) != 1 or names[0] != traced:  # the traced device first, even before it has data
+            names = [traced, *(d for d in names if d != traced)]
+        for dev in names:
+            counts, peak, peak_nm = acc._snapshot(dev)
             cuda = self._probe.read() if self._probe is not None and dev == traced else None
-            samples.append(Sample(t_ns, step, phase, module, event, dev, live, peak, peak_nm, cuda))
+            raw.append((t_ns, step, phase, module, event, dev, counts, peak, peak_nm, cuda))

@@ -1,16 +1,18 @@
 """Forward and backward pre/post events for every submodule of ONE model.
 
-Same idea as ``torch.distributed._tools.mod_tracker.ModTracker`` (forward hooks, plus multi-grad hooks for
+Same idea as ``torch.distributed._tools.mod_tracker.ModTracker`` (forward hooks, plus gradient hooks for
 backward), but with per-model hooks so modules of other models cost nothing and are not recorded:
 
 * forward pre / post: ``register_forward_pre_hook`` / ``register_forward_hook(always_call=True)`` on each
   module of ``model.named_modules()`` (qualified names; the root is ``""``).
-* backward pre: ``torch.autograd.graph.register_multi_grad_hook`` on the call's outputs that require grad
-  (fires when their gradients are ready, i.e. before the module's own backward ops run).
-* backward post: a multi-grad hook on the call's inputs that require grad (their gradients are the last thing
-  the module's backward produces). Calls whose inputs need no grad (the first layer, integer ids) and calls
-  whose hook never fires are closed at the end of the backward pass, found with the autograd engine's
-  ``queue_callback``.
+* backward pre: fires when the first gradient of the call's outputs that require grad is ready, i.e. before
+  the module's own backward ops run; backward post: when the gradients of all its inputs that require grad
+  are ready (the last thing its backward produces). Both use a pre-hook on the autograd node that made those
+  tensors when there is one such node (the common case, and cheap), else
+  ``torch.autograd.graph.register_multi_grad_hook`` (mode ``any`` / ``all``).
+* Calls whose inputs need no grad (the first layer, integer ids) and calls whose hook never fires are closed
+  at the end of the backward pass, found with the autograd engine's ``queue_callback``; a call's backward
+  begins no later than that of any call inside it and ends no earlier.
 
 Forward hooks that fire while the autograd engine runs (activation-checkpoint recomputation) are not
 reported: that memory belongs to the backward pass.
@@ -138,7 +140,10 @@ class ModuleHooks:
         calls.append(call)
         self._listener.module_event("forward", "pre", name)
         if torch.is_grad_enabled():
-            inputs = grad_tensors(args)
+            if len(args) == 1 and isinstance(args[0], torch.Tensor):  # the common case, without recursion
+                inputs = [args[0]] if args[0].requires_grad else []
+            else:
+                inputs = grad_tensors(args)
             if kwargs:
                 inputs += grad_tensors(kwargs)
             if inputs:
@@ -152,7 +157,10 @@ class ModuleHooks:
         call = self._pop_call(name)
         self._listener.module_event("forward", "post", name)
         if torch.is_grad_enabled():
-            outputs = grad_tensors(output)
+            if isinstance(output, torch.Tensor):
+                outputs = [output] if output.requires_grad else []
+            else:
+                outputs = grad_tensors(output)
             if outputs:
                 self._grad_handles.append(_on_grads(outputs, functools.partial(self._bw_pre, call), "any"))
         return None
@@ -222,7 +230,7 @@ def _on_grads(tensors: list[torch.Tensor], fn: Any, mode: str) -> Any:
     ``"any"`` at the first one. Common case, all produced by one autograd node: a pre-hook on that node
     (it runs right before the node, exactly when tensor hooks would), much cheaper than a multi-grad hook."""
     node = tensors[0].grad_fn
-    if node is not None and all(t.grad_fn is node for t in tensors):
+    if node is not None and (len(tensors) == 1 or all(t.grad_fn is node for t in tensors[1:])):
         return node.register_prehook(fn)
     try:
         return register_multi_grad_hook(tensors, fn, mode=mode)

@@ -120,6 +120,16 @@ class MemoryTimeline:
         samples = self.for_device(device)
         return max(samples, key=lambda s: s.peak_non_model_bytes, default=None)
 
+    def peak_non_model_interval(self, device: str | None = None) -> tuple[Sample | None, Sample | None]:
+        """``(opening, closing)``: the samples around the interval that holds the non-model peak; the peak
+        happened after ``opening`` (``None`` if it is the first interval) and no later than ``closing``.
+        Both ``None`` for an empty timeline."""
+        samples = self.for_device(device)
+        if not samples:
+            return None, None
+        i = max(range(len(samples)), key=lambda k: samples[k].peak_non_model_bytes)
+        return (samples[i - 1] if i else None), samples[i]
+
     def peak_bytes(self, device: str | None = None) -> int:
         return max((s.peak_bytes for s in self.for_device(device)), default=0)
 
@@ -187,11 +197,12 @@ class MemoryTimeline:
     def summary(self, device: str | None = None) -> dict[str, Any]:
         """Headline figures of ``device`` (default: traced device), all sizes in bytes:
         ``peak_non_model_bytes`` and where it occurred (``peak_module``, ``peak_phase``, ``peak_step``,
-        ``peak_event``: the sample that closes the interval holding the peak), ``peak_bytes`` (all
+        ``peak_event``: the sample that closes the interval holding the peak; ``peak_after_module`` and
+        ``peak_after_event``: the sample that opens it), ``peak_bytes`` (all
         categories), ``model_data_bytes`` (largest live bytes per model-data category),
         ``peak_non_model_by_phase``, ``steps`` (``meta["steps"]`` when known) and ``samples``."""
         dev = device or self.device
-        peak = self.peak_non_model_sample(dev)
+        opening, peak = self.peak_non_model_interval(dev)
         return {
             "device": dev,
             "samples": len(self.for_device(dev)),
@@ -201,6 +212,8 @@ class MemoryTimeline:
             "peak_phase": peak.phase if peak else None,
             "peak_step": peak.step if peak else None,
             "peak_event": peak.event if peak else None,
+            "peak_after_module": opening.module if opening else None,
+            "peak_after_event": opening.event if opening else None,
             "peak_bytes": self.peak_bytes(dev),
             "model_data_bytes": self.model_data_bytes(dev),
             "peak_non_model_by_phase": self.peak_non_model_by_phase(dev),
