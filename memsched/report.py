@@ -126,7 +126,9 @@ def summary_panel(timeline: MemoryTimeline) -> Panel:
     meta = timeline.meta
     samples = timeline.for_device()
     backend = meta.get("backend", "?")
-    grid.add_row("traced device", f"{timeline.device} (backend: {backend})")
+    stand_in = timeline.meta.get("stand_in")
+    where = f"{stand_in} (stand-in; tensors on {timeline.device})" if stand_in else timeline.device
+    grid.add_row("traced device", f"{where} (backend: {backend})")
     grid.add_row("steps", f"{traced_steps(timeline)} traced, {len(samples)} samples on {timeline.device}")
     if not samples:
         grid.add_row("samples", Text("none on the traced device: nothing to report", style="yellow"))

@@ -186,6 +186,8 @@ class Scheduler:
             tr, self._tracer = self._tracer, None
             tr.__exit__(None, None, None)
             self.timeline = tr.timeline
+            if self.device.is_sim:  # say in reports that the traced CPU memory is the stand-in's
+                self.timeline.meta["stand_in"] = f"sim:{policies.format_bytes(self.device.capacity_bytes)}"
 
     @property
     def in_warmup(self) -> bool:

@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -45,12 +46,24 @@ def test_chunk_bounds_cover_without_overlap() -> None:
         cpu_adam.chunk_bounds(10, 0)
 
 
+def test_staggered_buffers_differ_in_low_address_bits() -> None:
+    aligned = cpu_adam.staggered_buffers(1000, 4, 0)
+    staggered = cpu_adam.staggered_buffers(1000, 4, 1088)
+    assert all(t.numel() == 1000 and t.is_contiguous() for t in aligned + staggered)
+    offsets = [t.data_ptr() - t.untyped_storage().data_ptr() for t in staggered]
+    assert offsets == [0, 1088, 2176, 3264]
+    assert [t.data_ptr() - t.untyped_storage().data_ptr() for t in aligned] == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="multiple of 4, got 6"):
+        cpu_adam.staggered_buffers(10, 2, 6)
+
+
 def test_interleaved_runs_abc_abc_and_counts_rounds() -> None:
     calls: list[str] = []
     impls = [Impl(n, "bandwidth", lambda n=n: calls.append(n), bytes_per_elem=4) for n in "ABC"]
     out = cpu_adam.interleaved(impls, repeats=3)
     assert calls == list("ABC") * 3
     assert len(out.pop("_load_avg_per_round")) == 3
+    assert all(0.0 <= x <= 1.0 for x in out.pop("_others_cpu_share_per_round"))
     assert all(out[n]["n"] == 3 and out[n]["min_s"] <= out[n]["median_s"] <= out[n]["max_s"] for n in "ABC")
 
 
@@ -73,7 +86,9 @@ def test_check_numerics_flags_a_wrong_update() -> None:
 # ------------------------------------------------------------------------------------- cpu_adam end to end
 def _tiny_run(**kw):
     sizes = {"numel": 2**16, "hidden": 64, "chunk_numel": 2**14, "chunk_sweep": (2**12,)}
-    return cpu_adam.run(repeats=2, thread_counts=[1], thread_repeats=1, **sizes, **kw)
+    return cpu_adam.run(
+        repeats=2, thread_counts=[1], thread_repeats=1, contention_repeats=1, layout_repeats=1, **sizes, **kw
+    )
 
 
 def test_cpu_adam_tiny_run_without_deepspeed() -> None:
@@ -109,6 +124,16 @@ def test_cpu_adam_tiny_run_without_deepspeed() -> None:
     )
     assert t["vs_deepspeed"]["ratio"] is None and "disabled" in t["vs_deepspeed"]["why"]
     assert set(out["threads_study"]["torch_fused"]) == {"1"}
+    assert set(out["contention_study"]) >= {
+        "memsched_chunk4096",
+        "memsched_chunk16384",
+        "torch_fused",
+        "spinners",
+    }
+    assert not psutil.Process().children()  # the busy-loop competitor is gone
+    layout = out["layout_study"]
+    assert set(layout["aligned"]) == set(layout["staggered"]) == {"1"}
+    assert layout["address_mod_4096"]["staggered"] != layout["address_mod_4096"]["aligned"]
 
 
 def test_cpu_adam_main_writes_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -119,7 +144,7 @@ def test_cpu_adam_main_writes_result(tmp_path: Path, monkeypatch: pytest.MonkeyP
     data = json.loads((tmp_path / "smoke.json").read_text())
     assert data["machine"]["torch"] == torch.__version__
     assert set(data["results"]) == {"memsched_chunk16384", "torch_fused", "triad", "copy", "axpy"}
-    assert data["threads_study"] == {}
+    assert data["threads_study"] == data["contention_study"] == data["layout_study"] == {}
 
 
 @pytest.mark.slow

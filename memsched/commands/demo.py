@@ -21,6 +21,7 @@ from rich.console import Console
 
 import memsched
 import policies
+from memsched.commands.argtypes import positive_float, positive_int, ratio
 from memsched.data import TextCorpus, batches, load_stdlib_corpus
 from memsched.devices import ALLOWED as DEVICE_FORMS
 from memsched.devices import parse_device
@@ -87,34 +88,10 @@ def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_
 
 
 # ---- argument types ----------------------------------------------------------------------------------------
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
 
 
-def _lr(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -131,18 +108,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--size", default=DEFAULT_SIZE,
                    help=f"GPT size (default {DEFAULT_SIZE}): {', '.join(sizes())}")
     p.add_argument("--policy", default="auto", help="placement policy (default auto; see memsched policies)")
-    p.add_argument("--gpu-margin-mem-ratio", type=_ratio, default=0.8, metavar="R",
+    p.add_argument("--gpu-margin-mem-ratio", type=ratio, default=0.8, metavar="R",
                    help="share of the GPU margin the policy may fill, in [0, 1] (default 0.8)")
     p.add_argument("--device", default=None,
                    help="cuda, cuda:N, cpu, sim:SIZE (e.g. sim:64MiB) or sim (sized automatically); default: "
                         "cuda when available, else an automatically sized stand-in")
-    p.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS,
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
                    help=f"training steps (default {DEFAULT_STEPS})")
-    p.add_argument("--batch-size", type=_positive_int, default=DEFAULT_BATCH_SIZE,
+    p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE,
                    help=f"sequences per step (default {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--seq-len", type=_positive_int, default=DEFAULT_SEQ_LEN,
+    p.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
                    help=f"tokens (bytes) per sequence (default {DEFAULT_SEQ_LEN})")
-    p.add_argument("--lr", type=_lr, default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR:g})")
+    p.add_argument("--lr", type=positive_float, default=DEFAULT_LR,
+                   help=f"AdamW learning rate (default {DEFAULT_LR:g})")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the batches")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"output folder for the exports (default {DEFAULT_OUT})")

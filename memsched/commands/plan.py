@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ from rich.table import Table
 
 import policies
 from memsched.chunks import chunk_bytes
+from memsched.commands.argtypes import positive_int, ratio
 from memsched.gpus import get_gpu, gpu_names
 from memsched.models import build_gpt, config_for, count_parameters, lm_loss, sizes
 from memsched.planning import build_problem, resident_extra_bytes, trainable_groups
@@ -394,24 +394,8 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------------
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _size(text: str) -> int:
@@ -440,9 +424,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="file.py:function or module:function returning (model, loss_fn) for a device "
                         "(see memsched trace); or use --model")
     p.add_argument("--model", metavar="SIZE", help=f"the built-in GPT at this size: {', '.join(sizes())}")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help=f"batch size for --model (default {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--seq-len", type=_positive_int, default=None,
+    p.add_argument("--seq-len", type=positive_int, default=None,
                    help=f"sequence length for --model (default {DEFAULT_SEQ_LEN}, at most the model's "
                         "block size)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
@@ -451,7 +435,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--capacity", type=_size, metavar="SIZE", help="device capacity, e.g. 24GiB")
     cap.add_argument("--gpu", metavar="NAME", help=f"a named GPU: {', '.join(gpu_names())}")
-    p.add_argument("--gpu-margin-mem-ratio", type=_ratio, default=0.8, metavar="R",
+    p.add_argument("--gpu-margin-mem-ratio", type=ratio, default=0.8, metavar="R",
                    help="share of the GPU margin policies may fill, in [0, 1] (default 0.8)")
     p.add_argument("--policy", default="auto", help="policy the verdict uses (default auto)")
     p.add_argument("--attention", choices=ATTENTION, default="default",

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from memsched import exports
+from memsched.commands.argtypes import positive_int
 from memsched.report import render_report
 from tracer.timeline import MemoryTimeline
 
@@ -21,15 +22,6 @@ from tracer.timeline import MemoryTimeline
 EXPORT_OPTIONS = {"perfetto": "perfetto", "memory_viz": "memory_viz", "png": "png"}
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse turns the error into a usage message and exit code 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 def add_export_options(p: argparse.ArgumentParser, *, with_json: bool) -> None:

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from memsched.commands.report import add_export_options, positive_int, write_exports
+from memsched.commands.argtypes import positive_int
+from memsched.commands.report import add_export_options, write_exports
 from memsched.exports import SUFFIXES
 from memsched.report import render_report
 
