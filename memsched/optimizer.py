@@ -73,6 +73,18 @@ def check_hyperparameters(group: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+def indexed_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Param groups as ``torch.optim.Optimizer.state_dict()`` writes them: hyper-parameters plus the
+    parameters' indices, numbered across groups in order."""
+    groups, idx = [], 0
+    for g in param_groups:
+        d = {k: v for k, v in g.items() if k != "params"}
+        d["params"] = list(range(idx, idx + len(g["params"])))
+        idx += len(g["params"])
+        groups.append(d)
+    return groups
+
+
 class HybridAdamW(torch.optim.Optimizer):
     """AdamW whose state lives in chunks placed on the device or the host (see the module docstring).
 
@@ -340,14 +352,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 if c.mixed:
                     st["master_weight"] = c.master_view()[sl].to("cpu", copy=True).view(p.shape)
                 state[i] = st
-        groups = []
-        idx = 0
-        for g in self.param_groups:
-            d = {k: v for k, v in g.items() if k != "params"}
-            d["params"] = list(range(idx, idx + len(g["params"])))
-            idx += len(g["params"])
-            groups.append(d)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": indexed_param_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of :meth:`state_dict` or ``torch.optim.AdamW`` (same parameter order).

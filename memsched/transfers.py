@@ -74,26 +74,22 @@ class Streams:
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor):
         """``dst.copy_(src)`` after the work queued so far on the current stream; returns a CUDA event or
         ``None``."""
-        if not self.cuda:
-            dst.copy_(src)
-            return None
-        self.d2h.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.stream(self.d2h):
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.d2h)
-        return ev
+        return self._copy(self.d2h, dst, src, src.device)
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor):
         """``dst.copy_(src)`` (``src`` pinned host memory) ordered after the current stream's work, so the
         compute buffer is not overwritten while earlier kernels still read it; returns a CUDA event or
         None."""
+        return self._copy(self.h2d, dst, src, dst.device)
+
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device: torch.device):
+        # On a side stream that first waits for the compute stream, so the copy overlaps later compute.
         if not self.cuda:
             dst.copy_(src)
             return None
-        self.h2d.wait_stream(torch.cuda.current_stream(dst.device))
-        with torch.cuda.stream(self.h2d):
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record(self.h2d)
+            ev.record(stream)
         return ev

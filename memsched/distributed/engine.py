@@ -56,6 +56,7 @@ import torch
 from memsched.chunks import Chunk, ChunkStore, ordered_groups, search_chunk_size
 from memsched.distributed.comm import Comm, ZeroCommError
 from memsched.distributed.layout import padded_chunk_numel, param_pieces, shard_range
+from memsched.optimizer import indexed_param_groups
 
 if TYPE_CHECKING:
     from memsched.optimizer import HybridAdamW
@@ -493,13 +494,7 @@ class ZeroEngine:
             if c.mixed:
                 st["master_weight"] = master[off : off + n].clone().view(p.shape)
             state[i] = st
-        groups, idx = [], 0
-        for g in opt.param_groups:
-            d = {k: val for k, val in g.items() if k != "params"}
-            d["params"] = list(range(idx, idx + len(g["params"])))
-            idx += len(g["params"])
-            groups.append(d)
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": indexed_param_groups(opt.param_groups)}
 
     def load_state_dict(self, opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
         """Load a whole (``torch.optim.AdamW``-format) state dict: each rank keeps its pieces. Every rank must
