@@ -26,16 +26,23 @@ store to ``a`` also costs a read of ``a`` on write-allocate caches, which STREAM
 also gives the roof with that traffic counted (16 B per triad element) and the roof from the in-place axpy.
 
 Before timing, every implementation takes two identical untimed steps from the same initial state and its
-params / exp_avg / exp_avg_sq are compared with memsched's (``numerics`` in the result).
+params / exp_avg / exp_avg_sq are compared with memsched's (``numerics`` in the result). After the main loop:
+``threads_study`` (1 thread vs the default), ``layout_study`` (aligned vs staggered flat buffers, several
+allocations) and ``contention_study`` (the same with a busy-loop process competing for a core).
+
+The machine may be shared: every round records the share of the cores that OTHER processes used, and
+``--wait-quiet S`` waits up to S seconds (after the DeepSpeed build) for them to leave before timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import importlib.util
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -256,8 +263,9 @@ def load_deepspeed(fresh_build: bool) -> dict[str, Any]:
         info["error"] = "deepspeed is not installed (benchmark-only peer: pip install deepspeed)"
         return info
     if fresh_build:
-        # Kept for the life of the process: the loaded .so lives there.
+        # Kept for the life of the process (the loaded .so lives there), removed at exit.
         info["extensions_dir"] = tempfile.mkdtemp(prefix="memsched-ds-ext-")
+        atexit.register(shutil.rmtree, info["extensions_dir"], ignore_errors=True)
         os.environ["TORCH_EXTENSIONS_DIR"] = info["extensions_dir"]
     t0 = time.perf_counter()
     try:
@@ -478,35 +486,49 @@ def staggered_buffers(numel: int, count: int, stagger_bytes: int) -> list[torch.
 
 
 def layout_study(
-    numel: int, chunk_numel: int, thread_counts: Sequence[int], repeats: int, stagger_bytes: int = 1088
+    numel: int,
+    chunk_numel: int,
+    thread_counts: Sequence[int],
+    repeats: int,
+    allocations: int = 3,
+    stagger_bytes: int = 1088,
 ) -> dict[str, Any]:
-    """memsched's chunked update over two layouts of the same flat buffers, at each thread count.
+    """memsched's chunked update over freshly allocated flat buffers in two layouts, at each thread count.
 
     ``aligned``: param, grad, exp_avg and exp_avg_sq each in its own large allocation, so all four start at
     the same offset modulo 4 KiB (what separate equal-size chunk buffers get from the allocator).
-    ``staggered``: buffer ``i`` shifted by ``i * stagger_bytes`` (1088 = 1 KiB + one 64 B line by default).
-    The four streams of the aligned layout alias in the low 12 address bits, which can cost a core time in
-    load/store disambiguation ("4K aliasing") when it is not yet bandwidth-bound.
+    ``staggered``: buffer ``i`` shifted by ``i * stagger_bytes`` (1088 = 1 KiB + one 64 B line by default),
+    against aliasing of the four streams in the low 12 address bits ("4K aliasing").
+    Each layout is allocated ``allocations`` times (one aligned/staggered pair at a time, interleaved), so the
+    spread between allocations of the SAME layout shows how much of a difference is where the buffers
+    happened to land (physical pages) rather than the layout.
+
+    Returns ``{"aligned": [per-allocation threads_study entry, ...], "staggered": [...], ...}``.
     """
-    layouts: dict[str, list[torch.Tensor]] = {
-        "aligned": staggered_buffers(numel, 4, 0),
-        "staggered": staggered_buffers(numel, 4, stagger_bytes),
-    }
+    out: dict[str, Any] = {"aligned": [], "staggered": [], "address_mod_4096": {}}
     gen = torch.Generator().manual_seed(1)
-    impls = []
-    for name, (p, g, m, v) in layouts.items():
-        p.copy_(torch.randn(numel, generator=gen) * 0.02)
-        g.copy_(torch.randn(numel, generator=gen) * 1e-3)
-        m.zero_()
-        v.zero_()
-        impl = memsched_impl(FlatState(p, m, v), g, chunk_numel)
-        impl.name = name
-        impl.step()  # warm
-        impls.append(impl)
-    out = threads_study(impls, thread_counts, repeats)
-    out["address_mod_4096"] = {name: [t.data_ptr() % 4096 for t in bufs] for name, bufs in layouts.items()}
-    out["stagger_bytes"] = stagger_bytes
-    out["repeats"] = repeats
+    for _ in range(allocations):
+        layouts = {
+            "aligned": staggered_buffers(numel, 4, 0),
+            "staggered": staggered_buffers(numel, 4, stagger_bytes),
+        }
+        impls = []
+        for name, (p, g, m, v) in layouts.items():
+            p.copy_(torch.randn(numel, generator=gen) * 0.02)
+            g.copy_(torch.randn(numel, generator=gen) * 1e-3)
+            m.zero_()
+            v.zero_()
+            impl = memsched_impl(FlatState(p, m, v), g, chunk_numel)
+            impl.name = name
+            impl.step()  # warm
+            impls.append(impl)
+            out["address_mod_4096"][name] = [t.data_ptr() % 4096 for t in (p, g, m, v)]
+        study = threads_study(impls, thread_counts, repeats)
+        for name in layouts:
+            out[name].append(study[name])
+        del layouts, impls
+        gc.collect()
+    out.update(stagger_bytes=stagger_bytes, repeats=repeats, allocations=allocations)
     return out
 
 

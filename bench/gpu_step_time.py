@@ -419,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--size", default=None, help="memsched.models.gpt preset (default: GPT-2 355M shapes)")
     for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
         ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=int, default=None)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10, help="timed steps (10)")
     ap.add_argument(

@@ -132,7 +132,8 @@ def test_cpu_adam_tiny_run_without_deepspeed() -> None:
     }
     assert not psutil.Process().children()  # the busy-loop competitor is gone
     layout = out["layout_study"]
-    assert set(layout["aligned"]) == set(layout["staggered"]) == {"1"}
+    assert len(layout["aligned"]) == len(layout["staggered"]) == layout["allocations"] == 3
+    assert all(set(entry) == {"1"} for entry in layout["aligned"] + layout["staggered"])
     assert layout["address_mod_4096"]["staggered"] != layout["address_mod_4096"]["aligned"]
 
 
