@@ -354,17 +354,18 @@ class HybridAdamW(torch.optim.Optimizer):
                 state[i] = st
         return {"state": state, "param_groups": indexed_param_groups(self.param_groups)}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of :meth:`state_dict` or ``torch.optim.AdamW`` (same parameter order).
+    def validate_state_dict(
+        self, state_dict: dict[str, Any]
+    ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, float]]:
+        """Check a state dict against this optimizer without writing anything.
 
-        Parameters without state get zero moments and step 0. All checks run before anything is written.
+        Returns:
+            the saved state per parameter (keyed by ``id(param)``; parameters without state are absent)
+            and the step count per chunk index.
 
         Raises:
-            ValueError: the group count or sizes differ, a tensor has the wrong shape, a state lacks a key, or
-                parameters of one chunk have different step counts (memsched keeps one per chunk).
+            ValueError: as :meth:`load_state_dict`.
         """
-        if self.sharding is not None:  # [zero] each rank keeps its pieces of the whole state dict
-            return self.sharding.load_state_dict(self, state_dict)
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("optimizer state dict must be a dict with 'state' and 'param_groups'")
         saved_groups = state_dict["param_groups"]
@@ -398,6 +399,21 @@ class HybridAdamW(torch.optim.Optimizer):
                 raise ValueError(f"parameters of chunk {c.index} have different step counts {sorted(vals)}; "
                                  "memsched keeps one step count per chunk")
             steps[c.index] = vals.pop()
+        return per_param, steps
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of :meth:`state_dict` or ``torch.optim.AdamW`` (same parameter order).
+
+        Parameters without state get zero moments and step 0. All checks run before anything is written.
+
+        Raises:
+            ValueError: the group count or sizes differ, a tensor has the wrong shape, a state lacks a key, or
+                parameters of one chunk have different step counts (memsched keeps one per chunk).
+        """
+        if self.sharding is not None:  # [zero] each rank keeps its pieces of the whole state dict
+            return self.sharding.load_state_dict(self, state_dict)
+        per_param, steps = self.validate_state_dict(state_dict)
+        saved_groups = state_dict["param_groups"]
         # ---- write ---------------------------------------------------------------------------------------
         with torch.no_grad(), self.store.alloc.host_context():
             for c in self.store.chunks:

@@ -504,46 +504,7 @@ class ZeroEngine:
             ValueError: as :meth:`HybridAdamW.load_state_dict` (group sizes, shapes, missing keys, mixed
                 steps).
         """
-        from memsched.optimizer import check_hyperparameters
-
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("optimizer state dict must be a dict with 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(opt.param_groups):
-            raise ValueError(
-                f"state dict has {len(saved_groups)} param groups, this optimizer has {len(opt.param_groups)}"
-            )
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError(
-                    f"param group {i} of the state dict has {len(sg['params'])} parameters, this "
-                    f"optimizer's has {len(g['params'])}"
-                )
-            check_hyperparameters({**g, **{k: v for k, v in sg.items() if k != "params"}}, f"param group {i}")
-            for key, p in zip(sg["params"], g["params"], strict=True):
-                st = state_dict["state"].get(key)
-                if not st:
-                    continue
-                for k in ("step", "exp_avg", "exp_avg_sq"):
-                    if k not in st:
-                        raise ValueError(f"state of parameter {opt._name(p)} lacks {k!r}")
-                for k in ("exp_avg", "exp_avg_sq", "master_weight"):
-                    if k in st and tuple(st[k].shape) != tuple(p.shape):
-                        raise ValueError(
-                            f"state {k!r} of parameter {opt._name(p)} has shape "
-                            f"{tuple(st[k].shape)}, expected {tuple(p.shape)}"
-                        )
-                per_param[id(p)] = st
-        steps = {}
-        for c in opt.store.chunks:
-            vals = {float(per_param[id(p)]["step"]) if id(p) in per_param else 0.0 for p in c.params}
-            if len(vals) > 1:
-                raise ValueError(
-                    f"parameters of chunk {c.index} have different step counts {sorted(vals)}; "
-                    "memsched keeps one step count per chunk"
-                )
-            steps[c.index] = vals.pop()
+        per_param, steps = opt.validate_state_dict(state_dict)
         self.wait_fetches()
         with torch.no_grad():
             for c in opt.store.chunks:
@@ -569,7 +530,7 @@ class ZeroEngine:
                 c.init_state(
                     c.placement, opt.store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=steps[c.index]
                 )
-        for sg, g in zip(saved_groups, opt.param_groups, strict=True):
+        for sg, g in zip(state_dict["param_groups"], opt.param_groups, strict=True):
             for k, val in sg.items():
                 if k != "params":
                     g[k] = val
