@@ -28,6 +28,7 @@ def fused_adamw_(
     maximize: bool = False,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    increment_steps: bool = True,
 ) -> None:
     """AdamW step in place over lists of same-device fp32 tensors (flat chunks or shards of them).
 
@@ -35,7 +36,8 @@ def fused_adamw_(
         params, grads, exp_avgs, exp_avg_sqs: equal-length lists; tensor ``i`` of each has the same shape and
             device, dtype float32 (params may be bf16/fp16 only if their grads match).
         steps: one float32 scalar tensor per param (same device), incremented here before the update, as
-            ``torch.optim.AdamW`` does.
+            ``torch.optim.AdamW`` does (unless ``increment_steps`` is False: the caller did it, e.g. because
+            several tensors share one step count).
         grad_scale, found_inf: optional fp16 loss-scaling inputs of the fused kernel (unscale, skip on inf).
 
     Raises:
@@ -43,7 +45,8 @@ def fused_adamw_(
     """
     if not params:
         return
-    torch._foreach_add_(list(steps), 1)
+    if increment_steps:
+        torch._foreach_add_(list(steps), 1)
     torch._fused_adamw_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], list(steps),
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,10 @@ from policies.types import DEVICE, HOST
 DEFAULT_MIN_CHUNKS = 8
 DEFAULT_MAX_CANDIDATES = 512
 STEP_BYTES = 4  # the fp32 step count of a chunk lives next to its moments
+# Elements (64 bytes of fp32: the widest CPU vector torch uses) at which ZeRO aligns parameters in chunks and
+# shard boundaries: torch's CPU fused AdamW computes the last ``numel % vector width`` elements of each tensor
+# on a scalar path with different rounding, so a parameter piece must start on a vector boundary.
+SHARD_ALIGN = 16
 
 
 # ---- bytes per parameter: the one place -------------------------------------------------------------------
@@ -145,23 +149,30 @@ def _as_groups(numels: Sequence[int] | Sequence[Sequence[int]]) -> list[list[int
     return groups
 
 
-def _greedy_waste(groups: list[list[int]], c: int) -> int:
-    waste = 0
+def _aligned(offset: int, align: int) -> int:
+    return -(-offset // align) * align
+
+
+def _greedy_waste(groups: list[list[int]], c: int, align: int = 1) -> int:
+    """Padding elements of the greedy packing into chunks of ``c`` elements (alignment gaps included)."""
+    chunks = total = 0
     for g in groups:
         used = 0
         for n in g:
-            if used + n > c:
-                waste += c - used
-                used = 0
-            used += n
+            start = _aligned(used, align)
+            if start + n > c and used:
+                chunks += 1
+                start = 0
+            used = start + n
+            total += n
         if g:
-            waste += c - used
-    return waste
+            chunks += 1
+    return chunks * c - total
 
 
 def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
                       min_chunks: int = DEFAULT_MIN_CHUNKS,
-                      max_candidates: int = DEFAULT_MAX_CANDIDATES) -> int:
+                      max_candidates: int = DEFAULT_MAX_CANDIDATES, align: int = 1) -> int:
     """Choose the chunk size (elements) that minimises padding, PatrickStar-style (arXiv 2108.05818, 4.1).
 
     Method: parameters are packed greedily in the given order (a new chunk starts when the next parameter does
@@ -174,6 +185,8 @@ def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
 
     Args:
         numels: parameter sizes (elements) in packing order, one flat sequence or one sequence per group.
+        align: every parameter starts at a multiple of ``align`` elements in its chunk (see
+            :func:`build_layout`).
 
     Raises:
         ValueError: a size is not a positive integer, there are no parameters, or ``min_chunks`` /
@@ -189,16 +202,19 @@ def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
     candidates = list(range(lo, hi + 1, step))
     if candidates[-1] != hi:
         candidates.append(hi)
-    return min(candidates, key=lambda c: (_greedy_waste(groups, c), c))
+    return min(candidates, key=lambda c: (_greedy_waste(groups, c, align), c))
 
 
 def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel: int | None = None,
-                 min_chunks: int = DEFAULT_MIN_CHUNKS) -> ChunkLayout:
+                 min_chunks: int = DEFAULT_MIN_CHUNKS, align: int = 1) -> ChunkLayout:
     """Pack parameters (given by their numels, in order, per group) greedily into chunks of one size.
 
     Args:
         numels: parameter sizes (elements), one flat sequence or one sequence per param group.
         chunk_numel: the chunk size (elements); ``None`` = :func:`search_chunk_size`.
+        align: every parameter starts at a multiple of ``align`` elements (ZeRO uses
+            :data:`SHARD_ALIGN`, so that shard boundaries cut parameters where torch's CPU AdamW kernel
+            would also start a vector: bit-exact updates of parameter pieces).
 
     Raises:
         ValueError: bad numels, or ``chunk_numel`` smaller than the largest parameter (names both).
@@ -206,7 +222,7 @@ def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel
     groups = _as_groups(numels)
     largest = max(n for g in groups for n in g)
     if chunk_numel is None:
-        chunk_numel = search_chunk_size(groups, min_chunks=min_chunks)
+        chunk_numel = search_chunk_size(groups, min_chunks=min_chunks, align=align)
     elif isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < largest:
         raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} elements), "
                          f"got {chunk_numel!r}")
@@ -216,16 +232,52 @@ def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel
         cur: list[Slot] = []
         used = 0
         for i, n in enumerate(g):
-            if used + n > chunk_numel:
+            start = _aligned(used, align)
+            if start + n > chunk_numel and cur:
                 chunks.append(tuple(cur))
                 chunk_groups.append(gi)
-                cur, used = [], 0
-            cur.append(Slot(gi, i, len(chunks), used, n))
-            used += n
+                cur, start = [], 0
+            cur.append(Slot(gi, i, len(chunks), start, n))
+            used = start + n
         if cur:
             chunks.append(tuple(cur))
             chunk_groups.append(gi)
     return ChunkLayout(chunk_numel, tuple(chunk_groups), tuple(chunks))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside one rank's piece of a chunk.
+
+    Attributes:
+        param_start: first element of the part, counted in the flattened parameter.
+        chunk_start: the same element's index in the chunk's flat buffers.
+        shard_start: the same element's index in the rank's piece (``chunk_start - lo``).
+        numel: elements of the part (> 0).
+    """
+
+    param_start: int
+    chunk_start: int
+    shard_start: int
+    numel: int
+
+
+def param_pieces(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[Piece | None]:
+    """For each parameter ``(offset, numel)`` of a chunk, its intersection with the piece ``[lo, hi)``
+    (``None`` when it has none). A parameter may straddle two ranks' pieces; it then has a part on each.
+
+    Raises:
+        ValueError: ``lo > hi`` or a range has a negative offset / numel < 1.
+    """
+    if lo > hi or lo < 0:
+        raise ValueError(f"bad piece [{lo}, {hi})")
+    out: list[Piece | None] = []
+    for off, n in ranges:
+        if off < 0 or n < 1:
+            raise ValueError(f"bad parameter range (offset {off}, numel {n})")
+        a, b = max(off, lo), min(off + n, hi)
+        out.append(Piece(a - off, a, a - lo, b - a) if a < b else None)
+    return out
 
 
 def ordered_groups(groups: Sequence[Sequence[torch.Tensor]], order: Sequence[torch.Tensor] | None,
@@ -244,6 +296,12 @@ def ordered_groups(groups: Sequence[Sequence[torch.Tensor]], order: Sequence[tor
 
 
 # ---- runtime ----------------------------------------------------------------------------------------------
+def _graph_task_id() -> int | None:
+    """The id of the autograd graph task (backward pass) running now, where this torch exposes it."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else None
+
+
 class Allocator:
     """Where chunk tensors come from: the compute device, and host memory (pinned when CUDA is present).
 
@@ -274,14 +332,41 @@ class Allocator:
             t.zero_()
         return t
 
-    def empty(self, placement: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.device_empty(numel, dtype) if placement == DEVICE else self.host_empty(numel, dtype)
+    def context(self, placement: str) -> contextlib.AbstractContextManager:
+        """Where work on ``placement``'s tensors runs: host work inside ``host_context``."""
+        return contextlib.nullcontext() if placement == DEVICE else self.host_context()
 
-    def step_tensor(self, placement: str, value: float = 0.0) -> torch.Tensor:
-        dev = self.device if placement == DEVICE else torch.device("cpu")
-        ctx = contextlib.nullcontext() if placement == DEVICE else self.host_context()
-        with ctx:
-            return torch.tensor(float(value), dtype=torch.float32, device=dev)
+    def arena(self, placement: str, parts: Sequence[tuple[str, torch.dtype, int]]) -> dict[str, torch.Tensor]:
+        """One allocation holding several flat tensors (``(name, dtype, numel)``; a numel of 0 gives a 0-d
+        scalar of one element), returned as views by name.
+
+        One allocation per chunk, not one per tensor: PyTorch's pinned-memory cache rounds every allocation up
+        to a power of two, so four or five separate pinned tensors per chunk could cost up to twice the bytes
+        the plan counts (:func:`pinned_bytes` gives the rounded size of the one arena).
+        """
+        sizes = [max(n, 1) * dtype_bytes(dt) for _, dt, n in parts]
+        total = sum(sizes)
+        if placement == DEVICE:
+            raw = torch.empty(total, dtype=torch.uint8, device=self.device)
+        else:
+            with self.host_context():
+                raw = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+        out, off = {}, 0
+        with self.context(placement):
+            for (name, dt, n), size in zip(parts, sizes, strict=True):
+                # Parts are ordered by decreasing element size, so every view is aligned to its dtype.
+                v = raw[off:off + size].view(dt)
+                out[name] = v.reshape(()) if n == 0 else v
+                off += size
+        return out
+
+
+def pinned_bytes(nbytes: int, *, pinned: bool = True) -> int:
+    """Host bytes an allocation of ``nbytes`` really takes: PyTorch's caching host allocator rounds pinned
+    allocations up to the next power of two (unpinned ones are taken as they are), bytes."""
+    if not pinned or nbytes <= 0:
+        return max(0, nbytes)
+    return 1 << (nbytes - 1).bit_length()
 
 
 class Chunk:
@@ -294,9 +379,15 @@ class Chunk:
             the master).
         ``exp_avg``, ``exp_avg_sq``: ``[hi - lo]`` fp32, on the state's side.
         ``step``: fp32 scalar, on the state's side (one step count per chunk).
-        ``host_grad``: ``[hi - lo]`` fp32 host buffer for the D2H copy (host placement only).
-        ``staging``: ``[hi - lo]`` compute-dtype host buffer for the H2D copy (host placement, mixed
-            precision).
+        ``host_grad``: ``[hi - lo]`` fp32 host buffer the CPU update reads its gradients from (host placement
+            only; in fp32 the D2H copy lands there directly).
+        ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the D2H copy
+        of
+            the gradients lands there in the compute dtype and is upcast on the CPU (a D2H that converts dtype
+            would first make an fp32 temporary on the device), and the updated parameters are cast there on
+            the CPU for the H2D copy.
+
+    The optimizer state of one placement is one allocation (:meth:`Allocator.arena`).
     """
 
     def __init__(self, index: int, group: int, numel: int, params: list[torch.nn.Parameter],
@@ -316,9 +407,12 @@ class Chunk:
         self.step: torch.Tensor | None = None
         self.host_grad: torch.Tensor | None = None
         self.staging: torch.Tensor | None = None
-        self.ready = 0  # parameters whose gradient is complete in the current backward
-        self.d2h_version: int | None = None  # grad._version when host_grad was last filled
-        self.d2h_event = None  # CUDA event of the in-flight D2H copy
+        # Parameters whose gradient is complete in the backward pass ``ready_task`` (autograd graph task id):
+        # readiness is per backward pass, so accumulation with a parameter unused in one micro-batch never
+        # declares a chunk ready while that backward still writes into it.
+        self.ready: set[int] = set()
+        self.ready_task: int | None = None
+        self.d2h_event = None  # CUDA event of the in-flight D2H copy of the gradients (at step)
         self.h2d_event = None  # CUDA event of the in-flight H2D copy of the updated parameters
         self.initial_master: torch.Tensor | None = None  # fp32 host values before the first init_state
 
@@ -374,14 +468,17 @@ class Chunk:
     def _alloc_state(self, placement: str, alloc: Allocator) -> dict[str, torch.Tensor | None]:
         n = self.shard_numel
         host = placement == HOST
-        return {
-            "master": alloc.empty(placement, n, torch.float32) if (host or self.mixed) else None,
-            "exp_avg": alloc.empty(placement, n, torch.float32),
-            "exp_avg_sq": alloc.empty(placement, n, torch.float32),
-            "step": alloc.step_tensor(placement),
-            "host_grad": alloc.host_empty(n, torch.float32) if host else None,
-            "staging": alloc.host_empty(n, self.compute_dtype) if (host and self.mixed) else None,
-        }
+        f32 = torch.float32
+        parts = [("exp_avg", f32, n), ("exp_avg_sq", f32, n)]
+        if host or self.mixed:
+            parts.append(("master", f32, n))
+        if host:
+            parts.append(("host_grad", f32, n))
+        parts.append(("step", f32, 0))
+        if host and self.mixed:
+            parts.append(("staging", self.compute_dtype, n))
+        views = alloc.arena(placement, parts)
+        return {k: views.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "step", "host_grad", "staging")}
 
     def _install(self, placement: str, new: dict[str, torch.Tensor | None]) -> None:
         self.placement = placement
@@ -391,7 +488,6 @@ class Chunk:
         self.step = new["step"]
         self.host_grad = new["host_grad"]
         self.staging = new["staging"]
-        self.d2h_version = None
         self.d2h_event = None
 
     def move_to(self, placement: str, alloc: Allocator) -> int:
@@ -427,6 +523,7 @@ class Chunk:
             self.h2d_event = None
 
     def wait_d2h(self) -> None:
+        """Block the host until the chunk's gradient D2H copy is done (``host_grad``/``staging`` hold it)."""
         if self.d2h_event is not None:
             self.d2h_event.synchronize()
             self.d2h_event = None
@@ -442,6 +539,7 @@ class ChunkStore:
         compute_dtype: dtype of the compute and gradient buffers (fp32 masters are kept when it is not fp32).
         chunk_numel: chunk size override (elements); ``None`` = searched.
         on_grads_ready: ``f(chunk)`` called when all of a chunk's gradients are complete in a backward.
+        align: parameters start at multiples of ``align`` elements (:func:`build_layout`).
 
     Raises:
         ValueError: a parameter is on the meta device or the groups are empty.
@@ -449,7 +547,7 @@ class ChunkStore:
 
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
                  compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
-                 on_grads_ready: Callable[[Chunk], None] | None = None) -> None:
+                 on_grads_ready: Callable[[Chunk], None] | None = None, align: int = 1) -> None:
         self.groups = [list(g) for g in groups]
         self.alloc = alloc
         self.compute_dtype = compute_dtype
@@ -458,13 +556,16 @@ class ChunkStore:
         # before the gradient buffers are zeroed.
         self.after_update_cb: Callable[[Chunk], None] | None = None
         self.zero_grad_cb: Callable[[], None] | None = None
+        self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
         for gi, g in enumerate(self.groups):
             for p in g:
                 if p.device.type == "meta":
                     raise ValueError(f"parameter of shape {tuple(p.shape)} in group {gi} is on the meta "
                                      "device: materialise the model (e.g. model.to_empty(device=...)) "
                                      "before attach")
-        self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel)
+        self.align = align
+        self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel,
+                                   align=align)
         self.chunks: list[Chunk] = []
         self.param_chunk: dict[int, Chunk] = {}
         self._hooks: list = []
@@ -475,40 +576,67 @@ class ChunkStore:
 
     # -- building / re-packing ---------------------------------------------------------------------------
     def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
-               keep_initial: bool = True) -> None:
-        """Allocate chunk buffers for ``layout``, copy parameters (and gradients) in, bind them as views."""
+               keep_initial: bool = True, staged: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Allocate chunk buffers for ``layout`` one chunk at a time, copy parameters (and gradients) in and
+        bind them as views at once, so the storage they had is freed before the next chunk is allocated (a
+        model already on the device peaks near its final size plus one chunk, not at three times its
+        parameters).
+
+        On failure (e.g. out of memory) every parameter bound so far gets standalone tensors back, with its
+        values (its ``staged`` host copies when given, else fresh copies), and the error is re-raised: the
+        model is as it was, only its storages are new.
+        """
         new_chunks: list[Chunk] = []
-        with torch.no_grad():
-            for ci, slots in enumerate(layout.chunks):
-                data = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
-                grad = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
-                params = [groups[s.group][s.index] for s in slots]
-                ranges = [(s.offset, s.numel) for s in slots]
-                # Mixed precision: the fp32 master starts from the parameters' full-precision values, not from
-                # their compute-dtype rounding (kept on the host until the optimizer state is made).
-                initial = None
-                if self.compute_dtype != torch.float32 and keep_initial:
-                    initial = self.alloc.host_zeros(layout.chunk_numel, torch.float32)
-                for p, (off, n) in zip(params, ranges, strict=True):
-                    src = p.data
-                    data[off:off + n].copy_(src.reshape(-1))
-                    if initial is not None:
-                        with self.alloc.host_context():
-                            initial[off:off + n].copy_(src.reshape(-1))
-                    if p.grad is not None and p.grad.shape == p.shape:
-                        grad[off:off + n].copy_(p.grad.reshape(-1))
-                c = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad)
-                c.initial_master = initial
-                new_chunks.append(c)
-        # Bind only after every buffer exists: a failed allocation leaves the model untouched.
-        for c in new_chunks:
-            for p, (off, n) in zip(c.params, c.ranges, strict=True):
-                p.data = c.data[off:off + n].view(p.shape)
-                p.grad = c.grad[off:off + n].view(p.shape)
+        try:
+            with torch.no_grad():
+                for ci, slots in enumerate(layout.chunks):
+                    new_chunks.append(self._build_chunk(ci, layout, slots, groups, keep_initial))
+        except BaseException:
+            if staged is not None:
+                self._point_at(staged, [p for c in new_chunks for p in c.params])
+            else:
+                self._unbind(new_chunks)
+            raise
         self.chunks = new_chunks
         self.layout = layout
         self.param_chunk = {id(p): c for c in new_chunks for p in c.params}
         self.param_range = {id(p): r for c in new_chunks for p, r in zip(c.params, c.ranges, strict=True)}
+
+    def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
+                     groups: list[list[torch.nn.Parameter]], keep_initial: bool) -> Chunk:
+        data = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+        grad = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+        params = [groups[s.group][s.index] for s in slots]
+        ranges = [(s.offset, s.numel) for s in slots]
+        # Mixed precision: the fp32 master starts from the parameters' full-precision values, not from their
+        # compute-dtype rounding (kept on the host until the optimizer state is made).
+        initial = None
+        if self.compute_dtype != torch.float32 and keep_initial:
+            initial = self.alloc.host_zeros(layout.chunk_numel, torch.float32)
+        for p, (off, n) in zip(params, ranges, strict=True):
+            src = p.data
+            data[off:off + n].copy_(src.reshape(-1))
+            if initial is not None:
+                with self.alloc.host_context():
+                    initial[off:off + n].copy_(src.reshape(-1))
+            if p.grad is not None and p.grad.shape == p.shape:
+                grad[off:off + n].copy_(p.grad.reshape(-1))
+        for p, (off, n) in zip(params, ranges, strict=True):
+            p.data = data[off:off + n].view(p.shape)
+            p.grad = grad[off:off + n].view(p.shape)
+        c = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad)
+        c.initial_master = initial
+        return c
+
+    def _unbind(self, chunks: Sequence[Chunk]) -> None:
+        """Give the parameters of ``chunks`` standalone copies of their values (newest chunk first, so each
+        chunk's buffers can be freed before the next chunk's copies are made)."""
+        with torch.no_grad():
+            for c in reversed(chunks):
+                for p in c.params:
+                    p.data = p.data.clone()
+                    p.grad = p.grad.clone() if p.grad is not None else None
+                c.data = c.grad = None  # type: ignore[assignment]
 
     def params(self) -> Iterator[torch.nn.Parameter]:
         for g in self.groups:
@@ -520,9 +648,14 @@ class ChunkStore:
 
         Returns ``False`` (and changes nothing) when the layout would be the same, or when parameters with
         different step counts would share a chunk (one step count per chunk).
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): the new chunks do not fit; the old packing is restored
+                first, with every value and optimizer state as it was.
         """
         new_groups = ordered_groups(self.groups, order)
-        layout = build_layout([[p.numel() for p in g] for g in new_groups], chunk_numel=chunk_numel)
+        layout = build_layout([[p.numel() for p in g] for g in new_groups], chunk_numel=chunk_numel,
+                              align=self.align)
         same = (layout.chunk_numel == self.layout.chunk_numel
                 and all(a is b for ga, gb in zip(new_groups, self.groups, strict=True)
                         for a, b in zip(ga, gb, strict=True)))
@@ -533,10 +666,11 @@ class ChunkStore:
         for slots in layout.chunks:
             if len({steps[id(new_groups[s.group][s.index])] for s in slots}) > 1:
                 return False
-        # Stage everything through host memory and free the old device buffers before allocating the new ones,
-        # so re-packing never needs twice the chunk buffers on the device.
+        # Stage everything through host memory and drop every reference to the old chunks before allocating
+        # the new ones, so re-packing needs the device memory of the new chunks only (built one at a time).
         staged: dict[int, tuple[torch.Tensor, ...]] = {}
         side: dict[int, str | None] = {}
+        old_layout, old_groups = self.layout, self.groups
         with torch.no_grad(), self.alloc.host_context():
             for c in self.chunks:
                 c.wait_h2d()
@@ -546,13 +680,39 @@ class ChunkStore:
                 for p, (off, n) in zip(c.params, c.ranges, strict=True):
                     staged[id(p)] = tuple(t[off:off + n] for t in flat)
                     side[id(p)] = c.placement
-                    p.data = staged[id(p)][0].view(p.shape)
-                    p.grad = staged[id(p)][1].view(p.shape)
-        self.chunks = []
-        self._build(layout, new_groups, keep_initial=False)
-        self.groups = new_groups
-        # Optimizer state: each parameter's slice goes into its new chunk, on the old side when the whole new
-        # chunk came from one side, else on the host (the plan moves it afterwards).
+        self._release(staged)
+        try:
+            self._build(layout, new_groups, keep_initial=False, staged=staged)
+            self.groups = new_groups
+            self._restore_state(staged, side, steps)
+        except BaseException:
+            # Put the old packing back from the staged copies (it fitted before), then re-raise.
+            self._release(staged)
+            self._build(old_layout, old_groups, keep_initial=False, staged=staged)
+            self.groups = old_groups
+            self._restore_state(staged, side, steps)
+            raise
+        return True
+
+    @staticmethod
+    def _point_at(staged: dict[int, tuple[torch.Tensor, ...]], params: Iterable[torch.nn.Parameter]) -> None:
+        for p in params:
+            data, grad = staged[id(p)][:2]
+            p.data = data.view(p.shape)
+            p.grad = grad.view(p.shape)
+
+    def _release(self, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """Point every parameter at its staged host copy and forget the chunks (their buffers are freed)."""
+        self._point_at(staged, self.params())
+        for c in self.chunks:
+            c.data = c.grad = None  # type: ignore[assignment]
+            c.master = c.exp_avg = c.exp_avg_sq = c.step = c.host_grad = c.staging = None
+        self.chunks, self.param_chunk, self.param_range = [], {}, {}
+
+    def _restore_state(self, staged: dict[int, tuple[torch.Tensor, ...]], side: dict[int, str | None],
+                       steps: dict[int, float]) -> None:
+        """Optimizer state: each parameter's slice goes into its chunk, on the old side when the whole chunk
+        came from one side, else on the host (the plan moves it afterwards)."""
         with torch.no_grad():
             for c in self.chunks:
                 sides = {side[id(p)] for p in c.params}
@@ -566,7 +726,6 @@ class ChunkStore:
                         exp_avg_sq[off:off + n].copy_(eas)
                 c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                              step=steps[id(c.params[0])])
-        return True
 
     # -- gradients -----------------------------------------------------------------------------------------
     def _grad_hook(self, p: torch.nn.Parameter) -> None:
@@ -574,8 +733,14 @@ class ChunkStore:
         if c is None:
             return
         self.rebind_grad(p, c)
-        c.ready += 1
-        if c.ready % len(c.params) == 0:
+        self.grad_events += 1
+        task = _graph_task_id()
+        if task != c.ready_task:  # a new backward pass
+            c.ready_task, c.ready = task, set()
+        if id(p) in c.ready:
+            return
+        c.ready.add(id(p))
+        if len(c.ready) == len(c.params):
             self.on_grads_ready(c)
 
     def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
@@ -612,8 +777,7 @@ class ChunkStore:
         with torch.no_grad():
             for c in self.chunks:
                 c.grad.zero_()
-                c.ready = 0
-                c.d2h_version = None
+                c.ready, c.ready_task = set(), None
             for p in self.params():
                 c = self.param_chunk[id(p)]
                 view = self.grad_view(p, c)

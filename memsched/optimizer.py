@@ -1,10 +1,15 @@
 """HybridAdamW: AdamW over chunks whose optimizer state lives on the device or in (pinned) host memory.
 
-Idea: DeepSpeed ZeRO-Offload (arXiv 2101.06840: CPU Adam on offloaded state, D2H of gradients overlapped with
-backward, H2D of updated parameters) with PatrickStar's chunk-wise placement (arXiv 2108.05818): a placement
-plan decides per chunk whether its update runs on the device or on the CPU. Every update is
-:func:`memsched.adam.fused_adamw_`; the semantics are those of ``torch.optim.AdamW`` (decoupled weight decay,
-bias correction). One difference by design: the parameters' ``.grad`` are views into the chunks and never
+Idea: DeepSpeed ZeRO-Offload (arXiv 2101.06840: CPU Adam on offloaded state, D2H of gradients, H2D of updated
+parameters) with PatrickStar's chunk-wise placement (arXiv 2108.05818): a placement plan decides per chunk
+whether its update runs on the device or on the CPU. Every update is :func:`memsched.adam.fused_adamw_`, one
+tensor per parameter as in ``torch.optim.AdamW(fused=True)``, whose results it matches bit for bit.
+
+Host chunks' gradients are copied D2H at :meth:`HybridAdamW.step`, not during backward: between backward and
+the step anything may write the gradients (``clip_grad_norm_``, ``p.grad.data.mul_()``, an unscale), and no
+signal says so reliably (version counters do not move under a dispatch mode or through ``.data``). Copying
+once, after all of it, is exact and moves the same bytes with or without clipping; the copies of later chunks
+overlap the CPU update of earlier ones. One difference by design: the parameters' ``.grad`` are views into the chunks and never
 ``None``, so a parameter that received no gradient is updated with a zero gradient (as ``torch.optim.AdamW``
 does after ``zero_grad(set_to_none=False)``): weight decay and momentum still apply.
 """
@@ -20,7 +25,7 @@ from typing import Any
 import torch
 
 from memsched.adam import fused_adamw_
-from memsched.chunks import Chunk, ChunkStore
+from memsched.chunks import Chunk, ChunkStore, param_pieces
 from memsched.precision import LossScaler
 from memsched.transfers import Streams, TransferStats
 from policies.types import DEVICE, HOST
@@ -125,6 +130,7 @@ class HybridAdamW(torch.optim.Optimizer):
         # overflow check.
         self.before_update_callbacks: list[Callable[[], None]] = []
         self.sharding: Any = None
+        self._clip_coefs: list[torch.Tensor] = []  # fp16: clip coefficients applied at the next step
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
 
@@ -137,17 +143,16 @@ class HybridAdamW(torch.optim.Optimizer):
         on the model, ``nn.init``) shows as a change and refreshes the master weights at the next step."""
         self._param_versions = {id(p): p._version for p in self.store.params()}
 
-    def on_grads_ready(self, chunk: Chunk) -> None:
-        """Called by the chunks when all of ``chunk``'s gradients are complete in backward: start its D2H
-        now, so it overlaps the rest of backward (host-placed chunks only)."""
-        if chunk.placement == HOST:
-            self._d2h(chunk)
-
-    def _d2h(self, c: Chunk) -> None:
+    def _start_d2h(self, c: Chunk) -> None:
+        """Copy the gradients of host chunk ``c`` (its shard) to host memory, after all work queued so far on
+        the compute stream: everything that may have written them (backward, gradient reductions, clipping)
+        comes first. Mixed precision copies in the compute dtype into ``staging`` (upcast on the CPU
+        later)."""
+        dst = c.staging if c.staging is not None else c.host_grad
         with self.store.alloc.host_context():
+            c.wait_h2d()  # the previous step's H2D may still read ``staging``
             c.wait_d2h()
-            c.d2h_event = self.streams.copy_d2h(c.host_grad, c.grad[c.lo:c.hi])
-        c.d2h_version = c.grad._version
+            c.d2h_event = self.streams.copy_d2h(dst, c.grad[c.lo:c.hi])
         self.transfers.add_d2h(c.shard_numel * c.grad.element_size())
 
     # ---- step ----------------------------------------------------------------------------------------------
@@ -180,6 +185,15 @@ class HybridAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One AdamW step over all chunks.
 
+        Order (each host chunk's gradients are read once, after everything that may write them):
+        gradient reductions finish (data parallel); fp16 only: one inf/NaN check over the gradients on the
+        device (the loss scale updates, a step with inf/NaN is skipped); the D2H copies of the host chunks'
+        gradients start on the side stream; the device chunks are updated; each host chunk is updated on the
+        CPU as soon as its gradients arrived, and its parameters go back H2D. fp16 gradients are unscaled with
+        the scale of the backward that made them (captured before the scale updates, as
+        ``torch.amp.GradScaler`` does), then clipped by the coefficient of :meth:`clip_grad_norm_`, in fp32,
+        on whichever side updates them.
+
         Everything that can fail is checked before the first in-place write, so a step that raises leaves
         parameters and optimizer state exactly as before it.
 
@@ -210,26 +224,29 @@ class HybridAdamW(torch.optim.Optimizer):
         self._sync_user_param_writes()
         for cb in list(self.before_update_callbacks):  # [zero]
             cb()
-        inv_scale_dev = inv_scale_host = None
+        coefs, self._clip_coefs = self._clip_coefs, []
+        inv_scale = None
         if self.scaler is not None:
-            found = self._check_and_unscale(device_chunks, host_chunks)
-            if found:
+            inv_scale = self.scaler.inv_scale(self.store.alloc.device)  # before the scale updates
+            if self._found_inf(chunks):
                 self.scaler.skipped_steps += 1
                 self._finish_step()
                 return loss
-            inv_scale_dev = self.scaler.inv_scale(self.store.alloc.device)
+        for c in host_chunks:
+            self._start_d2h(c)
         # Device chunks first (the device works while the CPU updates the host chunks).
         for gi, hp in enumerate(hps):
-            self._update_device(gi, hp, [c for c in device_chunks if c.group == gi], inv_scale_dev)
-        for c in host_chunks:
-            self._update_host(c, hps[c.group], inv_scale_host)
+            self._update_device(gi, hp, [c for c in device_chunks if c.group == gi], inv_scale, coefs)
+        if host_chunks:
+            with self.store.alloc.host_context():
+                inv_host = inv_scale.cpu() if inv_scale is not None else None
+                coefs_host = [k.cpu() for k in coefs]
+            for c in host_chunks:
+                self._update_host(c, hps[c.group], inv_host, coefs_host)
         self._finish_step()
         return loss
 
     def _finish_step(self) -> None:
-        if self.scaler is not None:
-            for c in self.store.chunks:
-                c.d2h_version = None  # host gradients were unscaled in place: no longer a plain copy
         self.record_param_versions()
         self.transfers.end_step()
         for cb in list(self.step_end_callbacks):
@@ -249,70 +266,84 @@ class HybridAdamW(torch.optim.Optimizer):
                     if a < b:
                         c.master[a - c.lo:b - c.lo].copy_(c.data[a:b])
 
-    def _ensure_host_grads(self, c: Chunk) -> None:
-        """The host gradient buffer holds the current gradients (re-copied if they changed since the early
-        D2H, e.g. clipped or unscaled in place; copied now if backward never completed the chunk)."""
-        if c.d2h_version != c.grad._version or c.d2h_version is None:
-            self._d2h(c)  # on CUDA the copy stream waits for the work queued so far (clipping, unscaling)
-        with self.store.alloc.host_context():
-            c.wait_d2h()
-
-    def _check_and_unscale(self, device_chunks: list[Chunk], host_chunks: list[Chunk]) -> bool:
-        """fp16: True when any gradient is inf/NaN (the scale backs off and the step is skipped). Host
-        gradient copies are unscaled in place here (they are scratch buffers, not optimizer state)."""
+    def _found_inf(self, chunks: list[Chunk]) -> bool:
+        """fp16: True when any gradient in the (device-resident) gradient buffers is inf/NaN, on any rank; the
+        loss scale backs off (True) or may grow (False). Whole buffers, not only this rank's shards: an inf
+        anywhere skips the step."""
         scaler = self.scaler
         assert scaler is not None
-        dev = self.store.alloc.device
-        found_dev = torch.zeros(1, dtype=torch.float32, device=dev)
-        if device_chunks:
-            # A float32 sum of fp16 values is finite iff every value is (|sum| <= 65504 * numel << fp32 max).
-            sums = torch.stack([c.grad.sum(dtype=torch.float32) for c in device_chunks])
-            found_dev = (~torch.isfinite(sums).all()).float().reshape(1)
-        found_host = torch.zeros(1, dtype=torch.float32)
-        if host_chunks:
-            with self.store.alloc.host_context():
-                for c in host_chunks:
-                    self._ensure_host_grads(c)
-                torch._amp_foreach_non_finite_check_and_unscale_(
-                    [c.host_grad for c in host_chunks], found_host, scaler.inv_scale("cpu"))
-        found = found_dev.cpu() + found_host
+        # A float32 sum of fp16 values is finite iff every value is (|sum| <= 65504 * numel << fp32 max).
+        sums = torch.stack([c.grad.sum(dtype=torch.float32) for c in chunks])
+        found = (~torch.isfinite(sums).all()).float().reshape(1).cpu()
         if self.sharding is not None:  # [zero] skip on every rank when any rank overflowed
             found = self.sharding.reduce_found_inf(found)
-        scaler.update(found.clamp_(max=1.0))
+        scaler.update(found)
         return bool(found.item() > 0)
 
+    @staticmethod
+    def _fp32_grad(g: torch.Tensor, out: torch.Tensor | None, inv_scale: torch.Tensor | None,
+                   coefs: list[torch.Tensor]) -> torch.Tensor:
+        """``g`` as fp32 (into ``out`` when given), unscaled then clipped: the same IEEE operations, in the
+        same order, as GradScaler's unscale and ``clip_grad_norm_`` on fp32 master gradients."""
+        if out is None:
+            out = g.float() if g.dtype != torch.float32 else g
+        elif out is not g:
+            out.copy_(g)
+        if inv_scale is not None:
+            out.mul_(inv_scale)
+        for k in coefs:
+            out.mul_(k)
+        return out
+
+    @staticmethod
+    def _adamw(chunks: list[Chunk], masters: list[torch.Tensor], grads: list[torch.Tensor],
+               hp: dict[str, Any]) -> None:
+        """One fused AdamW call over ``chunks``, given each chunk's fp32 master and gradient of its shard
+        (``[hi - lo]``). The kernel gets one tensor per parameter (per parameter piece of the shard), as
+        ``torch.optim.AdamW`` does: torch's CPU kernel computes the last ``numel % vector width`` elements of
+        each tensor on a scalar path whose rounding differs, so flat chunk-sized tensors would not be
+        bit-exact. The chunks' step counts are incremented once each."""
+        ps, gs, ms, vs, steps = [], [], [], [], []
+        for c, master, grad in zip(chunks, masters, grads, strict=True):
+            for piece in param_pieces(c.ranges, c.lo, c.hi):
+                if piece is None:
+                    continue
+                sl = slice(piece.shard_start, piece.shard_start + piece.numel)
+                ps.append(master[sl])
+                gs.append(grad[sl])
+                ms.append(c.exp_avg[sl])
+                vs.append(c.exp_avg_sq[sl])
+                steps.append(c.step)
+        torch._foreach_add_([c.step for c in chunks], 1)
+        fused_adamw_(ps, gs, ms, vs, steps, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
+                     weight_decay=hp["weight_decay"], maximize=hp["maximize"], increment_steps=False)
+
     def _update_device(self, gi: int, hp: dict[str, Any], chunks: list[Chunk],
-                       inv_scale: torch.Tensor | None) -> None:
+                       inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
         if not chunks:
             return
-        kw = {"lr": hp["lr"], "beta1": hp["beta1"], "beta2": hp["beta2"], "eps": hp["eps"],
-              "weight_decay": hp["weight_decay"], "maximize": hp["maximize"]}
         fp32 = [c for c in chunks if not c.mixed]
         if fp32:  # one fused call over all fp32 device chunks of the group
-            fused_adamw_([c.data[c.lo:c.hi] for c in fp32], [c.grad[c.lo:c.hi] for c in fp32],
-                         [c.exp_avg for c in fp32], [c.exp_avg_sq for c in fp32], [c.step for c in fp32],
-                         **kw)
+            self._adamw(fp32, [c.data[c.lo:c.hi] for c in fp32], [c.grad[c.lo:c.hi] for c in fp32], hp)
             for c in fp32:
                 self.store.after_update(c)
         for c in chunks:
             if not c.mixed:
                 continue
             # One chunk at a time: the fp32 gradient copy is a temporary of one chunk, not of all of them.
-            g = c.grad[c.lo:c.hi].float()
-            if inv_scale is not None:
-                g.mul_(inv_scale)
-            fused_adamw_([c.master], [g], [c.exp_avg], [c.exp_avg_sq], [c.step], **kw)
+            g = self._fp32_grad(c.grad[c.lo:c.hi], None, inv_scale, coefs)
+            self._adamw([c], [c.master], [g], hp)
             del g
             c.data[c.lo:c.hi].copy_(c.master)
             self.store.after_update(c)
 
-    def _update_host(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None) -> None:
+    def _update_host(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,
+                     coefs: list[torch.Tensor]) -> None:
         with self.store.alloc.host_context():
-            self._ensure_host_grads(c)
-            c.wait_h2d()  # the previous H2D must have read master/staging before they are rewritten
-            fused_adamw_([c.master], [c.host_grad], [c.exp_avg], [c.exp_avg_sq], [c.step],
-                         lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                         weight_decay=hp["weight_decay"], maximize=hp["maximize"])
+            c.wait_d2h()
+            src = c.staging if c.staging is not None else c.host_grad
+            self._fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
+            self._adamw([c], [c.master], [c.host_grad], hp)
             src = c.master
             if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
                 c.staging.copy_(c.master)
@@ -322,9 +353,40 @@ class HybridAdamW(torch.optim.Optimizer):
         self.store.after_update(c)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers (the ``.grad`` views stay: they are never set to ``None``) and reset
-        the per-chunk readiness counters."""
+        """Zero the flat gradient buffers (the ``.grad`` views stay: they are never set to ``None``), reset
+        the per-chunk readiness and drop a pending fp16 clip coefficient."""
+        self._clip_coefs = []
         self.store.zero_grad()
+
+    # ---- clipping ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``params`` (the model's trainable parameters, in the model's order) to a
+        total norm of ``max_norm``; returns the total norm before clipping (a float32 scalar on the device).
+
+        Without a loss scale this is ``torch.nn.utils.clip_grad_norm_`` on the gradients in place, so the
+        result is the one the user would get from torch. With fp16 loss scaling it is what GradScaler users
+        get from ``scaler.unscale_(opt); clip_grad_norm_(...)`` on fp32 master gradients: the norms are those
+        of the fp32 unscaled gradients (computed one chunk at a time, never in fp16, so a scaled norm above
+        65504 is no overflow), and the coefficient is applied in fp32 inside :meth:`step` after unscaling
+        (``p.grad`` keeps the scaled fp16 values). Call it after backward and before :meth:`step`.
+        """
+        if self.scaler is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        from memsched.clipping import clip_coefficient, total_norm
+
+        inv = self.scaler.inv_scale(self.store.alloc.device)
+        by_chunk: dict[int, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_chunk.setdefault(self.store.param_chunk[id(p)].index, []).append(p)
+        norms: dict[int, torch.Tensor] = {}
+        for ps in by_chunk.values():  # fp32 temporaries of one chunk at a time
+            grads = [self._fp32_grad(p.grad, None, inv, self._clip_coefs) for p in ps]
+            norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
+        total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
+        self._clip_coefs.append(clip_coefficient(total, max_norm))
+        return total
 
     # ---- state_dict ----------------------------------------------------------------------------------------
     def _param_index(self) -> list[torch.nn.Parameter]:

@@ -56,6 +56,7 @@ def build_problem(
     param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None,
     compute_dtype: torch.dtype | None = None,
     host_capacity_bytes: int | None = None,
+    align: int = 1,
 ) -> tuple[PlacementProblem, ChunkLayout]:
     """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
 
@@ -73,6 +74,8 @@ def build_problem(
         compute_dtype: dtype of the compute parameters; default the parameters' dtype, or bfloat16 when
             ``master_weights`` is set and the parameters are float32.
         host_capacity_bytes: pinned host memory available, bytes (``None`` = unknown).
+        align: parameters start at multiples of ``align`` elements in their chunk (ZeRO:
+            :data:`memsched.chunks.SHARD_ALIGN`).
 
     Returns:
         ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
@@ -84,7 +87,7 @@ def build_problem(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     groups = ordered_groups(trainable_groups(model, param_groups), param_order)
-    layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel)
+    layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel, align=align)
     if compute_dtype is None:
         compute_dtype = groups[0][0].dtype
         if master_weights and compute_dtype == torch.float32:

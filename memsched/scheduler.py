@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -35,10 +36,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import policies
 from memsched.chunks import Allocator, ChunkStore
 from memsched.devices import DeviceSpec, parse_device
+from memsched.first_use import first_use_order, first_use_owners
 from memsched.optimizer import HybridAdamW, hyperparameter_groups
 from memsched.planning import build_problem
 from memsched.precision import LossScaler, check_dtype
-from memsched.simdevice import SimDevice
+from memsched.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.transfers import Streams, TransferStats
 from policies.types import DEVICE, HOST, PlacementPlan
 
@@ -133,7 +135,7 @@ class Scheduler:
                 self.zero.prepare_build([g["params"] for g in groups], chunk_numel, self.device, alloc,
                                         self.compute_dtype, self.zero.chunk_build)
             self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
-                                    chunk_numel=chunk_numel)
+                                    chunk_numel=chunk_numel, align=self.zero.align if self.zero else 1)
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views).
             if self.device.kind != "sim":
                 model.to(tdev)
@@ -154,14 +156,14 @@ class Scheduler:
             self.store, groups, defaults=defaults, streams=self.streams, transfers=self.transfers,
             scaler=self.scaler, capacity_check=self.sim.require if self.sim is not None else None,
             names=self.names)
-        self.store.on_grads_ready_cb = self.optimizer.on_grads_ready
         if self.zero is not None:  # [zero] reductions, fetches, whole state dicts
             self.zero.install(self.store, self.optimizer)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
         self._handles.append(register_optimizer_step_post_hook(self._global_post_hook))
-        if self.streams.cuda:
+        self._wait_handles: list[Any] = []
+        if self.streams.cuda:  # elsewhere copies are synchronous: nothing to wait for
             self._install_h2d_waits()
         self._tracer = None
         try:
@@ -204,22 +206,20 @@ class Scheduler:
         self._stop_tracer()
         self._make_plan()
 
-    def first_use_order(self) -> list[torch.nn.Parameter]:
-        """Trainable parameters in first-use order from the warmup trace (modules in first-call order, each
-        module's own parameters in registration order); empty before the trace exists."""
+    def traced_modules(self) -> list[str]:
+        """Qualified names of the modules whose forward ran in the warmup trace, in first-call order; empty
+        before the trace exists."""
         if self.timeline is None:
             return []
-        order, seen = [], set()
-        for st in self.timeline.module_stats():
-            try:
-                mod = self.model.get_submodule(st.name)
-            except (AttributeError, LookupError):
-                continue
-            for p in mod.parameters(recurse=False):
-                if id(p) in self.store.param_chunk and id(p) not in seen:
-                    seen.add(id(p))
-                    order.append(p)
-        return order
+        return [st.name for st in self.timeline.module_stats()]
+
+    def first_use_order(self) -> list[torch.nn.Parameter]:
+        """Trainable parameters in first-use order from the warmup trace (:mod:`memsched.first_use`: each
+        parameter at the first traced module that may read it, ties in the model's order); empty before the
+        trace exists."""
+        if self.timeline is None:
+            return []
+        return first_use_order(self.model, self.traced_modules(), list(self.store.params()))
 
     def peak_non_model_bytes(self) -> int:
         """Peak non-model data of the warmup trace on the compute device, bytes."""
@@ -230,11 +230,18 @@ class Scheduler:
 
     def _make_plan(self) -> None:
         order = self.first_use_order()
-        if self.zero is not None:  # [zero] re-pack across ranks (state gathered whole, then cut again)
-            self.zero.repack(self.store, order, self.chunk_numel)
-        else:
-            self.store.repack(order, chunk_numel=self.chunk_numel)
+        try:
+            if self.zero is not None:  # [zero] re-pack across ranks (state gathered whole, then cut again)
+                self.zero.repack(self.store, order, self.chunk_numel)
+            else:
+                self.store.repack(order, chunk_numel=self.chunk_numel)
+        except OUT_OF_MEMORY as e:  # the store put the old packing back, values and state intact
+            warnings.warn(f"memsched: re-packing the chunks in first-use order ran out of memory ({e}); the "
+                          "chunks keep their registration-order packing", RuntimeWarning, stacklevel=3)
+        order = [p for g in self.store.groups for p in g]  # the packing in force
         self.optimizer.record_param_versions()
+        if self.streams.cuda:
+            self._install_h2d_waits()
         peak, capacity = self.peak_non_model_bytes(), self.device.capacity_bytes
         if self.zero is not None:  # [zero] every rank plans with the smallest margin over all ranks
             capacity, peak = self.zero.agree_margin_inputs(capacity, peak)
@@ -242,7 +249,7 @@ class Scheduler:
             self.model, peak, capacity,
             gpu_margin_mem_ratio=self.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=self.store.layout.chunk_numel, param_groups=self.store.groups,
-            compute_dtype=self.compute_dtype,
+            compute_dtype=self.compute_dtype, align=self.store.align,
             world_size=self.zero.world if self.zero is not None and self.zero.sharded else 1)
         assert layout == self.store.layout, "planning and chunks disagree on the layout"
         self.problem = problem
@@ -277,30 +284,46 @@ class Scheduler:
             raise
         self.plan = plan
 
-    # ---- CUDA: the next forward of a module waits only for its own chunks' H2D copies ----------------------
+    # ---- the next forward waits for the H2D copies of the parameters it reads
+    # --------------------------------
     def _install_h2d_waits(self) -> None:
-        store = self.store
-        dev = self.device.torch_device
+        """Forward pre-hooks that make the compute stream wait for a chunk's H2D copy before anything may read
+        its parameters: at the first traced module that may read them (:mod:`memsched.first_use`). Before the
+        trace exists (warmup) every module holding chunk parameters waits for all chunks. The state dict of
+        the model waits for all chunks too. Anything else that reads parameters outside a forward (an EMA, a
+        functional call on a submodule) must call :meth:`synchronize` first."""
+        for h in self._wait_handles:
+            h.remove()
+        self._wait_handles = []
+        store, traced = self.store, self.traced_modules()
+        by_module: dict[str, set[int]] = {}
+        if traced:
+            owners = first_use_owners(self.model, traced, list(store.params()))
+            for p in store.params():
+                by_module.setdefault(owners[id(p)], set()).add(store.param_chunk[id(p)].index)
+        else:
+            every = set(range(len(store.chunks)))
+            for name, m in self.model.named_modules():
+                if any(id(p) in store.param_chunk for p in m.parameters(recurse=False)) or name == "":
+                    by_module[name] = every
+        modules = dict(self.model.named_modules())
+        for name, indices in by_module.items():
+            self._wait_handles.append(
+                modules[name].register_forward_pre_hook(self._wait_hook(sorted(indices)), prepend=True))
+        sync = self.model.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize())
+        self._wait_handles.append(sync)
 
-        def wait(module: torch.nn.Module, _args: Any) -> None:
-            stream = torch.cuda.current_stream(dev)
-            for p in module.parameters(recurse=False):
-                c = store.param_chunk.get(id(p))
-                if c is not None and c.h2d_event is not None:
-                    stream.wait_event(c.h2d_event)
-
-        for m in self.model.modules():
-            if any(id(p) in store.param_chunk for p in m.parameters(recurse=False)):
-                self._handles.append(m.register_forward_pre_hook(wait))
+    def _wait_hook(self, indices: list[int]):
+        def wait(_module: torch.nn.Module, _args: Any) -> None:
+            chunks = self.store.chunks
+            self.streams.wait([chunks[i].h2d_event for i in indices])
+        return wait
 
     def synchronize(self) -> None:
         """Make the current stream wait for every pending H2D copy (before reading parameters outside a
-        module's forward, e.g. to save them)."""
-        if self.streams.cuda:
-            stream = torch.cuda.current_stream(self.device.torch_device)
-            for c in self.store.chunks:
-                if c.h2d_event is not None:
-                    stream.wait_event(c.h2d_event)
+        module's forward, e.g. an EMA that reads ``p`` directly). No-op without CUDA (copies are
+        synchronous)."""
+        self.streams.wait([c.h2d_event for c in self.store.chunks])
 
     # ---- training API --------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -310,17 +333,20 @@ class Scheduler:
         loss.backward(**kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the trainable parameters, aware of the fp16 loss scale
-        (clipping scaled gradients to ``max_norm * scale`` is clipping the true ones to ``max_norm``).
-        Returns the total norm of the true (unscaled) gradients."""
-        if self.zero is not None:  # [zero] the global norm over the ranks' gradient pieces
-            scale = float(self.scaler.scale.item()) if self.scaler is not None else 1.0
-            return self.zero.clip_grad_norm_(max_norm, norm_type, scale=scale)
-        params = list(self.store.params())
-        if self.scaler is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        scale = float(self.scaler.scale.item())
-        return torch.nn.utils.clip_grad_norm_(params, max_norm * scale, norm_type) / scale
+        """Clip the gradients of the trainable parameters to a total norm of ``max_norm``, exactly as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` would on one process (with
+        data parallelism: over the averaged gradients); returns the total norm before clipping.
+
+        Under fp16 the gradients hold the loss scale: the norm is that of the fp32 unscaled gradients and the
+        coefficient is applied in fp32 at the step, as with ``GradScaler.unscale_`` then ``clip_grad_norm_``
+        (see :meth:`HybridAdamW.clip_grad_norm_`). Clipping with torch directly is exact too (fp32, bf16),
+        except under fp16, where torch would clip the scaled gradients.
+        """
+        chunked = self.store.param_chunk
+        params = [p for p in self.model.parameters() if id(p) in chunked]
+        if self.zero is not None:  # [zero] the global norm over the averaged gradients
+            return self.zero.clip_grad_norm_(params, max_norm, norm_type)
+        return self.optimizer.clip_grad_norm_(params, max_norm, norm_type)
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """[zero] Gradient accumulation: backward inside the context does not reduce gradients over the ranks;
@@ -348,11 +374,15 @@ class Scheduler:
         self._closed = True
         _ATTACHED.discard(self.model)
         try:
+            for c in self.store.chunks:  # a read right after close() must see the updated parameters
+                c.wait_h2d()
+                c.wait_d2h()
             self._stop_tracer()
         finally:
-            for h in self._handles:
+            for h in [*self._handles, *self._wait_handles]:
                 h.remove()
             self._handles.clear()
+            self._wait_handles.clear()
             self.store.close()
             if self.sim is not None:
                 self.sim.stop()

@@ -27,6 +27,7 @@ from policies.units import format_bytes
 
 # torch.OutOfMemoryError exists from torch 2.5; torch 2.4 has the same class as torch.cuda.OutOfMemoryError.
 _OOM_BASE: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+OUT_OF_MEMORY = _OOM_BASE  # what a CUDA or stand-in allocation raises when the device is full
 
 
 CPU = "cpu"  # the stand-in's tensors are CPU tensors

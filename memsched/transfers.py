@@ -1,9 +1,10 @@
 """H2D/D2H copies between device chunks and their host buffers, and the bytes they move.
 
 On CUDA, copies run non_blocking from/to pinned memory on side streams and are ordered with events (the
-overlap of ZeRO-Offload, arXiv 2101.06840, section 4.2): the D2H of a chunk's gradients starts as soon as the
-chunk's gradients are complete in backward, the H2D of its updated parameters after its CPU update; the next
-forward of a module waits only for the events of its own chunks. Elsewhere (CPU, the stand-in device) copies
+overlap of ZeRO-Offload, arXiv 2101.06840, section 4.2): the D2H of the host chunks' gradients starts at the
+optimizer step, after everything that may write them, and each chunk's CPU update waits for its own copy; the
+H2D of its updated parameters follows its CPU update; the next forward of a module waits only for the events
+of the chunks it may read (:mod:`memsched.first_use`). Elsewhere (CPU, the stand-in device) copies
 are synchronous.
 """
 
@@ -68,6 +69,7 @@ class Streams:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.device = device
         self.d2h = torch.cuda.Stream(device=device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device=device) if self.cuda else None
 
@@ -81,6 +83,16 @@ class Streams:
         compute buffer is not overwritten while earlier kernels still read it; returns a CUDA event or
         None."""
         return self._copy(self.h2d, dst, src, dst.device)
+
+    def wait(self, events) -> None:
+        """Make the current stream wait for ``events`` (``None`` entries skipped). No-op without CUDA."""
+        if not self.cuda:
+            return
+        stream = None
+        for ev in events:
+            if ev is not None:
+                stream = stream or torch.cuda.current_stream(self.device)
+                stream.wait_event(ev)
 
     def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device: torch.device):
         # On a side stream that first waits for the compute stream, so the copy overlaps later compute.

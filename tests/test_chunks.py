@@ -150,7 +150,7 @@ def test_gradients_land_in_the_flat_buffer_and_readiness_fires_once_per_chunk():
     assert torch.allclose(m.mid.weight.grad, ref.mid.weight.grad)
     store.zero_grad()
     assert all(torch.count_nonzero(c.grad) == 0 for c in store.chunks)
-    assert all(c.ready == 0 for c in store.chunks)
+    assert all(not c.ready for c in store.chunks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

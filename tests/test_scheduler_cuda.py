@@ -84,15 +84,16 @@ def test_pinned_host_buffers_streams_and_events():
             assert isinstance(c.h2d_event, torch.cuda.Event)  # the H2D of its updated parameters
         for c in dev:
             assert c.exp_avg.is_cuda and c.step.is_cuda and c.master is None
-        # Backward starts each host chunk's D2H on the side stream as soon as its gradients are complete.
+        # The step copies each host chunk's gradients D2H once, on the side stream, after clipping.
         sched.backward(m(x).pow(2).mean())
-        for c in host:
-            assert c.d2h_version == c.grad._version
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
         assert sched.streams.d2h is not None and sched.streams.h2d is not None
         numel = sum(c.numel for c in host)
         assert sched.transfers.last_h2d_bytes == numel * 4
         sched.optimizer.step()
         assert sched.transfers.last_d2h_bytes == numel * 4
+        for c in host:
+            assert torch.equal(c.host_grad, c.grad.cpu())  # the clipped gradients reached the host
 
 
 def test_bf16_on_cuda_keeps_fp32_masters():

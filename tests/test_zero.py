@@ -53,7 +53,7 @@ def batches(n_steps: int, accum: int) -> list[list[tuple[torch.Tensor, torch.Ten
 def reference(n_steps: int, accum: int, clip: float | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """Single-process torch.optim.AdamW on the global batches (gradients clipped to ``clip`` if given)."""
     model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
     for micro in batches(n_steps, accum):
         for x, y in micro:
             (torch.nn.functional.mse_loss(model(x), y) / accum).backward()

@@ -46,14 +46,13 @@ are cut again.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memsched.chunks import Chunk, ChunkStore, ordered_groups, search_chunk_size
+from memsched.chunks import SHARD_ALIGN, Chunk, ChunkStore, ordered_groups, search_chunk_size
 from memsched.distributed.comm import Comm, ZeroCommError
 from memsched.distributed.layout import padded_chunk_numel, param_pieces, shard_range
 from memsched.optimizer import indexed_param_groups
@@ -106,11 +105,11 @@ class ZeroEngine:
         self.rank, self.world = comm.rank, comm.world
         self.store: ChunkStore | None = None
         self.optimizer: HybridAdamW | None = None
-        self._forward_ready: Any = None
         self._sync = True
         self._warned_accumulation = False
         self._reset_round()
         self._reduced: set[int] = set()  # chunks reduced since the last zero_grad
+        self._flushed_at: int | None = None  # store.grad_events at the last flush
         self._fetches: list[Any] = []
         self.stats = {"reduce_bytes": 0, "fetch_bytes": 0, "reductions": 0, "fetches": 0}
         self.build_stats: dict[str, Any] = {}
@@ -122,10 +121,16 @@ class ZeroEngine:
         return self.stage >= 1
 
     # ---- layout -------------------------------------------------------------------------------------------
+    @property
+    def align(self) -> int:
+        """Alignment of parameters in chunks (elements): :data:`memsched.chunks.SHARD_ALIGN` when the state is
+        sharded (shard boundaries then fall on vector boundaries of every parameter), else 1."""
+        return SHARD_ALIGN if self.sharded else 1
+
     def chunk_numel(self, numel: int) -> int:
         """The chunk size (elements) to use for a wanted ``numel``: padded to a multiple of the world size
-        when the state is sharded."""
-        return padded_chunk_numel(numel, self.world) if self.sharded else numel
+        times :attr:`align` when the state is sharded."""
+        return padded_chunk_numel(numel, self.world * self.align) if self.sharded else numel
 
     def chunk_numel_for(
         self,
@@ -135,7 +140,8 @@ class ZeroEngine:
     ) -> int:
         """Chunk size for packing ``groups`` in ``order``: ``chunk_numel`` or the searched size, padded."""
         if chunk_numel is None:
-            chunk_numel = search_chunk_size([[p.numel() for p in g] for g in ordered_groups(groups, order)])
+            chunk_numel = search_chunk_size([[p.numel() for p in g] for g in ordered_groups(groups, order)],
+                                            align=self.align)
         return self.chunk_numel(chunk_numel)
 
     def piece(self, chunk: Chunk) -> tuple[int, int]:
@@ -168,7 +174,8 @@ class ZeroEngine:
         from memsched.distributed.build import plan_build, stage_params
 
         t0 = time.perf_counter()
-        layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel)
+        layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel,
+                              align=self.align)
         tdev = device.torch_device
         param_bytes = [
             sum(
@@ -199,7 +206,6 @@ class ZeroEngine:
         """Plug into the hook points: gradients ready, after each chunk's update, before the update, end of
         step, zero_grad, state_dict and the fp16 overflow check."""
         self.store, self.optimizer = store, optimizer
-        self._forward_ready = optimizer.on_grads_ready
         store.on_grads_ready_cb = self.on_grads_ready
         store.after_update_cb = self.after_update
         store.zero_grad_cb = self.on_zero_grad
@@ -308,8 +314,6 @@ class ZeroEngine:
                 c.grad[: c.lo].zero_()
                 c.grad[c.hi :].zero_()
         self._reduced.add(c.index)
-        if self._forward_ready is not None:
-            self._forward_ready(c)  # the optimizer's early D2H of the own piece (host-placed chunks)
 
     def _poll(self) -> None:
         while self._pending:
@@ -328,8 +332,13 @@ class ZeroEngine:
         self._reset_round()
 
     def flush(self) -> None:
-        """Before the update: reduce whatever backward did not (in order) and wait for every reduction."""
+        """Before the update (and before clipping): reduce whatever backward did not (in order) and wait for
+        every reduction. A second flush with no backward in between reduces nothing again (the gradients are
+        averaged already; reducing them twice would scale them)."""
+        if self.store is not None and self._flushed_at == self.store.grad_events:
+            return
         self._finish_round()
+        self._flushed_at = self.store.grad_events if self.store is not None else None
 
     def on_zero_grad(self) -> None:
         """Hook, before the gradient buffers are zeroed: no reduction may still be writing into them."""
@@ -337,6 +346,7 @@ class ZeroEngine:
             self._finish_round()
         self._reset_round()
         self._reduced.clear()
+        self._flushed_at = None
 
     # ---- parameters after the update ----------------------------------------------------------------------
     def after_update(self, c: Chunk) -> None:
@@ -380,34 +390,30 @@ class ZeroEngine:
         self.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
         return t.to(found.device)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, scale: float = 1.0) -> torch.Tensor:
-        """Clip the global gradient norm to ``max_norm`` (gradients scaled by ``scale``, the fp16 loss scale);
-        returns the global norm of the unscaled gradients (a float32 scalar on the CPU). A collective."""
+    def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global gradient norm to ``max_norm`` exactly as one process would over the averaged
+        gradients (:meth:`HybridAdamW.clip_grad_norm_` over ``params``, the model's trainable parameters in
+        its order); returns the total norm. A collective: every rank must call it.
+
+        The per-parameter norms need each parameter's whole gradient: stages 0 and 1 all-reduce whole
+        gradients anyway; at stage 2 the reduced shards are all-gathered into the whole gradient buffers first
+        (the bytes of the reduce-scatter once more; memsched keeps those buffers whole in every stage).
+        """
         self.flush()
-        norm_type = float(norm_type)
-        store = self.store
-        pieces = (
-            [c.grad[c.lo : c.hi].float() for c in store.chunks]
-            if self.sharded
-            else [c.grad.float() for c in store.chunks]
-        )
-        if math.isinf(norm_type):
-            local = torch.stack([p.abs().max() for p in pieces]).max().reshape(1)
-            total = local.to(self.comm.device)
-            if self.sharded:
-                self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX, what="gradient norm")
-            total = total.cpu()[0]
-        else:
-            local = torch.stack([p.norm(norm_type) ** norm_type for p in pieces]).sum().reshape(1)
-            total = local.to(self.comm.device)
-            if self.sharded:
-                self.comm.all_reduce(total, what="gradient norm")
-            total = total.cpu()[0] ** (1.0 / norm_type)
-        total = total / scale
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1:
+        if self.stage == 2:
             with torch.no_grad():
-                torch._foreach_mul_([c.grad for c in store.chunks], coef)
+                for c in self.store.chunks:
+                    what = f"gradient gather of chunk {c.index} for clipping"
+                    self.comm.wait(self.comm.all_gather(c.grad, c.grad[c.lo : c.hi], what=what), what)
+                    nbytes = c.grad.numel() * c.grad.element_size()
+                    self.stats["reduce_bytes"] += (self.world - 1) * nbytes // self.world
+        total = self.optimizer.clip_grad_norm_(params, max_norm, norm_type)
+        if self.stage == 2:  # back to "zero outside the own shard", so a later backward reduces right
+            with torch.no_grad():
+                for c in self.store.chunks:
+                    c.grad[: c.lo].zero_()
+                    c.grad[c.hi :].zero_()
         return total
 
     # ---- re-packing at the end of warmup ------------------------------------------------------------------

@@ -12,8 +12,9 @@ All sizes are element counts (numel), never bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from memsched.chunks import Piece, param_pieces  # one parameter's part of a shard: pure chunk arithmetic
+
+__all__ = ["Piece", "padded_chunk_numel", "param_pieces", "shard_range", "shard_state_numel"]
 
 
 def _check_world(world: int) -> int:
@@ -51,41 +52,6 @@ def shard_range(chunk_numel: int, rank: int, world: int) -> tuple[int, int]:
         raise ValueError(f"rank must be an integer in [0, {world}), got {rank!r}")
     s = chunk_numel // world
     return rank * s, (rank + 1) * s
-
-
-@dataclass(frozen=True)
-class Piece:
-    """The part of one parameter inside one rank's piece of a chunk.
-
-    Attributes:
-        param_start: first element of the part, counted in the flattened parameter.
-        chunk_start: the same element's index in the chunk's flat buffers.
-        shard_start: the same element's index in the rank's piece (``chunk_start - lo``).
-        numel: elements of the part (> 0).
-    """
-
-    param_start: int
-    chunk_start: int
-    shard_start: int
-    numel: int
-
-
-def param_pieces(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[Piece | None]:
-    """For each parameter ``(offset, numel)`` of a chunk, its intersection with the piece ``[lo, hi)``
-    (``None`` when it has none). A parameter may straddle two ranks' pieces; it then has a part on each.
-
-    Raises:
-        ValueError: ``lo > hi`` or a range has a negative offset / numel < 1.
-    """
-    if lo > hi or lo < 0:
-        raise ValueError(f"bad piece [{lo}, {hi})")
-    out: list[Piece | None] = []
-    for off, n in ranges:
-        if off < 0 or n < 1:
-            raise ValueError(f"bad parameter range (offset {off}, numel {n})")
-        a, b = max(off, lo), min(off + n, hi)
-        out.append(Piece(a - off, a, a - lo, b - a) if a < b else None)
-    return out
 
 
 def shard_state_numel(chunk_numel: int, n_chunks: int, world: int) -> int:

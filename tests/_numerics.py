@@ -1,0 +1,114 @@
+"""References for the bit-exact numerics tests: what a memsched-wrapped run must equal, step for step.
+
+``Reference`` is plain PyTorch: ``torch.optim.AdamW(fused=True)`` over fp32 parameters (fp32), or over fp32
+master weights copied into a low-precision model before each forward (bf16, fp16), with gradient clipping by
+``torch.nn.utils.clip_grad_norm_`` and, for fp16, GradScaler's semantics (the scale multiplies the loss, the
+gradients are unscaled in fp32 before clipping, a step with inf/NaN is skipped, ``torch._amp_update_scale_``
+grows and backs off the scale).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from memsched.models.gpt import GPT, GPTConfig, lm_loss
+
+LR, WD = 1e-2, 0.1
+
+
+def tiny_gpt(seed: int = 0) -> GPT:
+    """Tied embeddings, nn.MultiheadAttention (reads out_proj's parameters without calling it)."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+
+def gpt_batches(n: int, seed: int = 1, batch: int = 2, seq: int = 16,
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 256, (batch, seq + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return lm_loss(model, *batch)
+
+
+class Reference:
+    """Plain-PyTorch training of a copy of ``model`` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, *, lr: float = LR,
+                 weight_decay: float = WD, growth_interval: int = 2000) -> None:
+        self.dtype = dtype
+        self.model = copy.deepcopy(model)
+        params = list(self.model.parameters())
+        if dtype == torch.float32:
+            self.masters = params
+        else:
+            self.masters = [p.detach().clone().requires_grad_(True) for p in params]
+            self.model.to(dtype)
+        self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay, fused=True)
+        self.scale = torch.full((1,), 2.0**16) if dtype == torch.float16 else None
+        self.tracker = torch.zeros((1,), dtype=torch.int32)
+        self.growth_interval = growth_interval
+        self.skipped = 0
+
+    def sync(self) -> None:
+        """The low-precision model takes the masters' values (rounded)."""
+        if self.dtype != torch.float32:
+            with torch.no_grad():
+                for p, m in zip(self.model.parameters(), self.masters, strict=True):
+                    p.copy_(m)
+
+    def step(self, batch, loss_fn: Callable, clip: float | None) -> None:
+        self._step(batch, loss_fn, clip)
+        self.sync()
+
+    def _step(self, batch, loss_fn: Callable, clip: float | None) -> None:
+        params = list(self.model.parameters())
+        loss = loss_fn(self.model, batch)
+        (loss.float() * self.scale if self.scale is not None else loss).backward()
+        if self.dtype == torch.float32:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            self.opt.step()
+            self.opt.zero_grad()
+            return
+        if self.dtype == torch.bfloat16 and clip is not None:  # clipped in the compute dtype, as users do
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        grads = [p.grad.float() for p in params]
+        self.model.zero_grad()
+        if self.scale is not None:  # GradScaler: unscale in fp32, skip on inf/NaN, then clip
+            found = torch.zeros(1)
+            inv = self.scale.double().reciprocal().float()
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            torch._amp_update_scale_(self.scale, self.tracker, found, 2.0, 0.5, self.growth_interval)
+            if found.item():
+                self.skipped += 1
+                return
+        for m, g in zip(self.masters, grads, strict=True):
+            m.grad = g
+        if self.dtype == torch.float16 and clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.masters, clip)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def assert_same(model: nn.Module, ref: Reference, what: str = "", optimizer=None) -> None:
+    """Parameters (and, given memsched's optimizer in mixed precision, the fp32 masters) equal bit for bit."""
+    pairs = [(n, p, q) for (n, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True)]
+    if optimizer is not None and ref.dtype != torch.float32:
+        state = optimizer.state_dict()["state"]
+        pairs += [(f"master of {n}", state[i]["master_weight"], m)
+                  for i, ((n, _), m) in enumerate(zip(model.named_parameters(), ref.masters, strict=True))]
+    for name, p, q in pairs:
+        assert p.dtype == q.dtype, name
+        if not torch.equal(p.detach(), q.detach()):
+            d = (p.detach().float() - q.detach().float()).abs().max().item()
+            raise AssertionError(f"{what}: {name} differs from the reference (max diff {d:.3g})")
