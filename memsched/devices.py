@@ -25,8 +25,9 @@ class DeviceSpec:
     Attributes:
         kind: ``"cuda"``, ``"cpu"`` or ``"sim"``.
         torch_device: where the tensors live (``cpu`` for ``sim``).
-        capacity_bytes: memory usable by this process, bytes (CUDA: total memory times the per-process memory
-            fraction when one is set; cpu: the machine's memory; sim: the given size).
+        capacity_bytes: memory usable by this process, bytes (CUDA: :func:`usable_bytes` at attach, without
+            the CUDA context and other processes, capped by the per-process memory fraction when one is set;
+            cpu: the machine's memory; sim: the given size).
         name: the device name in traces (``"cuda:0"``, ``"cpu"``, ``"sim"``).
     """
 
@@ -40,17 +41,29 @@ class DeviceSpec:
         return self.kind == "sim"
 
 
+def usable_bytes(total: int, free: int, reserved: int, fraction: float | None = None) -> int:
+    """Device memory this process can still fill, bytes: what is free plus what its own caching allocator
+    holds (``free + reserved``: the CUDA context, other processes and memory held outside the allocator are
+    not usable), and at most ``fraction * total`` when a per-process memory fraction is set."""
+    usable = free + reserved
+    if fraction is not None:
+        usable = min(usable, int(total * fraction))
+    return int(max(0, usable))
+
+
 def cuda_capacity_bytes(device: torch.device) -> int:
-    """Total memory of a CUDA device, times the per-process fraction if one was set
-    (``torch.cuda.set_per_process_memory_fraction``; read where this torch exposes it), bytes."""
-    _free, total = torch.cuda.mem_get_info(device)
+    """:func:`usable_bytes` of a CUDA device now. The per-process fraction
+    (``torch.cuda.set_per_process_memory_fraction``) is read where this torch exposes it (torch >= 2.5 has
+    ``get_per_process_memory_fraction``); with an older torch a fraction set by the user is not seen."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = None
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
     if get_fraction is not None:
         try:
-            total = int(total * float(get_fraction(device)))
+            fraction = float(get_fraction(device))
         except (RuntimeError, TypeError, ValueError):
-            pass
-    return int(total)
+            fraction = None
+    return usable_bytes(int(total), int(free), int(torch.cuda.memory_reserved(device)), fraction)
 
 
 def parse_device(device: str | torch.device | None) -> DeviceSpec:

@@ -9,9 +9,11 @@ Host chunks' gradients are copied D2H at :meth:`HybridAdamW.step`, not during ba
 the step anything may write the gradients (``clip_grad_norm_``, ``p.grad.data.mul_()``, an unscale), and no
 signal says so reliably (version counters do not move under a dispatch mode or through ``.data``). Copying
 once, after all of it, is exact and moves the same bytes with or without clipping; the copies of later chunks
-overlap the CPU update of earlier ones. One difference by design: the parameters' ``.grad`` are views into the chunks and never
-``None``, so a parameter that received no gradient is updated with a zero gradient (as ``torch.optim.AdamW``
-does after ``zero_grad(set_to_none=False)``): weight decay and momentum still apply.
+overlap the CPU update of earlier ones.
+
+One difference by design: the parameters' ``.grad`` are views into the chunks and never ``None``, so a
+parameter that received no gradient is updated with a zero gradient (as ``torch.optim.AdamW`` does after
+``zero_grad(set_to_none=False)``): weight decay and momentum still apply.
 """
 
 from __future__ import annotations

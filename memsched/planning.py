@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups
+from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
 from policies.types import ChunkSpec, PlacementProblem
 
 
@@ -57,6 +57,7 @@ def build_problem(
     compute_dtype: torch.dtype | None = None,
     host_capacity_bytes: int | None = None,
     align: int = 1,
+    pinned: bool = False,
 ) -> tuple[PlacementProblem, ChunkLayout]:
     """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
 
@@ -76,6 +77,9 @@ def build_problem(
         host_capacity_bytes: pinned host memory available, bytes (``None`` = unknown).
         align: parameters start at multiples of ``align`` elements in their chunk (ZeRO:
             :data:`memsched.chunks.SHARD_ALIGN`).
+        pinned: host-placed state lives in pinned memory (a CUDA device): each chunk's host bytes are those
+            of its one pinned allocation as PyTorch's caching host allocator rounds it
+            (:func:`memsched.chunks.pinned_bytes`), not the bytes of its tensors.
 
     Returns:
         ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
@@ -95,7 +99,8 @@ def build_problem(
     shard = math.ceil(layout.chunk_numel / world_size)
     cb = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype, shard_numel=shard,
                      master_weights=master_weights or None)
-    specs = tuple(ChunkSpec(index=i, device_bytes=cb.device_state_bytes, host_bytes=cb.host_state_bytes,
+    host_bytes = pinned_bytes(cb.host_state_bytes, pinned=pinned)
+    specs = tuple(ChunkSpec(index=i, device_bytes=cb.device_state_bytes, host_bytes=host_bytes,
                             numel=layout.chunk_numel) for i in range(layout.n_chunks))
     resident = layout.n_chunks * cb.resident_bytes + resident_extra_bytes(model, groups)
     problem = PlacementProblem(

@@ -108,7 +108,7 @@ class Scheduler:
         # [zero] data parallelism over torch.distributed (memsched.distributed); None with one rank.
         from memsched.distributed import make_engine
         self.zero = make_engine(zero_stage, fetch, process_group, timeout=dist_timeout,
-                                chunk_build=chunk_build)
+                                chunk_build=chunk_build, device=self.device.torch_device)
         if self.zero is not None:
             chunk_numel = self.zero.chunk_numel_for([g["params"] for g in groups], None, chunk_numel)
         self.model = model
@@ -249,7 +249,7 @@ class Scheduler:
             self.model, peak, capacity,
             gpu_margin_mem_ratio=self.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=self.store.layout.chunk_numel, param_groups=self.store.groups,
-            compute_dtype=self.compute_dtype, align=self.store.align,
+            compute_dtype=self.compute_dtype, align=self.store.align, pinned=self.store.alloc.pin,
             world_size=self.zero.world if self.zero is not None and self.zero.sharded else 1)
         assert layout == self.store.layout, "planning and chunks disagree on the layout"
         self.problem = problem

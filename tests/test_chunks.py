@@ -235,3 +235,24 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     assert zero2.chunks[0].device_bytes == -(-layout.chunk_numel // 4) * 8 + 4
     with pytest.raises(ValueError, match="world_size"):
         build_problem(meta, 0, 10**6, world_size=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
+    from memsched.chunks import pinned_bytes
+    from memsched.planning import build_problem
+    from policies.types import HOST
+
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    store = make_store(m, chunk_numel=80, compute_dtype=dtype)
+    c = store.chunks[0]
+    c.init_state(HOST, store.alloc)
+    storages = {t.untyped_storage().data_ptr() for t in c.state_tensors()}
+    assert len(storages) == 1  # master, moments, step, host gradient, staging: one (pinned) allocation
+    cb = chunk_bytes(80, compute_dtype=dtype)
+    assert c.state_tensors()[0].untyped_storage().nbytes() == cb.host_state_bytes == c.state_nbytes()
+    assert pinned_bytes(cb.host_state_bytes) == 1 << (cb.host_state_bytes - 1).bit_length()
+    assert pinned_bytes(1024) == 1024 and pinned_bytes(1025) == 2048
+    assert pinned_bytes(1025, pinned=False) == 1025
+    problem, _ = build_problem(m, 0, 2**30, chunk_numel=80, compute_dtype=dtype, pinned=True)
+    assert {s.host_bytes for s in problem.chunks} == {pinned_bytes(cb.host_state_bytes)}

@@ -133,3 +133,14 @@ def test_step_that_does_not_fit_raises_before_changing_anything():
         after = [t for c in sched.store.chunks for t in (c.data, c.master, c.exp_avg, c.step)]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         assert sched.transfers.steps == 1
+
+
+def test_cuda_capacity_leaves_out_the_context_and_other_processes():
+    from memsched.devices import usable_bytes
+
+    gib = 2**30
+    # 80 GiB card: 1 GiB CUDA context + 9 GiB another process; this process's allocator holds 2 GiB
+    assert usable_bytes(80 * gib, free=68 * gib, reserved=2 * gib) == 70 * gib
+    # a per-process fraction caps it
+    assert usable_bytes(80 * gib, free=68 * gib, reserved=2 * gib, fraction=0.5) == 40 * gib
+    assert usable_bytes(80 * gib, free=10 * gib, reserved=0, fraction=0.5) == 10 * gib

@@ -86,3 +86,42 @@ def test_non_model_peak_is_close_to_the_allocator_peak():
     assert tl.model_data_bytes()["parameter"] == params
     assert tl.model_data_bytes()["gradient"] == params
     assert tl.model_data_bytes()["optimizer_state"] >= 2 * params
+
+
+class _FakeNVML:
+    """NVML that knows some UUIDs and PCI bus ids (handles are the strings themselves)."""
+
+    def __init__(self, uuids=(), buses=()):
+        self.uuids, self.buses = set(uuids), set(buses)
+
+    def nvmlDeviceGetHandleByUUID(self, u):  # noqa: N802 (NVML's name)
+        if u not in self.uuids:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return u
+
+    def nvmlDeviceGetHandleByPciBusId(self, b):  # noqa: N802
+        if b not in self.buses:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return b
+
+
+class _Props:
+    def __init__(self, uuid=None, bus=None):
+        self.uuid = uuid
+        if bus is not None:
+            self.pci_domain_id, self.pci_bus_id, self.pci_device_id = bus
+
+
+def test_nvml_matching_never_guesses_from_an_index():
+    from tracer.cuda_probe import nvml_handle
+
+    # MIG instance: torch's UUID is known to NVML in its MIG- form
+    assert nvml_handle(_FakeNVML({"MIG-abc"}), _Props("abc"), 0, "") == "MIG-abc"
+    # a UUID written in CUDA_VISIBLE_DEVICES for this index
+    assert nvml_handle(_FakeNVML({"MIG-x"}), _Props(None), 1, "GPU-y,MIG-x") == "MIG-x"
+    # PCI bus id when no UUID matches
+    assert nvml_handle(_FakeNVML(buses={"00000000:3B:00.0"}), _Props("zz", (0, 0x3B, 0)), 0, "3") \
+        == "00000000:3B:00.0"
+    # digits in CUDA_VISIBLE_DEVICES and nothing else: refuse rather than pick NVML device 3
+    with pytest.raises(LookupError, match="not guessing"):
+        nvml_handle(_FakeNVML(), _Props(None), 0, "3,1")

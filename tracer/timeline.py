@@ -38,7 +38,7 @@ class Sample:
         bytes: live bytes per category name (see :class:`tracer.Category`) at the sample, in bytes.
         peak_bytes: peak of all live bytes on the device since the previous sample of this device, in bytes.
         peak_non_model_bytes: peak of non-model bytes on the device since the previous sample, in bytes.
-        cuda: on CUDA only: ``allocated``, ``peak_allocated`` (since the previous sample), ``reserved``
+        cuda: on CUDA only: ``allocated``, ``peak_allocated`` (the allocator's high-water mark), ``reserved``
             (caching allocator) and ``nvml_used`` (device-level, all processes), in bytes; else ``None``.
     """
 

@@ -38,6 +38,7 @@ from rich.table import Table
 import policies
 from memsched.chunks import chunk_bytes
 from memsched.commands.argtypes import positive_int, ratio
+from memsched.first_use import first_use_order as order_by_first_use
 from memsched.gpus import get_gpu, gpu_names
 from memsched.models import build_gpt, config_for, count_parameters, lm_loss, sizes
 from memsched.planning import build_problem, resident_extra_bytes, trainable_groups
@@ -114,22 +115,10 @@ class Prediction:
 
 
 def first_use_order(model: torch.nn.Module, timeline: MemoryTimeline) -> list[torch.nn.Parameter]:
-    """Trainable parameters in first-use order: modules in first-call order from the trace, each module's own
-    parameters in registration order; parameters of modules the trace never saw come last."""
-    order: list[torch.nn.Parameter] = []
-    seen: set[int] = set()
-    names = [st.name for st in timeline.module_stats()]
-    for name in names:
-        try:
-            module = model.get_submodule(name)
-        except (AttributeError, LookupError):
-            continue
-        for p in module.parameters(recurse=False):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                order.append(p)
-    order.extend(p for p in model.parameters() if p.requires_grad and id(p) not in seen)
-    return order
+    """Trainable parameters in first-use order (:func:`memsched.first_use.first_use_order` over the modules
+    the trace saw run); parameters of modules the trace never saw go where their first reader is."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return order_by_first_use(model, [st.name for st in timeline.module_stats()], trainable)
 
 
 @contextlib.contextmanager
@@ -292,7 +281,8 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
     master = dtype != torch.float32
     problem, layout = build_problem(model, prediction.peak_non_model_bytes, capacity_bytes,
                                     gpu_margin_mem_ratio=gpu_margin_mem_ratio, master_weights=master,
-                                    param_order=prediction.param_order or None, compute_dtype=dtype)
+                                    param_order=prediction.param_order or None, compute_dtype=dtype,
+                                    pinned=True)  # planned for a CUDA device: host state is pinned
     cb = chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master)
     model_data = {
         "parameter": layout.n_chunks * cb.compute_bytes,

@@ -29,13 +29,15 @@ def make_engine(
     *,
     timeout: float | datetime.timedelta | None = None,
     chunk_build: Any = "auto",
+    device: Any = None,
 ) -> ZeroEngine | None:
     """The engine :func:`memsched.attach` uses: ``None`` when there is one rank (``torch.distributed`` not
     initialised, or a group of size 1), so a world of size 1 behaves exactly as without ZeRO.
 
     Waits for every rank of the group (:meth:`Comm.check_peers`, bounded by ``timeout`` seconds or the group's
     timeout) before returning. ``chunk_build`` (``"auto"``, ``"device"``, ``"cpu"``) says where the chunks are
-    built at attach (:mod:`memsched.distributed.build`); it is kept as ``engine.chunk_build``.
+    built at attach (:mod:`memsched.distributed.build`); it is kept as ``engine.chunk_build``. ``device`` (a
+    ``torch.device``) is the compute device of attach: NCCL collectives run there (see :class:`Comm`).
 
     Raises:
         ValueError: a bad ``zero_stage``/``fetch``/``chunk_build`` (lists the allowed values), a
@@ -44,7 +46,7 @@ def make_engine(
     """
     stage, fetch = check_zero_options(zero_stage, fetch)
     build = check_build_mode(chunk_build)
-    comm = Comm(process_group, timeout=timeout)
+    comm = Comm(process_group, timeout=timeout, device=device)
     if comm.world == 1:
         return None
     comm.check_peers("memsched.attach")

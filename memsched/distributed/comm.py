@@ -60,11 +60,17 @@ class Comm:
             a world size above 1).
         timeout: bound of :meth:`check_peers`, seconds or a timedelta; ``None`` = the group's timeout.
 
+        device: the compute device given to :func:`memsched.attach`. With NCCL, collectives, staging and
+            barriers use it when it is a CUDA device (a rank that did not call ``torch.cuda.set_device`` must
+            not fall back to ``cuda:0``: NCCL would see the same GPU twice, or hang); else the current CUDA
+            device.
+
     Attributes: ``rank``, ``world`` (in ``group``), ``backend``, ``device`` (where tensors must be for the
     backend: CUDA for NCCL, else the CPU).
     """
 
-    def __init__(self, group: Any = None, *, timeout: float | datetime.timedelta | None = None) -> None:
+    def __init__(self, group: Any = None, *, timeout: float | datetime.timedelta | None = None,
+                 device: torch.device | None = None) -> None:
         self.group = group
         self.timeout = as_timedelta(timeout)
         if not (dist.is_available() and dist.is_initialized()):
@@ -76,7 +82,7 @@ class Comm:
             self.world = dist.get_world_size(group)
             self.backend = str(dist.get_backend(group))
         self.nccl = self.backend == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.nccl else torch.device("cpu")
+        self.device = _backend_device(self.nccl, device)
         self._all_gather = _pick("all_gather_single", "all_gather_into_tensor")
         self._reduce_scatter = _pick("reduce_scatter_single", "reduce_scatter_tensor")
         self.reduce_scatter_supported = self._reduce_scatter is not None
@@ -87,7 +93,7 @@ class Comm:
     def guard(self, what: str) -> Iterator[None]:
         """Re-raise a backend failure inside as :class:`ZeroCommError` naming ``what`` and this rank."""
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), self._on_device():
                 # newer torch deprecates the *_tensor collectives; the new names are used where present
                 warnings.simplefilter("ignore", FutureWarning)
                 yield
@@ -99,6 +105,10 @@ class Comm:
                 f"{_first_line(e)}. A peer rank probably died, hung past the process group's timeout "
                 "(init_process_group(timeout=...)), or runs a different model/configuration."
             ) from e
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """NCCL binds a communicator to the current CUDA device: make it this rank's device."""
+        return torch.cuda.device(self.device) if self.nccl else contextlib.nullcontext()
 
     def wait(self, work: Any, what: str) -> None:
         """Wait for an async collective (NCCL: the current stream waits; gloo: the host blocks)."""
@@ -220,8 +230,20 @@ class Comm:
         with self.guard(f"barrier at {what}"):
             if self.backend == "gloo":
                 dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
+            elif self.nccl:
+                dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
                 dist.barrier(group=self.group)
+
+
+def _backend_device(nccl: bool, device: torch.device | None) -> torch.device:
+    """Where the backend's tensors live: this rank's CUDA device for NCCL (the given one when it is CUDA, else
+    the current one), the CPU otherwise."""
+    if not nccl:
+        return torch.device("cpu")
+    if device is not None and device.type == "cuda":
+        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _first_line(e: BaseException) -> str:
