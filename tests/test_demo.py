@@ -48,7 +48,7 @@ def test_stand_in_capacity_gives_auto_a_real_split() -> None:
     from memsched.planning import build_problem
 
     cap = demo.stand_in_capacity("tiny", 8, 64)
-    assert cap % 2**20 == 0
+    assert cap % demo.STAND_IN_GRANULE == 0
     pred = trace_step(gpt_workload("tiny", 8, 64), fake=True, device="cpu")
     problem, _ = build_problem(pred.model, pred.peak_non_model_bytes, cap, param_order=pred.param_order)
     plan = policies.get("auto").plan(problem)

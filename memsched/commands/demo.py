@@ -46,8 +46,12 @@ _OOM: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.O
 STAND_IN_SLACK = 0.01
 
 
+STAND_IN_GRANULE = 64 * 2**10  # bytes
+
+
 def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: float = 0.8) -> int:
-    """Capacity of the stand-in device (bytes, a whole number of MiB) at which ``auto`` offloads about half of
+    """Capacity of the stand-in device (bytes, a whole number of 64 KiB: a MiB is too coarse for the smallest
+    models, where it is several chunks) at which ``auto`` offloads about half of
     the optimizer state of GPT ``size`` trained on ``[batch_size, seq_len]`` batches.
 
     From a fake trace (:func:`memsched.commands.plan.trace_step`) and the placement problem:
@@ -71,7 +75,7 @@ def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_me
     optimizer = sum(c.device_bytes for c in problem.chunks)
     room = optimizer / (2 * gpu_margin_mem_ratio) if gpu_margin_mem_ratio > 0 else 0.0
     capacity = (base + room) / (1 - DEFAULT_RESERVE_FRAC)
-    return int(math.ceil(capacity / 2**20)) * 2**20
+    return int(math.ceil(capacity / STAND_IN_GRANULE)) * STAND_IN_GRANULE
 
 
 def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_len: int,
