@@ -18,14 +18,18 @@ Configurations:
 * ``deepspeed_zero_offload``: DeepSpeed ZeRO stage 2 with ``offload_optimizer: cpu`` (if importable).
 * ``torchao_cpu_offload``: torchao's ``CPUOffloadOptimizer`` around ``torch.optim.AdamW`` (if importable).
 
-Step time is wall-clock from before forward to after the optimizer step, with ``torch.cuda.synchronize()``
-at both ends (so host-side optimizer work and copies are included); the median over ``--steps`` timed steps
-after ``--warmup`` untimed ones (memsched's tracing warmup step among them) is reported with min/max, tokens/s
-and the peak allocated / reserved device memory over the timed steps.
+Timing: after ``--warmup`` untimed steps (memsched's tracing warmup step among them) the ``--steps`` timed
+steps run back to back with ``torch.cuda.synchronize()`` only before the first and after the last, so work
+that one step leaves running (copies, a CPU update) overlaps the next as it would in training, and nothing
+reads the loss inside the window. ``mean_step_s`` is the window divided by the steps (the throughput figure,
+and tokens/s); ``step_time`` summarises the host-side intervals between step returns. The peak allocated /
+reserved device memory over the timed steps is recorded.
 
-The model is :class:`memsched.models.gpt.GPT` when that module is importable, else a small GPT built here
-from torch layers with the same layout (token + position embeddings, pre-norm
-``nn.TransformerEncoderLayer`` blocks with a causal mask, final LayerNorm, tied output projection).
+Numerics: every configuration trains the same model from the same seed on the same batches, so the loss
+trajectories are compared with ``torch_adamw`` (``loss_max_abs_diff``): memsched's must be identical (it is
+bit-exact against ``torch.optim.AdamW(fused=True)``); peers may differ in their last bits.
+
+The model is :class:`memsched.models.gpt.GPT`.
 """
 
 from __future__ import annotations
@@ -118,42 +122,13 @@ def _jsonable(x: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- the model
-class _Gpt(nn.Module):
-    """Fallback GPT (only without :mod:`memsched.models.gpt`): ``forward(idx [B, T] int64) -> logits``."""
-
-    def __init__(self, n_layer: int, n_head: int, n_embd: int, vocab: int, block: int) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, n_embd)
-        self.wpe = nn.Embedding(block, n_embd)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(
-                n_embd, n_head, 4 * n_embd, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
-            )
-            for _ in range(n_layer)
-        )
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.head = nn.Linear(n_embd, vocab, bias=False)
-        self.head.weight = self.wte.weight  # tied, as GPT-2
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
-        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device, dtype=x.dtype)
-        for b in self.blocks:
-            x = b(x, src_mask=mask, is_causal=True)
-        return self.head(self.ln_f(x))
-
-
 def build_model(dims: dict[str, int], device: str) -> tuple[nn.Module, str]:
-    """A GPT with ``dims`` (n_layer, n_head, n_embd, vocab_size, block_size) on ``device``, and its source."""
-    if importlib.util.find_spec("memsched.models.gpt") is not None:
-        from memsched.models.gpt import GPT, GPTConfig
+    """A :class:`memsched.models.gpt.GPT` with ``dims`` (n_layer, n_head, n_embd, vocab_size, block_size) on
+    ``device``, and its source."""
+    from memsched.models.gpt import GPT, GPTConfig
 
-        with torch.device(device):
-            return GPT(GPTConfig(**dims)), "memsched.models.gpt.GPT"
     with torch.device(device):
-        model = _Gpt(dims["n_layer"], dims["n_head"], dims["n_embd"], dims["vocab_size"], dims["block_size"])
-    return model, "bench.gpu_step_time._Gpt"
+        return GPT(GPTConfig(**dims)), "memsched.models.gpt.GPT"
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -199,7 +174,7 @@ def _setup_memsched(model: nn.Module, spec: str, cfg: dict[str, Any]) -> tuple[C
 def _setup_torch_adamw(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[..., None], dict]:
     model.to(cfg["device"])
     opt = torch.optim.AdamW(
-        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=torch.device(cfg["device"]).type == "cuda"
+        model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True
     )
 
     def step(loss: torch.Tensor) -> None:
@@ -293,23 +268,32 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
         x = torch.randint(vocab, (cfg["batch"], cfg["seq"]), generator=g).to(cfg["device"])
         y = torch.randint(vocab, (cfg["batch"], cfg["seq"]), generator=g).to(cfg["device"])
         sync = torch.cuda.synchronize if cuda else (lambda: None)
-        times, losses = [], []
-        for i in range(cfg["warmup"] + cfg["steps"]):
-            if cuda and i == cfg["warmup"]:
-                torch.cuda.reset_peak_memory_stats()
-            sync()
-            t0 = time.perf_counter()
+        losses = []
+        for _ in range(cfg["warmup"]):
             loss = lm_loss(model, x, y)
             step(loss)
-            sync()
-            if i >= cfg["warmup"]:
-                times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
+        sync()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        start = prev = time.perf_counter()
+        for _ in range(cfg["steps"]):  # no synchronisation and no loss read inside the window
+            loss = lm_loss(model, x, y)
+            step(loss)
+            losses.append(loss.detach())
+            now = time.perf_counter()
+            times.append(now - prev)
+            prev = now
+        sync()
+        window = time.perf_counter() - start
         out.update(
             status="ok",
             step_time=summarize(times),
-            losses=losses,
-            tokens_per_s=cfg["batch"] * cfg["seq"] / statistics.median(times),
+            window_s=window,
+            mean_step_s=window / cfg["steps"],
+            losses=[float(v) for v in losses],
+            tokens_per_s=cfg["batch"] * cfg["seq"] * cfg["steps"] / window,
         )
         if cuda:
             out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
@@ -324,6 +308,21 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - a failed configuration is a result (OOM above all), not a crash
         out.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:2000])
     return out
+
+
+def compare_losses(results: list[dict[str, Any]]) -> None:
+    """Add ``loss_max_abs_diff`` (against ``torch_adamw``, else the first successful run) to each successful
+    result, and ``loss_reference``: the same model, seed and batches must give the same losses."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    ref = next((r for r in ok if r["kind"] == "torch_adamw"), ok[0] if ok else None)
+    if ref is None:
+        return
+    label = ref.get("policy") or ref["kind"]
+    for r in ok:
+        n = min(len(r["losses"]), len(ref["losses"]))
+        r["loss_reference"] = label
+        r["loss_max_abs_diff"] = max((abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n],
+                                                                 strict=True)), default=0.0)
 
 
 def run_child(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -449,13 +448,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for cfg in runs:
         r = run_child(cfg, args.timeout)
         label = cfg.get("policy") or cfg["kind"]
-        med = r.get("step_time", {}).get("median_s")
+        mean = r.get("mean_step_s")
         print(
             f"  {label:34s} {r['status']:8s} "
-            + (f"{med * 1e3:9.1f} ms/step" if med else r.get("error", "")[:80]),
+            + (f"{mean * 1e3:9.1f} ms/step" if mean else r.get("error", "")[:80]),
             flush=True,
         )
         results.append(r)
+    compare_losses(results)
     payload = {
         "memory_cap": {
             "method": "torch.cuda.set_per_process_memory_fraction(f) in each configuration's own process",
@@ -464,8 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "device_total_bytes": gpu.total_memory,
         },
         "config": {k: v for k, v in runs[0].items() if k not in ("kind", "policy")} if runs else {},
-        "timing": "wall clock per step (forward + backward + optimizer step), cuda.synchronize at both ends; "
-        "median over the timed steps after the warmup steps",
+        "timing": "timed steps back to back, cuda.synchronize before the first and after the last only; "
+        "mean_step_s = window / steps; step_time = host intervals between step returns",
         "results": results,
     }
     path = write_result(args.name or f"gpu_step_time_{gpu_slug(gpu.name)}", payload)

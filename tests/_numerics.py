@@ -54,8 +54,9 @@ class Reference:
             self.masters = [p.detach().clone().requires_grad_(True) for p in params]
             self.model.to(dtype)
         self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay, fused=True)
-        self.scale = torch.full((1,), 2.0**16) if dtype == torch.float16 else None
-        self.tracker = torch.zeros((1,), dtype=torch.int32)
+        dev = params[0].device
+        self.scale = torch.full((1,), 2.0**16, device=dev) if dtype == torch.float16 else None
+        self.tracker = torch.zeros((1,), dtype=torch.int32, device=dev)
         self.growth_interval = growth_interval
         self.skipped = 0
 
@@ -85,7 +86,7 @@ class Reference:
         grads = [p.grad.float() for p in params]
         self.model.zero_grad()
         if self.scale is not None:  # GradScaler: unscale in fp32, skip on inf/NaN, then clip
-            found = torch.zeros(1)
+            found = torch.zeros(1, device=self.scale.device)
             inv = self.scale.double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
             torch._amp_update_scale_(self.scale, self.tracker, found, 2.0, 0.5, self.growth_interval)

@@ -226,14 +226,34 @@ def test_gpu_step_time_memsched_policy_on_cpu_stand_in() -> None:
     assert r["plan"] is not None and r["transfers"] is not None
 
 
-def test_fallback_model_matches_layout() -> None:
-    m = gpu_step_time._Gpt(n_layer=1, n_head=2, n_embd=16, vocab=32, block=8)
+def test_model_is_memsched_gpt_and_losses_are_compared() -> None:
+    m, source = gpu_step_time.build_model(TINY["dims"], "cpu")
+    assert source == "memsched.models.gpt.GPT"
     logits = m(torch.randint(32, (2, 8)))
     assert logits.shape == (2, 8, 32)
-    assert m.head.weight is m.wte.weight
+    assert m.lm_head.weight is m.wte.weight
+    # memsched and plain fused AdamW: the same losses, to the bit
+    runs = [gpu_step_time.run_one({**TINY, "kind": "torch_adamw"}),
+            gpu_step_time.run_one({**TINY, "kind": "memsched", "policy": "cpu"}),
+            {"kind": "memsched", "policy": "broken", "status": "error"}]
+    gpu_step_time.compare_losses(runs)
+    assert runs[1]["loss_reference"] == "torch_adamw" and runs[1]["loss_max_abs_diff"] == 0.0
+    assert "loss_max_abs_diff" not in runs[2]
 
 
 @pytest.mark.slow
 def test_gpu_step_time_child_process_round_trip() -> None:
     r = gpu_step_time.run_child({**TINY, "kind": "torch_adamw"}, timeout_s=120)
     assert r["status"] == "ok", r
+
+
+def test_gpu_numerics_runs_its_cases_on_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench import gpu_numerics
+
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    assert gpu_numerics.main(["--device", "sim:64MiB", "--policies", "static", "--dtypes", "bf16",
+                              "--steps", "3"]) == 0
+    (out,) = tmp_path.iterdir()
+    result = json.loads(out.read_text())
+    assert result["passed"] == 2 and result["failed"] == 0
+    assert {r["clip_via"] for r in result["results"]} == {"torch", "memsched"}

@@ -256,3 +256,26 @@ def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
     assert pinned_bytes(1025, pinned=False) == 1025
     problem, _ = build_problem(m, 0, 2**30, chunk_numel=80, compute_dtype=dtype, pinned=True)
     assert {s.host_bytes for s in problem.chunks} == {pinned_bytes(cb.host_state_bytes)}
+
+
+def test_building_chunks_of_a_model_already_on_the_device_peaks_near_its_final_size():
+    """Each chunk binds its parameters as soon as it is built, so their old storage is freed before the next
+    chunk is allocated: the peak is the chunks' compute + gradient buffers plus one chunk, not that plus every
+    parameter (about 3x the parameter bytes)."""
+    from tracer.accounting import StorageAccountant
+    from tracer.categories import Category
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(64, 64) for _ in range(16)])
+    param_bytes = sum(p.numel() * 4 for p in m.parameters())
+    peak = [0]
+    acc = StorageAccountant(on_allocate=lambda _d, _n, live: peak.__setitem__(0, max(peak[0], live)))
+    for p in m.parameters():
+        acc.classify(p, Category.PARAMETER)  # the model is "on the device" already
+    with acc:
+        store = make_store(m, chunk_numel=64 * 64 + 64)  # one layer per chunk: 16 chunks
+        final = acc.total_bytes("cpu")
+    acc.close()
+    chunk_bytes_ = 2 * store.layout.chunk_numel * 4  # compute + gradient buffer of one chunk
+    assert final == 2 * store.layout.total_numel * 4  # the old parameter storages are gone
+    assert peak[0] <= final + param_bytes / 16 + chunk_bytes_ < 2.5 * param_bytes
