@@ -192,6 +192,32 @@ def memsched_impl(flat: FlatState, grad: torch.Tensor, chunk_numel: int) -> Impl
     return Impl(f"memsched_chunk{_mi(chunk_numel)}", "adamw", step, state=flat.state, tensors=len(chunks))
 
 
+def memsched_params_impl(flat: FlatState, grad: torch.Tensor, chunk_numel: int,
+                         numels: Sequence[int]) -> Impl:
+    """What ``HybridAdamW`` runs: one :func:`fused_adamw_` call per flat chunk whose tensors are the views of
+    the parameters' pieces inside it (torch's CPU kernel treats the last ``numel % vector width`` elements of
+    each tensor apart, so one tensor per parameter is what makes the update bit-exact against
+    ``torch.optim.AdamW(fused=True)``), one step count per chunk."""
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + n)
+    calls = []
+    for s, n in chunk_bounds(flat.p.numel(), chunk_numel):
+        parts = [(max(a, s), min(b, s + n)) for a, b in zip(starts, starts[1:], strict=False)
+                 if max(a, s) < min(b, s + n)]
+        calls.append(([flat.p[a:b] for a, b in parts], [grad[a:b] for a, b in parts],
+                      [flat.m[a:b] for a, b in parts], [flat.v[a:b] for a, b in parts],
+                      torch.zeros((), dtype=torch.float32)))
+
+    def step() -> None:
+        for ps, gs, ms, vs, t in calls:
+            t.add_(1)
+            fused_adamw_(ps, gs, ms, vs, [t] * len(ps), increment_steps=False, **HYPER)
+
+    tensors = sum(len(c[0]) for c in calls)
+    return Impl(f"memsched_params_chunk{_mi(chunk_numel)}", "adamw", step, state=flat.state, tensors=tensors)
+
+
 def per_param_tensors(
     master_p: torch.Tensor, grad: torch.Tensor, shapes: Sequence[tuple[int, ...]]
 ) -> list[torch.nn.Parameter]:
@@ -385,6 +411,16 @@ def wait_for_quiet(max_wait_s: float, threshold: float = 0.05, window_s: float =
         waited = time.perf_counter() - t0
         if share < threshold or waited >= max_wait_s:
             return {"waited_s": waited, "others_cpu_share": share, "quiet": share < threshold}
+
+
+def bit_exact(ref: Impl, impls: Sequence[Impl], numels: Sequence[int]) -> dict[str, bool]:
+    """Whether each of ``impls`` holds exactly ``ref``'s params, exp_avg and exp_avg_sq (same steps taken)."""
+    def flat(impl: Impl) -> list[torch.Tensor]:
+        assert impl.state is not None
+        return [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in impl.state()]
+
+    want = flat(ref)
+    return {i.name: all(torch.equal(a, b) for a, b in zip(flat(i), want, strict=True)) for i in impls}
 
 
 def check_numerics(ref: Impl, others: Sequence[Impl], numels: Sequence[int]) -> dict[str, Any]:
@@ -604,6 +640,7 @@ def run(
     flat = FlatState.from_master(master_p)
     mem = {c: memsched_impl(flat, grad, c) for c in sizes}
     adamw: list[Impl] = [mem[c] for c in sizes]
+    adamw.append(memsched_params_impl(FlatState.from_master(master_p), grad, min(chunk_numel, numel), numels))
     torch_params = per_param_tensors(master_p, grad, shapes)
     adamw.append(torch_impl("torch_fused", torch_params, fused=True))
     refs: list[Impl] = []
@@ -633,6 +670,9 @@ def run(
         for _ in range(NUMERICS_STEPS):
             impl.step()
     numerics = check_numerics(mem[min(chunk_numel, numel)], others, numels)
+    numerics["bit_exact_vs_torch_fused"] = bit_exact(
+        next(i for i in adamw if i.name == "torch_fused"),
+        [mem[min(chunk_numel, numel)], *[i for i in adamw if i.name.startswith("memsched_params")]], numels)
     log(f"numerics ok={numerics['ok']}")
     for impl in mem.values():  # warm the other chunk partitions too (no new memory is touched)
         impl.step()

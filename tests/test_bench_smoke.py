@@ -99,6 +99,7 @@ def test_cpu_adam_tiny_run_without_deepspeed() -> None:
     expected = {
         "memsched_chunk16384",
         "memsched_chunk4096",
+        "memsched_params_chunk16384",
         "torch_fused",
         "torch_foreach",
         "torch_forloop",
@@ -107,6 +108,8 @@ def test_cpu_adam_tiny_run_without_deepspeed() -> None:
         "axpy",
     }
     assert set(res) == expected
+    # what HybridAdamW runs (one tensor per parameter piece) is bit-exact against torch's fused AdamW
+    assert out["numerics"]["bit_exact_vs_torch_fused"]["memsched_params_chunk16384"] is True
     # All implementations produced the same update as memsched's fused chunks (the check can fail: see above).
     assert out["numerics"]["ok"] is True
     assert {"torch_fused", "torch_foreach", "torch_forloop"} <= set(out["numerics"])
@@ -144,7 +147,8 @@ def test_cpu_adam_main_writes_result(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert rc == 0
     data = json.loads((tmp_path / "smoke.json").read_text())
     assert data["machine"]["torch"] == torch.__version__
-    assert set(data["results"]) == {"memsched_chunk16384", "torch_fused", "triad", "copy", "axpy"}
+    assert set(data["results"]) == {"memsched_chunk16384", "memsched_params_chunk16384", "torch_fused",
+                                    "triad", "copy", "axpy"}
     assert data["threads_study"] == data["contention_study"] == data["layout_study"] == {}
 
 
