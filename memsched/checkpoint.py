@@ -45,14 +45,6 @@ def _no_dist(fn: Any) -> dict[str, bool]:
     return {"no_dist": True} if single and "no_dist" in inspect.signature(fn).parameters else {}
 
 
-def _sharded(sched: Any) -> bool:
-    return sched.zero is not None and sched.zero.sharded
-
-
-def _group(sched: Any) -> Any:
-    return sched.zero.comm.group if sched.zero is not None else None
-
-
 def _local_parts(sched: Any) -> dict[str, list[tuple[int, int, Any, int]]]:
     """``param name -> [(param_start, numel, chunk, shard_start)]`` of the parts this rank holds."""
     store, names = sched.store, sched.names
@@ -86,8 +78,7 @@ def _build(sched: Any, *, fill: bool) -> tuple[dict[str, Any], dict[tuple[str, s
     """The DCP state dict; ``fill`` copies the current values (save), else fresh zero tensors (load). Also
     returns ``(param, key) -> [(local tensor, chunk, shard_start, numel)]`` to write loaded values back."""
     sched.synchronize()
-    if sched.zero is not None:
-        sched.zero.wait_fetches()
+    sched.dp.end_step()
     sd: dict[str, Any] = {}
     for name, t in [*sched.model.named_parameters(), *sched.model.named_buffers()]:
         sd[f"model.{name}"] = t.detach().to("cpu", copy=True) if fill else torch.empty_like(t, device="cpu")
@@ -107,8 +98,8 @@ def _build(sched: Any, *, fill: bool) -> tuple[dict[str, Any], dict[tuple[str, s
                 t = src.detach().to("cpu", copy=True) if fill else torch.zeros(n, dtype=torch.float32)
                 local.append((start, t))
                 back.setdefault((name, key), []).append((t, c, ss, n))
-            if _sharded(sched):
-                sd[f"optim.{name}.{key}"] = _make_sharded(local, numel, dist.get_rank(), _group(sched))
+            if sched.dp.sharded:
+                sd[f"optim.{name}.{key}"] = _make_sharded(local, numel, dist.get_rank(), sched.dp.group)
             else:
                 sd[f"optim.{name}.{key}"] = local[0][1]
     # One JSON string: DCP would flatten a list of dicts into keys of its own.
@@ -145,7 +136,7 @@ def save(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         dcp.save(
-            sd, checkpoint_id=os.fspath(checkpoint_id), process_group=_group(sched), **_no_dist(dcp.save)
+            sd, checkpoint_id=os.fspath(checkpoint_id), process_group=sched.dp.group, **_no_dist(dcp.save)
         )
 
 
@@ -161,7 +152,7 @@ def load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         dcp.load(
-            sd, checkpoint_id=os.fspath(checkpoint_id), process_group=_group(sched), **_no_dist(dcp.load)
+            sd, checkpoint_id=os.fspath(checkpoint_id), process_group=sched.dp.group, **_no_dist(dcp.load)
         )
     opt, store = sched.optimizer, sched.store
     saved_groups = json.loads(sd["optim.param_groups"])

@@ -12,10 +12,10 @@ This module has three layers:
 * pure layout (:func:`search_chunk_size`, :func:`build_layout`) from numels only, so it runs on meta tensors,
 * runtime objects (:class:`Chunk`, :class:`ChunkStore`) that own the tensors.
 
-ZeRO hook points: a chunk's optimizer state covers a shard range ``[lo, hi)`` of the chunk (single
-process: the whole chunk). :meth:`ChunkStore.on_grads_ready` (a reduce-scatter goes there) and
-:meth:`ChunkStore.after_update` (an all-gather goes there) are the two moments a data-parallel extension
-needs; re-packing (:meth:`ChunkStore.repack`) assumes whole-chunk shards, so it runs before sharding.
+Data parallelism: a chunk's optimizer state covers a shard ``[lo, hi)`` of the chunk (one rank: the whole
+chunk). The store tells its :class:`memsched.parallel.DataParallel` when a chunk's gradients are ready (a
+reduce-scatter goes there) and after its update (an all-gather goes there); re-packing
+(:meth:`ChunkStore.repack`) assumes whole-chunk shards, so it runs between unsharding and sharding.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memsched.parallel import DataParallel
 from policies.types import DEVICE, HOST
 
 DEFAULT_MIN_CHUNKS = 8
@@ -539,7 +540,9 @@ class ChunkStore:
         compute_dtype: dtype of the compute and gradient buffers (fp32 masters are kept when it is not fp32).
         chunk_numel: chunk size override (elements); ``None`` = searched.
         on_grads_ready: ``f(chunk)`` called when all of a chunk's gradients are complete in a backward.
-        align: parameters start at multiples of ``align`` elements (:func:`build_layout`).
+        dp: the data parallelism (:class:`memsched.parallel.DataParallel`; default one rank): told when a
+            chunk's gradients are ready, after its update and before gradients are zeroed; its ``align``
+            aligns the parameters in the chunks (:func:`build_layout`).
 
     Raises:
         ValueError: a parameter is on the meta device or the groups are empty.
@@ -547,15 +550,13 @@ class ChunkStore:
 
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
                  compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
-                 on_grads_ready: Callable[[Chunk], None] | None = None, align: int = 1) -> None:
+                 on_grads_ready: Callable[[Chunk], None] | None = None,
+                 dp: DataParallel | None = None) -> None:
         self.groups = [list(g) for g in groups]
         self.alloc = alloc
         self.compute_dtype = compute_dtype
-        self.on_grads_ready_cb = on_grads_ready
-        # [zero] hook points for memsched.distributed (None in a single process): after a chunk's update, and
-        # before the gradient buffers are zeroed.
-        self.after_update_cb: Callable[[Chunk], None] | None = None
-        self.zero_grad_cb: Callable[[], None] | None = None
+        self.dp = dp if dp is not None else DataParallel()
+        self.on_grads_ready_cb = on_grads_ready  # an observer (tests, reports); data parallelism is ``dp``
         self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
         for gi, g in enumerate(self.groups):
             for p in g:
@@ -563,13 +564,14 @@ class ChunkStore:
                     raise ValueError(f"parameter of shape {tuple(p.shape)} in group {gi} is on the meta "
                                      "device: materialise the model (e.g. model.to_empty(device=...)) "
                                      "before attach")
-        self.align = align
+        self.align = self.dp.align
         self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel,
-                                   align=align)
+                                   align=self.align)
         self.chunks: list[Chunk] = []
         self.param_chunk: dict[int, Chunk] = {}
         self._hooks: list = []
         self._build(self.layout, self.groups)
+        self.dp.install(self)
         for g in self.groups:
             for p in g:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
@@ -760,20 +762,18 @@ class ChunkStore:
             p.grad = view
 
     def on_grads_ready(self, chunk: Chunk) -> None:
-        """ZeRO hook point: all of ``chunk``'s gradients are complete (a reduce-scatter goes here)."""
+        """All of ``chunk``'s gradients are complete in this backward (a reduce-scatter goes there)."""
+        self.dp.grads_ready(chunk)
         if self.on_grads_ready_cb is not None:
             self.on_grads_ready_cb(chunk)
 
     def after_update(self, chunk: Chunk) -> None:
-        """ZeRO hook point: ``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes
-        here). Single process: nothing to do."""
-        if self.after_update_cb is not None:  # [zero]
-            self.after_update_cb(chunk)
+        """``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes there)."""
+        self.dp.after_update(chunk)
 
     def zero_grad(self) -> None:
         """Zero the flat gradient buffers, keep the views, reset readiness."""
-        if self.zero_grad_cb is not None:  # [zero] pending gradient reductions finish first
-            self.zero_grad_cb()
+        self.dp.before_zero_grad()  # pending gradient reductions finish first
         with torch.no_grad():
             for c in self.chunks:
                 c.grad.zero_()

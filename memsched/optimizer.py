@@ -18,78 +18,23 @@ parameter that received no gradient is updated with a zero gradient (as ``torch.
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from memsched import optim_state
 from memsched.adam import fused_adamw_
 from memsched.chunks import Chunk, ChunkStore, param_pieces
+from memsched.hyperparams import (  # noqa: F401 (re-exported: memsched.optimizer.check_hyperparameters etc.)
+    adamw_default_keys,
+    check_hyperparameters,
+    hyperparameter_groups,
+    indexed_param_groups,
+)
 from memsched.precision import LossScaler
 from memsched.transfers import Streams, TransferStats
 from policies.types import DEVICE, HOST
-
-
-@functools.cache
-def _adamw_default_keys() -> dict[str, Any]:
-    """The keys of ``torch.optim.AdamW`` groups in this torch (so our state_dict loads there)."""
-    d = dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
-    for k in ("lr", "betas", "eps", "weight_decay"):
-        d.pop(k, None)
-    return d
-
-
-def _real(x: Any) -> float | None:
-    if isinstance(x, torch.Tensor) and x.numel() == 1:
-        x = x.item()
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        return None
-    return float(x)
-
-
-def check_hyperparameters(group: dict[str, Any], where: str) -> dict[str, Any]:
-    """Validate one group's AdamW hyper-parameters; return them as floats.
-
-    Raises:
-        ValueError: lr, eps or weight_decay not a finite number >= 0, betas not two numbers in [0, 1),
-            amsgrad set (unsupported), or maximize not a bool; the message names the group and the value.
-    """
-    out: dict[str, Any] = {}
-    for key in ("lr", "eps", "weight_decay"):
-        v = _real(group.get(key))
-        if v is None or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{where}: {key} must be a finite number >= 0, got {group.get(key)!r}")
-        out[key] = v
-    betas = group.get("betas")
-    try:
-        b1, b2 = (_real(b) for b in betas)
-    except (TypeError, ValueError):
-        b1 = b2 = None
-    if b1 is None or b2 is None or not (0 <= b1 < 1) or not (0 <= b2 < 1):
-        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
-    out["beta1"], out["beta2"] = b1, b2
-    if group.get("amsgrad", False):
-        raise ValueError(f"{where}: amsgrad=True is not supported by memsched (allowed: False)")
-    maximize = group.get("maximize", False)
-    if not isinstance(maximize, bool):
-        raise ValueError(f"{where}: maximize must be True or False, got {maximize!r}")
-    out["maximize"] = maximize
-    return out
-
-
-def indexed_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Param groups as ``torch.optim.Optimizer.state_dict()`` writes them: hyper-parameters plus the
-    parameters' indices, numbered across groups in order."""
-    groups, idx = [], 0
-    for g in param_groups:
-        d = {k: v for k, v in g.items() if k != "params"}
-        d["params"] = list(range(idx, idx + len(g["params"])))
-        idx += len(g["params"])
-        groups.append(d)
-    return groups
 
 
 class HybridAdamW(torch.optim.Optimizer):
@@ -116,7 +61,7 @@ class HybridAdamW(torch.optim.Optimizer):
                  streams: Streams, transfers: TransferStats, scaler: LossScaler | None = None,
                  capacity_check: Callable[[int, str], None] | None = None,
                  names: dict[int, str] | None = None) -> None:
-        full = {**_adamw_default_keys(), **defaults}
+        full = {**adamw_default_keys(), **defaults}
         super().__init__([dict(g) for g in groups], full)
         for i, g in enumerate(self.param_groups):
             check_hyperparameters(g, f"param group {i}")
@@ -126,12 +71,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.scaler = scaler
         self.capacity_check = capacity_check
         self.names = names or {}
-        self.step_end_callbacks: list[Callable[[], None]] = []
-        # [zero] memsched.distributed hook points (empty / None in a single process): callbacks run before the
-        # update (gradient reductions finish there); ``sharding`` gives whole state dicts and a global fp16
-        # overflow check.
-        self.before_update_callbacks: list[Callable[[], None]] = []
-        self.sharding: Any = None
+        self.dp = store.dp  # data parallelism: one rank, or ZeRO (memsched.parallel)
         self._clip_coefs: list[torch.Tensor] = []  # fp16: clip coefficients applied at the next step
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
@@ -224,8 +164,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 view.copy_(g)
             p.grad = view
         self._sync_user_param_writes()
-        for cb in list(self.before_update_callbacks):  # [zero]
-            cb()
+        self.dp.before_update()  # gradient reductions are complete
         coefs, self._clip_coefs = self._clip_coefs, []
         inv_scale = None
         if self.scaler is not None:
@@ -251,8 +190,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def _finish_step(self) -> None:
         self.record_param_versions()
         self.transfers.end_step()
-        for cb in list(self.step_end_callbacks):
-            cb()
+        self.dp.end_step()
 
     def _sync_user_param_writes(self) -> None:
         """Refresh master weights from parameters the user wrote in place since the last step."""
@@ -276,9 +214,7 @@ class HybridAdamW(torch.optim.Optimizer):
         assert scaler is not None
         # A float32 sum of fp16 values is finite iff every value is (|sum| <= 65504 * numel << fp32 max).
         sums = torch.stack([c.grad.sum(dtype=torch.float32) for c in chunks])
-        found = (~torch.isfinite(sums).all()).float().reshape(1).cpu()
-        if self.sharding is not None:  # [zero] skip on every rank when any rank overflowed
-            found = self.sharding.reduce_found_inf(found)
+        found = self.dp.reduce_found_inf((~torch.isfinite(sums).all()).float().reshape(1).cpu())
         scaler.update(found)
         return bool(found.item() > 0)
 
@@ -390,117 +326,31 @@ class HybridAdamW(torch.optim.Optimizer):
         self._clip_coefs.append(clip_coefficient(total, max_norm))
         return total
 
-    # ---- state_dict ----------------------------------------------------------------------------------------
+    # ---- state_dict (one path for any world size: memsched.optim_state) ------------------------------------
     def _param_index(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict[str, Any]:
-        """The format of ``torch.optim.AdamW.state_dict()``: ``state`` maps the parameter index (in
-        param-group order) to ``step`` (float32 scalar), ``exp_avg`` and ``exp_avg_sq`` (fp32, shaped like the
-        parameter), all CPU copies; under mixed precision also ``master_weight`` (fp32, shaped like the
-        parameter). ``param_groups`` hold the hyper-parameters and parameter indices."""
-        if self.sharding is not None:  # [zero] gathered whole from the ranks' pieces (a collective)
-            return self.sharding.state_dict(self)
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        params = self._param_index()
-        with torch.no_grad(), self.store.alloc.host_context():  # host copies: never device memory
-            for i, p in enumerate(params):
-                c = self.store.param_chunk[id(p)]
-                off, n = self.store.param_range[id(p)]
-                sl = slice(off - c.lo, off - c.lo + n)
-                st = {
-                    "step": c.step.detach().to("cpu", copy=True).reshape(()),
-                    "exp_avg": c.exp_avg[sl].to("cpu", copy=True).view(p.shape),
-                    "exp_avg_sq": c.exp_avg_sq[sl].to("cpu", copy=True).view(p.shape),
-                }
-                if c.mixed:
-                    st["master_weight"] = c.master_view()[sl].to("cpu", copy=True).view(p.shape)
-                state[i] = st
-        return {"state": state, "param_groups": indexed_param_groups(self.param_groups)}
+        """The format of ``torch.optim.AdamW.state_dict()`` (:func:`memsched.optim_state.state_dict`); with
+        data parallelism a collective: call it on every rank."""
+        return optim_state.state_dict(self)
 
     def validate_state_dict(
         self, state_dict: dict[str, Any]
     ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, float]]:
-        """Check a state dict against this optimizer without writing anything.
-
-        Returns:
-            the saved state per parameter (keyed by ``id(param)``; parameters without state are absent)
-            and the step count per chunk index.
-
-        Raises:
-            ValueError: as :meth:`load_state_dict`.
-        """
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError("optimizer state dict must be a dict with 'state' and 'param_groups'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer has "
-                             f"{len(self.param_groups)}")
-        for i, (sg, g) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
-            if len(sg["params"]) != len(g["params"]):
-                raise ValueError(f"param group {i} of the state dict has {len(sg['params'])} parameters, "
-                                 f"this optimizer's has {len(g['params'])}")
-            check_hyperparameters({**g, **{k: v for k, v in sg.items() if k != "params"}}, f"param group {i}")
-        saved_state = state_dict["state"]
-        per_param: dict[int, dict[str, torch.Tensor]] = {}
-        for sg, g in zip(saved_groups, self.param_groups, strict=True):
-            for key, p in zip(sg["params"], g["params"], strict=True):
-                st = saved_state.get(key)
-                if st is None or len(st) == 0:
-                    continue
-                for k in ("step", "exp_avg", "exp_avg_sq"):
-                    if k not in st:
-                        raise ValueError(f"state of parameter {self._name(p)} lacks {k!r}")
-                for k in ("exp_avg", "exp_avg_sq", "master_weight"):
-                    if k in st and tuple(st[k].shape) != tuple(p.shape):
-                        raise ValueError(f"state {k!r} of parameter {self._name(p)} has shape "
-                                         f"{tuple(st[k].shape)}, expected {tuple(p.shape)}")
-                per_param[id(p)] = st
-        steps: dict[int, float] = {}
-        for c in self.store.chunks:
-            vals = {float(per_param[id(p)]["step"]) if id(p) in per_param else 0.0 for p in c.params}
-            if len(vals) > 1:
-                raise ValueError(f"parameters of chunk {c.index} have different step counts {sorted(vals)}; "
-                                 "memsched keeps one step count per chunk")
-            steps[c.index] = vals.pop()
-        return per_param, steps
+        """Check a state dict against this optimizer without writing anything
+        (:func:`memsched.optim_state.validate_state_dict`)."""
+        return optim_state.validate_state_dict(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of :meth:`state_dict` or ``torch.optim.AdamW`` (same parameter order).
-
-        Parameters without state get zero moments and step 0. All checks run before anything is written.
+        """Load a state dict of :meth:`state_dict` or ``torch.optim.AdamW`` (same parameter order); with data
+        parallelism every rank loads the same dict and keeps its shards (:func:`memsched.optim_state.load`).
 
         Raises:
             ValueError: the group count or sizes differ, a tensor has the wrong shape, a state lacks a key, or
                 parameters of one chunk have different step counts (memsched keeps one per chunk).
         """
-        if self.sharding is not None:  # [zero] each rank keeps its pieces of the whole state dict
-            return self.sharding.load_state_dict(self, state_dict)
-        per_param, steps = self.validate_state_dict(state_dict)
-        saved_groups = state_dict["param_groups"]
-        # ---- write ---------------------------------------------------------------------------------------
-        with torch.no_grad(), self.store.alloc.host_context():
-            for c in self.store.chunks:
-                c.wait_h2d()
-                for p, (off, n) in zip(c.params, c.ranges, strict=True):
-                    st = per_param.get(id(p))
-                    sl = slice(off - c.lo, off - c.lo + n)
-                    for k, dst in (("exp_avg", c.exp_avg), ("exp_avg_sq", c.exp_avg_sq)):
-                        if st is None:
-                            dst[sl].zero_()
-                        else:
-                            dst[sl].copy_(st[k].reshape(-1))
-                    if c.master is not None:
-                        if st is not None and "master_weight" in st:
-                            c.master[sl].copy_(st["master_weight"].reshape(-1))
-                        else:
-                            c.master[sl].copy_(c.data[off:off + n])
-                c.step.fill_(steps[c.index])
-        for sg, g in zip(saved_groups, self.param_groups, strict=True):
-            for k, v in sg.items():
-                if k != "params":
-                    g[k] = v
-        self.record_param_versions()
+        optim_state.load_state_dict(self, state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only during construction: chunks are built once for the parameters given to
@@ -513,45 +363,3 @@ class HybridAdamW(torch.optim.Optimizer):
             raise RuntimeError("HybridAdamW cannot take new param groups after attach; pass all groups to "
                                "memsched.attach(params=[...])")
         super().add_param_group(param_group)
-
-
-def hyperparameter_groups(params: Iterable[Any] | None, model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Normalise ``params`` (None, an iterable of parameters, or of group dicts) into group dicts with
-    trainable parameters only (frozen ones dropped; tied ones once).
-
-    Raises:
-        ValueError: a group has no ``"params"``, a parameter appears in two groups, or nothing is trainable.
-    """
-    if params is None:
-        raw: list[dict[str, Any]] = [{"params": list(model.parameters())}]
-    else:
-        items = list(params)
-        if items and all(isinstance(x, dict) for x in items):
-            raw = [dict(x) for x in items]
-        elif any(isinstance(x, dict) for x in items):
-            raise ValueError("params must be all parameters or all param-group dicts, not a mix")
-        else:
-            raw = [{"params": items}]
-    seen: set[int] = set()
-    groups = []
-    for i, g in enumerate(raw):
-        if "params" not in g:
-            raise ValueError(f"param group {i} has no 'params' key")
-        ps = g["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        kept = []
-        for p in ps:
-            if not isinstance(p, torch.nn.Parameter):
-                raise ValueError(f"param group {i} holds a {type(p).__name__}, expected nn.Parameter")
-            if id(p) in seen:
-                if any(p is q for q in kept):
-                    continue  # tied twice in one group: once is enough
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} appears in two param groups")
-            if p.requires_grad:
-                seen.add(id(p))
-                kept.append(p)
-        if kept:
-            groups.append({**g, "params": kept})
-    if not groups:
-        raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize")
-    return groups

@@ -38,6 +38,7 @@ from memsched.chunks import Allocator, ChunkStore
 from memsched.devices import DeviceSpec, parse_device
 from memsched.first_use import first_use_order, first_use_owners
 from memsched.optimizer import HybridAdamW, hyperparameter_groups
+from memsched.parallel import DataParallel
 from memsched.planning import build_problem
 from memsched.precision import LossScaler, check_dtype
 from memsched.simdevice import OUT_OF_MEMORY, SimDevice
@@ -105,12 +106,11 @@ class Scheduler:
                 raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} "
                                  f"elements), got {chunk_numel!r}")
         self.chunk_numel = chunk_numel
-        # [zero] data parallelism over torch.distributed (memsched.distributed); None with one rank.
+        # Data parallelism: one rank (memsched.parallel) or ZeRO over torch.distributed (.distributed).
         from memsched.distributed import make_engine
-        self.zero = make_engine(zero_stage, fetch, process_group, timeout=dist_timeout,
-                                chunk_build=chunk_build, device=self.device.torch_device)
-        if self.zero is not None:
-            chunk_numel = self.zero.chunk_numel_for([g["params"] for g in groups], None, chunk_numel)
+        self.dp: DataParallel = make_engine(zero_stage, fetch, process_group, timeout=dist_timeout,
+                                            chunk_build=chunk_build, device=self.device.torch_device)
+        chunk_numel = self.dp.chunk_numel_for([g["params"] for g in groups], None, chunk_numel)
         self.model = model
         self.plan: PlacementPlan | None = None
         self.plan_error: Exception | None = None
@@ -131,18 +131,16 @@ class Scheduler:
                 # Model data made before attach (frozen parameters, buffers) is resident on the stand-in.
                 self.sim.start([t for t in (*model.parameters(), *model.buffers()) if id(t) not in trainable])
             alloc = Allocator(tdev, host_context=self.sim.paused if self.sim is not None else None)
-            if self.zero is not None:  # [zero] each chunk built on the device if it has room, else on the CPU
-                self.zero.prepare_build([g["params"] for g in groups], chunk_numel, self.device, alloc,
-                                        self.compute_dtype, self.zero.chunk_build)
+            self.dp.prepare_build([g["params"] for g in groups], chunk_numel, self.device, alloc,
+                                  self.compute_dtype)
             self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
-                                    chunk_numel=chunk_numel, align=self.zero.align if self.zero else 1)
+                                    chunk_numel=chunk_numel, dp=self.dp)
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views).
             if self.device.kind != "sim":
                 model.to(tdev)
             initial = DEVICE if self.device.kind == "cpu" else HOST
-            if self.zero is not None:  # [zero] rank 0's parameters everywhere; each chunk's own piece
-                self.zero.broadcast_model(model, self.store)
-                self.zero.shard(self.store)
+            self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
+            self.dp.shard(self.store)  # each chunk's own shard
             for c in self.store.chunks:
                 c.init_state(initial, alloc)
         except BaseException:
@@ -156,8 +154,6 @@ class Scheduler:
             self.store, groups, defaults=defaults, streams=self.streams, transfers=self.transfers,
             scaler=self.scaler, capacity_check=self.sim.require if self.sim is not None else None,
             names=self.names)
-        if self.zero is not None:  # [zero] reductions, fetches, whole state dicts
-            self.zero.install(self.store, self.optimizer)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
@@ -172,6 +168,12 @@ class Scheduler:
             self.close()
             raise
         _ATTACHED.add(model)
+
+    @property
+    def zero(self) -> Any:
+        """The :class:`memsched.distributed.ZeroEngine` when there is more than one rank, else ``None`` (the
+        data parallelism itself is :attr:`dp` at every world size)."""
+        return self.dp if self.dp.world > 1 else None
 
     # ---- warmup --------------------------------------------------------------------------------------------
     def _start_tracer(self) -> None:
@@ -231,10 +233,7 @@ class Scheduler:
     def _make_plan(self) -> None:
         order = self.first_use_order()
         try:
-            if self.zero is not None:  # [zero] re-pack across ranks (state gathered whole, then cut again)
-                self.zero.repack(self.store, order, self.chunk_numel)
-            else:
-                self.store.repack(order, chunk_numel=self.chunk_numel)
+            self.dp.repack(self.store, order, self.chunk_numel)
         except OUT_OF_MEMORY as e:  # the store put the old packing back, values and state intact
             warnings.warn(f"memsched: re-packing the chunks in first-use order ran out of memory ({e}); the "
                           "chunks keep their registration-order packing", RuntimeWarning, stacklevel=3)
@@ -243,14 +242,13 @@ class Scheduler:
         if self.streams.cuda:
             self._install_h2d_waits()
         peak, capacity = self.peak_non_model_bytes(), self.device.capacity_bytes
-        if self.zero is not None:  # [zero] every rank plans with the smallest margin over all ranks
-            capacity, peak = self.zero.agree_margin_inputs(capacity, peak)
+        capacity, peak = self.dp.agree_margin_inputs(capacity, peak)  # the smallest margin over the ranks
         problem, layout = build_problem(
             self.model, peak, capacity,
             gpu_margin_mem_ratio=self.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=self.store.layout.chunk_numel, param_groups=self.store.groups,
             compute_dtype=self.compute_dtype, align=self.store.align, pinned=self.store.alloc.pin,
-            world_size=self.zero.world if self.zero is not None and self.zero.sharded else 1)
+            world_size=self.dp.world if self.dp.sharded else 1)
         assert layout == self.store.layout, "planning and chunks disagree on the layout"
         self.problem = problem
         if self.device.kind == "cpu":
@@ -266,8 +264,7 @@ class Scheduler:
             self.plan_error = e
             raise policies.PlacementError(
                 f"{e} (the warmup step itself completed; the optimizer state stays on the host)") from e
-        if self.zero is not None:  # [zero] same plan on every rank, or the collectives would not match
-            self.zero.check_same("placement plan", tuple(plan.placement))
+        self.dp.check_same("placement plan", tuple(plan.placement))  # or the collectives would not match
         self._apply(plan)
 
     def _apply(self, plan: PlacementPlan) -> None:
@@ -344,15 +341,13 @@ class Scheduler:
         """
         chunked = self.store.param_chunk
         params = [p for p in self.model.parameters() if id(p) in chunked]
-        if self.zero is not None:  # [zero] the global norm over the averaged gradients
-            return self.zero.clip_grad_norm_(params, max_norm, norm_type)
-        return self.optimizer.clip_grad_norm_(params, max_norm, norm_type)
+        return self.dp.clip_grad_norm_(lambda: self.optimizer.clip_grad_norm_(params, max_norm, norm_type))
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """[zero] Gradient accumulation: backward inside the context does not reduce gradients over the ranks;
         the next backward outside it (or the step) does, once (like DDP's ``no_sync``). A no-op with one rank.
         See :mod:`memsched.distributed.engine` for the memory cost."""
-        return self.zero.no_sync() if self.zero is not None else contextlib.nullcontext()
+        return self.dp.no_sync()
 
     @property
     def transfers_dict(self) -> dict[str, int]:

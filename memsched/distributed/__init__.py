@@ -20,6 +20,7 @@ from memsched.distributed.engine import (
     check_zero_options,
 )
 from memsched.distributed.layout import padded_chunk_numel, param_pieces, shard_range, shard_state_numel
+from memsched.parallel import DataParallel
 
 
 def make_engine(
@@ -30,9 +31,10 @@ def make_engine(
     timeout: float | datetime.timedelta | None = None,
     chunk_build: Any = "auto",
     device: Any = None,
-) -> ZeroEngine | None:
-    """The engine :func:`memsched.attach` uses: ``None`` when there is one rank (``torch.distributed`` not
-    initialised, or a group of size 1), so a world of size 1 behaves exactly as without ZeRO.
+) -> DataParallel:
+    """The data parallelism :func:`memsched.attach` uses: a one-rank :class:`memsched.parallel.DataParallel`
+    when there is one rank (``torch.distributed`` not initialised, or a group of size 1), else a
+    :class:`ZeroEngine`: one code path for every world size.
 
     Waits for every rank of the group (:meth:`Comm.check_peers`, bounded by ``timeout`` seconds or the group's
     timeout) before returning. ``chunk_build`` (``"auto"``, ``"device"``, ``"cpu"``) says where the chunks are
@@ -48,7 +50,7 @@ def make_engine(
     build = check_build_mode(chunk_build)
     comm = Comm(process_group, timeout=timeout, device=device)
     if comm.world == 1:
-        return None
+        return DataParallel()
     comm.check_peers("memsched.attach")
     engine = ZeroEngine(comm, stage, fetch)
     engine.chunk_build = build

@@ -47,18 +47,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from memsched.chunks import SHARD_ALIGN, Chunk, ChunkStore, ordered_groups, search_chunk_size
 from memsched.distributed.comm import Comm, ZeroCommError
-from memsched.distributed.layout import padded_chunk_numel, param_pieces, shard_range
-from memsched.optimizer import indexed_param_groups
-
-if TYPE_CHECKING:
-    from memsched.optimizer import HybridAdamW
+from memsched.distributed.layout import padded_chunk_numel, shard_range
+from memsched.parallel import DataParallel
 
 ZERO_STAGES = (0, 1, 2)
 FETCH_MODES = ("all_gather", "all_reduce")
@@ -85,9 +82,10 @@ def check_zero_options(zero_stage: Any, fetch: Any) -> tuple[int, str]:
     return int(zero_stage), str(fetch)
 
 
-class ZeroEngine:
-    """The ZeRO machinery of one rank, plugged into a :class:`ChunkStore` and a :class:`HybridAdamW` at their
-    hook points (:meth:`install`). Built by :func:`memsched.attach` when the world size is above 1.
+class ZeroEngine(DataParallel):
+    """The ZeRO machinery of one rank: :class:`memsched.parallel.DataParallel` over ``torch.distributed``. The
+    chunks and the optimizer call it at the moments the interface names; built by :func:`memsched.attach` when
+    the world size is above 1.
 
     Args:
         comm: the process group (:class:`Comm`).
@@ -103,8 +101,8 @@ class ZeroEngine:
         self.stage, self.fetch = check_zero_options(stage, fetch)
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
+        self.group = comm.group
         self.store: ChunkStore | None = None
-        self.optimizer: HybridAdamW | None = None
         self._sync = True
         self._warned_accumulation = False
         self._reset_round()
@@ -161,7 +159,7 @@ class ZeroEngine:
         device: Any,
         alloc: Any,
         compute_dtype: torch.dtype,
-        mode: str = "auto",
+        mode: str | None = None,
         free_bytes: int | None = None,
     ) -> dict[str, Any]:
         """Before the chunks are built: decide per chunk whether it is built on the device or on the CPU
@@ -173,6 +171,7 @@ class ZeroEngine:
         from memsched.chunks import build_layout, chunk_bytes
         from memsched.distributed.build import plan_build, stage_params
 
+        mode = mode or self.chunk_build
         t0 = time.perf_counter()
         layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel,
                               align=self.align)
@@ -202,16 +201,9 @@ class ZeroEngine:
         return self.build_stats
 
     # ---- wiring -------------------------------------------------------------------------------------------
-    def install(self, store: ChunkStore, optimizer: HybridAdamW) -> None:
-        """Plug into the hook points: gradients ready, after each chunk's update, before the update, end of
-        step, zero_grad, state_dict and the fp16 overflow check."""
-        self.store, self.optimizer = store, optimizer
-        store.on_grads_ready_cb = self.on_grads_ready
-        store.after_update_cb = self.after_update
-        store.zero_grad_cb = self.on_zero_grad
-        optimizer.before_update_callbacks.append(self.flush)
-        optimizer.step_end_callbacks.insert(0, self.wait_fetches)
-        optimizer.sharding = self
+    def install(self, store: ChunkStore) -> None:
+        """Know the chunks (the store calls this engine at its moments; see :class:`DataParallel`)."""
+        self.store = store
 
     def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:
         """Start every rank from group rank 0's parameters and buffers (as DistributedDataParallel does)."""
@@ -263,7 +255,7 @@ class ZeroEngine:
         finally:
             self._sync = old
 
-    def on_grads_ready(self, c: Chunk) -> None:
+    def grads_ready(self, c: Chunk) -> None:
         """Hook: all of ``c``'s gradients are complete in this backward. Launch reductions in the fixed
         order."""
         if not self._sync:
@@ -331,7 +323,7 @@ class ZeroEngine:
             self._finalize(c, work, out)
         self._reset_round()
 
-    def flush(self) -> None:
+    def before_update(self) -> None:
         """Before the update (and before clipping): reduce whatever backward did not (in order) and wait for
         every reduction. A second flush with no backward in between reduces nothing again (the gradients are
         averaged already; reducing them twice would scale them)."""
@@ -340,7 +332,7 @@ class ZeroEngine:
         self._finish_round()
         self._flushed_at = self.store.grad_events if self.store is not None else None
 
-    def on_zero_grad(self) -> None:
+    def before_zero_grad(self) -> None:
         """Hook, before the gradient buffers are zeroed: no reduction may still be writing into them."""
         if self._launched or self._pending:
             self._finish_round()
@@ -369,7 +361,7 @@ class ZeroEngine:
         self.stats["fetches"] += 1
         self._fetches.append((c.index, work))
 
-    def wait_fetches(self) -> None:
+    def end_step(self) -> None:
         """End of step: every fetch is complete before the next forward reads the parameters."""
         fetches, self._fetches = self._fetches, []
         for i, work in fetches:
@@ -390,30 +382,25 @@ class ZeroEngine:
         self.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
         return t.to(found.device)
 
-    def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global gradient norm to ``max_norm`` exactly as one process would over the averaged
-        gradients (:meth:`HybridAdamW.clip_grad_norm_` over ``params``, the model's trainable parameters in
-        its order); returns the total norm. A collective: every rank must call it.
-
-        The per-parameter norms need each parameter's whole gradient: stages 0 and 1 all-reduce whole
-        gradients anyway; at stage 2 the reduced shards are all-gathered into the whole gradient buffers first
-        (the bytes of the reduce-scatter once more; memsched keeps those buffers whole in every stage).
-        """
-        self.flush()
-        if self.stage == 2:
-            with torch.no_grad():
-                for c in self.store.chunks:
-                    what = f"gradient gather of chunk {c.index} for clipping"
-                    self.comm.wait(self.comm.all_gather(c.grad, c.grad[c.lo : c.hi], what=what), what)
-                    nbytes = c.grad.numel() * c.grad.element_size()
-                    self.stats["reduce_bytes"] += (self.world - 1) * nbytes // self.world
-        total = self.optimizer.clip_grad_norm_(params, max_norm, norm_type)
-        if self.stage == 2:  # back to "zero outside the own shard", so a later backward reduces right
-            with torch.no_grad():
-                for c in self.store.chunks:
-                    c.grad[: c.lo].zero_()
-                    c.grad[c.hi :].zero_()
+    def clip_grad_norm_(self, clip: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run ``clip`` exactly as one process would over the averaged gradients; a collective. Stages 0 and 1
+        all-reduce whole gradients anyway; at stage 2 the reduced shards are all-gathered into the whole
+        gradient buffers first (the bytes of the reduce-scatter once more; memsched keeps those buffers whole
+        in every stage), and the rest of each buffer is zeroed again afterwards."""
+        self.before_update()
+        if self.stage < 2:
+            return clip()
+        with torch.no_grad():
+            for c in self.store.chunks:
+                what = f"gradient gather of chunk {c.index} for clipping"
+                self.comm.wait(self.comm.all_gather(c.grad, c.grad[c.lo : c.hi], what=what), what)
+                nbytes = c.grad.numel() * c.grad.element_size()
+                self.stats["reduce_bytes"] += (self.world - 1) * nbytes // self.world
+        total = clip()
+        with torch.no_grad():  # back to "zero outside the own shard", so a later backward reduces right
+            for c in self.store.chunks:
+                c.grad[: c.lo].zero_()
+                c.grad[c.hi :].zero_()
         return total
 
     # ---- re-packing at the end of warmup ------------------------------------------------------------------
@@ -433,13 +420,11 @@ class ZeroEngine:
         )
         self.reshard(store)
 
-    def _full_state(self, c: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def full_state(self, c: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole chunk's fp32 master, ``exp_avg``, ``exp_avg_sq`` on every rank (all-gathered; a
+        collective), as new CPU tensors."""
         if not self.sharded:
-            return (
-                c.master_view().detach().cpu().clone(),
-                c.exp_avg.detach().cpu().clone(),
-                c.exp_avg_sq.detach().cpu().clone(),
-            )
+            return super().full_state(c)
         g = self.comm.all_gather_piece_to
         return (
             g(c.master_view(), c.numel, what=f"gathering the master of chunk {c.index}"),
@@ -449,12 +434,12 @@ class ZeroEngine:
 
     def unshard(self, store: ChunkStore) -> None:
         """Give every chunk its whole optimizer state (gathered), so the store can re-pack as one process."""
-        self.wait_fetches()
+        self.end_step()
         for c in store.chunks:
             if (c.lo, c.hi) == (0, c.numel):
                 continue
             with store.alloc.host_context():  # temporary host copies, not device memory
-                master, m, v = self._full_state(c)
+                master, m, v = self.full_state(c)
             step = float(c.step)
             c.lo, c.hi = 0, c.numel
             c.init_state(c.placement, store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=step)
@@ -478,66 +463,3 @@ class ZeroEngine:
             c.init_state(c.placement, store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=step)
         self._reset_round()
         self._reduced.clear()
-
-    # ---- state dicts --------------------------------------------------------------------------------------
-    def state_dict(self, opt: HybridAdamW) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim.AdamW`` format on every rank (a collective: call it on
-        every rank). Same layout as :meth:`HybridAdamW.state_dict`."""
-        self.wait_fetches()
-        with opt.store.alloc.host_context():
-            full = {c.index: self._full_state(c) for c in opt.store.chunks}
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        params = [p for g in opt.param_groups for p in g["params"]]
-        for i, p in enumerate(params):
-            c = opt.store.param_chunk[id(p)]
-            off, n = opt.store.param_range[id(p)]
-            master, m, v = full[c.index]
-            st = {
-                "step": c.step.detach().to("cpu", copy=True).reshape(()),
-                "exp_avg": m[off : off + n].clone().view(p.shape),
-                "exp_avg_sq": v[off : off + n].clone().view(p.shape),
-            }
-            if c.mixed:
-                st["master_weight"] = master[off : off + n].clone().view(p.shape)
-            state[i] = st
-        return {"state": state, "param_groups": indexed_param_groups(opt.param_groups)}
-
-    def load_state_dict(self, opt: HybridAdamW, state_dict: dict[str, Any]) -> None:
-        """Load a whole (``torch.optim.AdamW``-format) state dict: each rank keeps its pieces. Every rank must
-        load the same dict. Checks run before anything is written.
-
-        Raises:
-            ValueError: as :meth:`HybridAdamW.load_state_dict` (group sizes, shapes, missing keys, mixed
-                steps).
-        """
-        per_param, steps = opt.validate_state_dict(state_dict)
-        self.wait_fetches()
-        with torch.no_grad():
-            for c in opt.store.chunks:
-                c.wait_h2d()
-                with opt.store.alloc.host_context():
-                    master = c.master_view().detach().cpu().clone()
-                    m = torch.zeros(c.shard_numel)
-                    v = torch.zeros(c.shard_numel)
-                for p, r, piece in zip(c.params, c.ranges, param_pieces(c.ranges, c.lo, c.hi), strict=True):
-                    st = per_param.get(id(p))
-                    if piece is None:
-                        continue
-                    ps, ss, n = piece.param_start, piece.shard_start, piece.numel
-                    if st is not None:
-                        m[ss : ss + n].copy_(st["exp_avg"].reshape(-1)[ps : ps + n])
-                        v[ss : ss + n].copy_(st["exp_avg_sq"].reshape(-1)[ps : ps + n])
-                    src = st.get("master_weight") if st is not None else None
-                    if src is not None:
-                        master[ss : ss + n].copy_(src.reshape(-1)[ps : ps + n])
-                    else:
-                        master[ss : ss + n].copy_(c.data[piece.chunk_start : piece.chunk_start + n])
-                    del r
-                c.init_state(
-                    c.placement, opt.store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=steps[c.index]
-                )
-        for sg, g in zip(state_dict["param_groups"], opt.param_groups, strict=True):
-            for k, val in sg.items():
-                if k != "params":
-                    g[k] = val
-        opt.record_param_versions()

@@ -1,0 +1,130 @@
+"""The optimizer state dict of :class:`memsched.optimizer.HybridAdamW`, one path for any world size.
+
+Format: ``torch.optim.AdamW.state_dict()``'s. ``state`` maps the parameter index (in param-group order) to
+``step`` (float32 scalar), ``exp_avg`` and ``exp_avg_sq`` (fp32, shaped like the parameter), all CPU tensors;
+under mixed precision also ``master_weight`` (fp32, shaped like the parameter). ``param_groups`` hold the
+hyper-parameters and the parameter indices. It loads into ``torch.optim.AdamW`` and back.
+
+Saving reads each chunk's WHOLE state through the data parallelism (:meth:`DataParallel.full_state`: a copy on
+one rank, an all-gather of the shards under ZeRO), one chunk at a time. Loading writes, on every rank, the
+part of each parameter that falls in the rank's shard (:func:`memsched.chunks.param_pieces`; one rank: all of
+it), in place. Everything is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memsched.chunks import param_pieces
+from memsched.hyperparams import check_hyperparameters, indexed_param_groups
+
+if TYPE_CHECKING:
+    from memsched.optimizer import HybridAdamW
+
+
+def state_dict(opt: HybridAdamW) -> dict[str, Any]:
+    """The whole optimizer state (see the module docstring); a collective under ZeRO."""
+    store = opt.store
+    opt.dp.end_step()  # every fetch of the last step is complete
+    index = {id(p): i for i, p in enumerate(opt._param_index())}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for c in store.chunks:
+            c.wait_h2d()
+            with store.alloc.host_context():  # host copies: never device memory
+                master, m, v = opt.dp.full_state(c)
+                step = c.step.detach().to("cpu", copy=True).reshape(())
+                for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                    st = {"step": step.clone(), "exp_avg": m[off:off + n].clone().view(p.shape),
+                          "exp_avg_sq": v[off:off + n].clone().view(p.shape)}
+                    if c.mixed:
+                        st["master_weight"] = master[off:off + n].clone().view(p.shape)
+                    state[index[id(p)]] = st
+    return {"state": dict(sorted(state.items())), "param_groups": indexed_param_groups(opt.param_groups)}
+
+
+def validate_state_dict(
+    opt: HybridAdamW, sd: dict[str, Any]
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, float]]:
+    """Check ``sd`` against ``opt`` without writing anything.
+
+    Returns:
+        the saved state per parameter (keyed by ``id(param)``; parameters without state are absent) and the
+        step count per chunk index.
+
+    Raises:
+        ValueError: not a state dict, the group count or sizes differ, a hyper-parameter is invalid, a tensor
+            has the wrong shape, a state lacks a key, or parameters of one chunk have different step counts
+            (memsched keeps one per chunk).
+    """
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("optimizer state dict must be a dict with 'state' and 'param_groups'")
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer has "
+                         f"{len(opt.param_groups)}")
+    for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"param group {i} of the state dict has {len(sg['params'])} parameters, "
+                             f"this optimizer's has {len(g['params'])}")
+        check_hyperparameters({**g, **{k: v for k, v in sg.items() if k != "params"}}, f"param group {i}")
+    saved_state = sd["state"]
+    per_param: dict[int, dict[str, torch.Tensor]] = {}
+    for sg, g in zip(saved_groups, opt.param_groups, strict=True):
+        for key, p in zip(sg["params"], g["params"], strict=True):
+            st = saved_state.get(key)
+            if st is None or len(st) == 0:
+                continue
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                if k not in st:
+                    raise ValueError(f"state of parameter {opt._name(p)} lacks {k!r}")
+            for k in ("exp_avg", "exp_avg_sq", "master_weight"):
+                if k in st and tuple(st[k].shape) != tuple(p.shape):
+                    raise ValueError(f"state {k!r} of parameter {opt._name(p)} has shape "
+                                     f"{tuple(st[k].shape)}, expected {tuple(p.shape)}")
+            per_param[id(p)] = st
+    steps: dict[int, float] = {}
+    for c in opt.store.chunks:
+        vals = {float(per_param[id(p)]["step"]) if id(p) in per_param else 0.0 for p in c.params}
+        if len(vals) > 1:
+            raise ValueError(f"parameters of chunk {c.index} have different step counts {sorted(vals)}; "
+                             "memsched keeps one step count per chunk")
+        steps[c.index] = vals.pop()
+    return per_param, steps
+
+
+def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
+    """Load ``sd`` (see :func:`validate_state_dict` for the errors). Parameters without state get zero moments
+    and step 0; without a saved ``master_weight`` the master starts from the parameter's current value."""
+    per_param, steps = validate_state_dict(opt, sd)
+    store = opt.store
+    opt.dp.end_step()
+    with torch.no_grad():
+        for c in store.chunks:
+            c.wait_h2d()
+            with store.alloc.host_context():
+                for p, piece in zip(c.params, param_pieces(c.ranges, c.lo, c.hi), strict=True):
+                    if piece is None:
+                        continue  # none of this parameter is in this rank's shard
+                    st = per_param.get(id(p))
+                    ps, ss, n = piece.param_start, piece.shard_start, piece.numel
+                    for k, dst in (("exp_avg", c.exp_avg), ("exp_avg_sq", c.exp_avg_sq)):
+                        if st is None:
+                            dst[ss:ss + n].zero_()
+                        else:
+                            dst[ss:ss + n].copy_(st[k].reshape(-1)[ps:ps + n])
+                    if c.master is None:
+                        continue  # fp32 on the device: the compute buffer is the master
+                    src = st.get("master_weight") if st is not None else None
+                    if src is not None:
+                        c.master[ss:ss + n].copy_(src.reshape(-1)[ps:ps + n])
+                    else:
+                        c.master[ss:ss + n].copy_(c.data[piece.chunk_start:piece.chunk_start + n])
+                c.step.fill_(steps[c.index])
+    for sg, g in zip(sd["param_groups"], opt.param_groups, strict=True):
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = v
+    opt.record_param_versions()
