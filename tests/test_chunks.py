@@ -13,12 +13,12 @@ from torch import nn
 from memsched.chunks import (
     Allocator,
     ChunkStore,
-    _greedy_waste,
     build_layout,
     chunk_bytes,
     ordered_groups,
     search_chunk_size,
 )
+from memsched.chunks.layout import _greedy_waste
 from memsched.planning import build_problem
 from policies.types import DEVICE, HOST
 

@@ -1,0 +1,176 @@
+"""One chunk: flat compute and gradient buffers, and the optimizer state of its shard, on one side."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from memsched.chunks.buffers import Allocator
+from policies.types import DEVICE, HOST
+
+
+def _graph_task_id() -> int | None:
+    """The id of the autograd graph task (backward pass) running now, where this torch exposes it."""
+    get = getattr(torch._C, "_current_graph_task_id", None)
+    return get() if get is not None else None
+
+
+class Chunk:
+    """One chunk: flat compute and gradient buffers on the device, optimizer state of the shard ``[lo, hi)``.
+
+    Tensors (all 1-D):
+        ``data``: ``[numel]`` compute dtype, device: the parameters are views into it.
+        ``grad``: ``[numel]`` compute dtype, device: the parameters' ``.grad`` are views into it.
+        ``master``: ``[hi - lo]`` fp32 on the state's side; ``None`` in fp32 on the device (``data`` is
+            the master).
+        ``exp_avg``, ``exp_avg_sq``: ``[hi - lo]`` fp32, on the state's side.
+        ``step``: fp32 scalar, on the state's side (one step count per chunk).
+        ``host_grad``: ``[hi - lo]`` fp32 host buffer the CPU update reads its gradients from (host placement
+            only; in fp32 the D2H copy lands there directly).
+        ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the D2H copy
+        of
+            the gradients lands there in the compute dtype and is upcast on the CPU (a D2H that converts dtype
+            would first make an fp32 temporary on the device), and the updated parameters are cast there on
+            the CPU for the H2D copy.
+
+    The optimizer state of one placement is one allocation (:meth:`Allocator.arena`).
+    """
+
+    def __init__(self, index: int, group: int, numel: int, params: list[torch.nn.Parameter],
+                 ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor) -> None:
+        self.index = index
+        self.group = group
+        self.numel = numel
+        self.params = params
+        self.ranges = ranges  # (offset, numel) per parameter
+        self.data = data
+        self.grad = grad
+        self.lo, self.hi = 0, numel
+        self.placement: str | None = None
+        self.master: torch.Tensor | None = None
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        self.step: torch.Tensor | None = None
+        self.host_grad: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
+        # Parameters whose gradient is complete in the backward pass ``ready_task`` (autograd graph task id):
+        # readiness is per backward pass, so accumulation with a parameter unused in one micro-batch never
+        # declares a chunk ready while that backward still writes into it.
+        self.ready: set[int] = set()
+        self.ready_task: int | None = None
+        self.d2h_event = None  # CUDA event of the in-flight D2H copy of the gradients (at step)
+        self.h2d_event = None  # CUDA event of the in-flight H2D copy of the updated parameters
+        self.initial_master: torch.Tensor | None = None  # fp32 host values before the first init_state
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def mixed(self) -> bool:
+        return self.data.dtype != torch.float32
+
+    @property
+    def shard_numel(self) -> int:
+        return self.hi - self.lo
+
+    def master_view(self) -> torch.Tensor:
+        """The fp32 master of the shard wherever it lives (``data[lo:hi]`` in fp32 on the device)."""
+        return self.master if self.master is not None else self.data[self.lo:self.hi]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        ts = (self.master, self.exp_avg, self.exp_avg_sq, self.step, self.host_grad, self.staging)
+        return [t for t in ts if t is not None]
+
+    def state_nbytes(self) -> int:
+        """Bytes held by the optimizer state (incl. host gradient and staging buffers), bytes."""
+        return sum(t.numel() * t.element_size() for t in self.state_tensors())
+
+    # -- placement: whole-chunk copies; everything new is allocated before anything is swapped --------------
+    def init_state(self, placement: str, alloc: Allocator, *, master: torch.Tensor | None = None,
+                   exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None,
+                   step: float = 0.0) -> None:
+        """Allocate the optimizer state at ``placement`` (``DEVICE``/``HOST``); zeros unless given (fp32
+        ``[hi-lo]``). Under mixed precision the master starts from the full-precision parameter values."""
+        new = self._alloc_state(placement, alloc)
+        if master is None and self.initial_master is not None:
+            master = self.initial_master[self.lo:self.hi]
+        self.initial_master = None
+        src_master = master if master is not None else self.data[self.lo:self.hi]
+        ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            if new["master"] is not None:
+                new["master"].copy_(src_master)
+            elif master is not None:
+                self.data[self.lo:self.hi].copy_(master)
+            for k, src in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                if src is None:
+                    new[k].zero_()
+                else:
+                    new[k].copy_(src)
+            new["step"].fill_(step)
+        self._install(placement, new)
+
+    def _alloc_state(self, placement: str, alloc: Allocator) -> dict[str, torch.Tensor | None]:
+        n = self.shard_numel
+        host = placement == HOST
+        f32 = torch.float32
+        parts = [("exp_avg", f32, n), ("exp_avg_sq", f32, n)]
+        if host or self.mixed:
+            parts.append(("master", f32, n))
+        if host:
+            parts.append(("host_grad", f32, n))
+        parts.append(("step", f32, 0))
+        if host and self.mixed:
+            parts.append(("staging", self.compute_dtype, n))
+        views = alloc.arena(placement, parts)
+        return {k: views.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "step", "host_grad", "staging")}
+
+    def _install(self, placement: str, new: dict[str, torch.Tensor | None]) -> None:
+        self.placement = placement
+        self.master = new["master"]
+        self.exp_avg = new["exp_avg"]
+        self.exp_avg_sq = new["exp_avg_sq"]
+        self.step = new["step"]
+        self.host_grad = new["host_grad"]
+        self.staging = new["staging"]
+        self.d2h_event = None
+
+    def move_to(self, placement: str, alloc: Allocator) -> int:
+        """Move the optimizer state to ``placement`` by whole-chunk copies; returns the bytes copied.
+
+        Bit-exact: fp32 tensors are copied as they are. Allocation happens first, so a failure (e.g. out of
+        memory) leaves the chunk as it was.
+        """
+        if placement not in (DEVICE, HOST):
+            raise ValueError(f"placement must be {DEVICE!r} or {HOST!r}, got {placement!r}")
+        if placement == self.placement:
+            return 0
+        self.wait_h2d()
+        new = self._alloc_state(placement, alloc)
+        ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            src_master = self.master_view()
+            if new["master"] is not None:
+                new["master"].copy_(src_master)
+            else:  # fp32 to the device: the compute buffer becomes the master (it already holds its value)
+                self.data[self.lo:self.hi].copy_(src_master)
+            new["exp_avg"].copy_(self.exp_avg)
+            new["exp_avg_sq"].copy_(self.exp_avg_sq)
+            new["step"].copy_(self.step)
+        self._install(placement, new)
+        return 3 * self.shard_numel * 4
+
+    # -- H2D / D2H helpers --------------------------------------------------------------------------------
+    def wait_h2d(self) -> None:
+        """Block the host until the chunk's last H2D copy is done (its buffers may then be rewritten)."""
+        if self.h2d_event is not None:
+            self.h2d_event.synchronize()
+            self.h2d_event = None
+
+    def wait_d2h(self) -> None:
+        """Block the host until the chunk's gradient D2H copy is done (``host_grad``/``staging`` hold it)."""
+        if self.d2h_event is not None:
+            self.d2h_event.synchronize()
+            self.d2h_event = None

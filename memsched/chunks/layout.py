@@ -1,0 +1,222 @@
+"""Packing parameters into chunks of one size, from their numels only (runs on meta and fake tensors).
+
+PatrickStar's chunk-size search (arXiv 2108.05818, section 4.1): greedy packing in first-use order, the size
+that wastes the fewest elements. Also the shard arithmetic every rank uses: which part of each parameter falls
+in a shard ``[lo, hi)`` of a chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MIN_CHUNKS = 8
+DEFAULT_MAX_CANDIDATES = 512
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter lives: ``group`` and ``index`` name it (position in its group's input sequence);
+    ``chunk`` is the chunk index, ``offset``/``numel`` its range in the chunk's flat buffers (elements)."""
+
+    group: int
+    index: int
+    chunk: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """A packing of parameters into chunks of one size.
+
+    Attributes:
+        chunk_numel: elements per chunk (capacity, including the padding at the end).
+        chunk_groups: param group of each chunk.
+        chunks: the slots of each chunk, in packing order.
+    """
+
+    chunk_numel: int
+    chunk_groups: tuple[int, ...]
+    chunks: tuple[tuple[Slot, ...], ...]
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    def used_numel(self, chunk: int) -> int:
+        return sum(s.numel for s in self.chunks[chunk])
+
+    @property
+    def total_numel(self) -> int:
+        """Elements of all chunks, padding included."""
+        return self.chunk_numel * self.n_chunks
+
+    @property
+    def waste_numel(self) -> int:
+        """Padding elements summed over chunks."""
+        return self.total_numel - sum(self.used_numel(i) for i in range(self.n_chunks))
+
+    def slots(self) -> dict[tuple[int, int], Slot]:
+        """``(group, index) -> Slot`` for every parameter."""
+        return {(s.group, s.index): s for c in self.chunks for s in c}
+
+
+def _as_groups(numels: Sequence[int] | Sequence[Sequence[int]]) -> list[list[int]]:
+    groups = [list(g) for g in numels] if numels and not isinstance(numels[0], int) else [list(numels)]  # type: ignore[arg-type]
+    for gi, g in enumerate(groups):
+        for i, n in enumerate(g):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"parameter numels must be positive integers; group {gi} item {i} is {n!r}")
+    if not any(groups):
+        raise ValueError("no parameters to pack: every group is empty")
+    return groups
+
+
+def _aligned(offset: int, align: int) -> int:
+    return -(-offset // align) * align
+
+
+def _greedy_waste(groups: list[list[int]], c: int, align: int = 1) -> int:
+    """Padding elements of the greedy packing into chunks of ``c`` elements (alignment gaps included)."""
+    chunks = total = 0
+    for g in groups:
+        used = 0
+        for n in g:
+            start = _aligned(used, align)
+            if start + n > c and used:
+                chunks += 1
+                start = 0
+            used = start + n
+            total += n
+        if g:
+            chunks += 1
+    return chunks * c - total
+
+
+def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
+                      min_chunks: int = DEFAULT_MIN_CHUNKS,
+                      max_candidates: int = DEFAULT_MAX_CANDIDATES, align: int = 1) -> int:
+    """Choose the chunk size (elements) that minimises padding, PatrickStar-style (arXiv 2108.05818, 4.1).
+
+    Method: parameters are packed greedily in the given order (a new chunk starts when the next parameter does
+    not fit; groups are packed separately), so the wasted elements of a candidate size ``c`` are computed
+    exactly in O(n). Candidates lie on a grid over ``[lo, hi]`` with ``lo`` = the largest parameter (a
+    parameter is never split) and ``hi = max(lo, ceil(total / min_chunks))`` (a lower bound of ``min_chunks``
+    chunks, so that placement has granularity when the model allows it). The grid step is
+    ``ceil((hi - lo) / max_candidates)``, so the cost is O(n * max_candidates) and the search is exact when
+    ``hi - lo <= max_candidates``. Ties go to the smaller size.
+
+    Args:
+        numels: parameter sizes (elements) in packing order, one flat sequence or one sequence per group.
+        align: every parameter starts at a multiple of ``align`` elements in its chunk (see
+            :func:`build_layout`).
+
+    Raises:
+        ValueError: a size is not a positive integer, there are no parameters, or ``min_chunks`` /
+            ``max_candidates`` is < 1.
+    """
+    if min_chunks < 1 or max_candidates < 1:
+        raise ValueError(f"min_chunks and max_candidates must be >= 1, got {min_chunks}, {max_candidates}")
+    groups = _as_groups(numels)
+    lo = max(n for g in groups for n in g)
+    total = sum(n for g in groups for n in g)
+    hi = max(lo, math.ceil(total / min_chunks))
+    step = max(1, math.ceil((hi - lo) / max_candidates))
+    candidates = list(range(lo, hi + 1, step))
+    if candidates[-1] != hi:
+        candidates.append(hi)
+    return min(candidates, key=lambda c: (_greedy_waste(groups, c, align), c))
+
+
+def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel: int | None = None,
+                 min_chunks: int = DEFAULT_MIN_CHUNKS, align: int = 1) -> ChunkLayout:
+    """Pack parameters (given by their numels, in order, per group) greedily into chunks of one size.
+
+    Args:
+        numels: parameter sizes (elements), one flat sequence or one sequence per param group.
+        chunk_numel: the chunk size (elements); ``None`` = :func:`search_chunk_size`.
+        align: every parameter starts at a multiple of ``align`` elements (ZeRO uses
+            :data:`SHARD_ALIGN`, so that shard boundaries cut parameters where torch's CPU AdamW kernel
+            would also start a vector: bit-exact updates of parameter pieces).
+
+    Raises:
+        ValueError: bad numels, or ``chunk_numel`` smaller than the largest parameter (names both).
+    """
+    groups = _as_groups(numels)
+    largest = max(n for g in groups for n in g)
+    if chunk_numel is None:
+        chunk_numel = search_chunk_size(groups, min_chunks=min_chunks, align=align)
+    elif isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < largest:
+        raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} elements), "
+                         f"got {chunk_numel!r}")
+    chunks: list[tuple[Slot, ...]] = []
+    chunk_groups: list[int] = []
+    for gi, g in enumerate(groups):
+        cur: list[Slot] = []
+        used = 0
+        for i, n in enumerate(g):
+            start = _aligned(used, align)
+            if start + n > chunk_numel and cur:
+                chunks.append(tuple(cur))
+                chunk_groups.append(gi)
+                cur, start = [], 0
+            cur.append(Slot(gi, i, len(chunks), start, n))
+            used = start + n
+        if cur:
+            chunks.append(tuple(cur))
+            chunk_groups.append(gi)
+    return ChunkLayout(chunk_numel, tuple(chunk_groups), tuple(chunks))
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter inside one rank's piece of a chunk.
+
+    Attributes:
+        param_start: first element of the part, counted in the flattened parameter.
+        chunk_start: the same element's index in the chunk's flat buffers.
+        shard_start: the same element's index in the rank's piece (``chunk_start - lo``).
+        numel: elements of the part (> 0).
+    """
+
+    param_start: int
+    chunk_start: int
+    shard_start: int
+    numel: int
+
+
+def param_pieces(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[Piece | None]:
+    """For each parameter ``(offset, numel)`` of a chunk, its intersection with the piece ``[lo, hi)``
+    (``None`` when it has none). A parameter may straddle two ranks' pieces; it then has a part on each.
+
+    Raises:
+        ValueError: ``lo > hi`` or a range has a negative offset / numel < 1.
+    """
+    if lo > hi or lo < 0:
+        raise ValueError(f"bad piece [{lo}, {hi})")
+    out: list[Piece | None] = []
+    for off, n in ranges:
+        if off < 0 or n < 1:
+            raise ValueError(f"bad parameter range (offset {off}, numel {n})")
+        a, b = max(off, lo), min(off + n, hi)
+        out.append(Piece(a - off, a, a - lo, b - a) if a < b else None)
+    return out
+
+
+def ordered_groups(groups: Sequence[Sequence[torch.Tensor]], order: Sequence[torch.Tensor] | None,
+                   ) -> list[list[torch.Tensor]]:
+    """Each group's parameters sorted by their position in ``order`` (first-use order); parameters absent from
+    ``order`` keep their relative order after the others. ``None`` keeps the groups as they are."""
+    if order is None:
+        return [list(g) for g in groups]
+    rank = {id(p): i for i, p in enumerate(order)}
+    base = len(rank)
+    out = []
+    for g in groups:
+        pos = {id(p): i for i, p in enumerate(g)}
+        out.append(sorted(g, key=lambda p: (rank.get(id(p), base), pos[id(p)])))
+    return out

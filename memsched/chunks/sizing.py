@@ -1,0 +1,63 @@
+"""What a chunk weighs, bytes: the ONE place that says it (planning and the real tensors both use it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+STEP_BYTES = 4  # the fp32 step count of a chunk lives next to its moments
+# Elements (64 bytes of fp32: the widest CPU vector torch uses) at which ZeRO aligns parameters in chunks and
+# shard boundaries: torch's CPU fused AdamW computes the last ``numel % vector width`` elements of each tensor
+# on a scalar path with different rounding, so a parameter piece must start on a vector boundary.
+SHARD_ALIGN = 16
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ChunkBytes:
+    """What one chunk weighs, bytes.
+
+    Attributes:
+        compute_bytes: the flat compute buffer on the device (compute dtype, whole chunk).
+        grad_bytes: the flat gradient buffer on the device (compute dtype, whole chunk).
+        device_state_bytes: optimizer state on the device when placed there: fp32 ``exp_avg`` + ``exp_avg_sq``
+            of the shard, plus an fp32 master copy of the shard under mixed precision (in fp32 the compute
+            buffer is the master), plus the fp32 step count.
+        host_state_bytes: pinned host memory when placed on the host: fp32 master, ``exp_avg``, ``exp_avg_sq``
+            and gradient buffer of the shard, plus a compute-dtype staging buffer for the H2D copy under mixed
+            precision, plus the fp32 step count.
+    """
+
+    compute_bytes: int
+    grad_bytes: int
+    device_state_bytes: int
+    host_state_bytes: int
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes that stay on the device whatever the placement (compute + gradient buffers)."""
+        return self.compute_bytes + self.grad_bytes
+
+
+def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
+                shard_numel: int | None = None, master_weights: bool | None = None) -> ChunkBytes:
+    """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
+
+    Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
+    on the device and a compute-dtype H2D staging buffer on the host. Used by :mod:`memsched.planning` and
+    checked against the real tensors of :class:`Chunk` in the tests.
+    """
+    shard = chunk_numel if shard_numel is None else shard_numel
+    cb = dtype_bytes(compute_dtype)
+    mixed = compute_dtype != torch.float32 if master_weights is None else master_weights
+    return ChunkBytes(
+        compute_bytes=chunk_numel * cb,
+        grad_bytes=chunk_numel * cb,
+        device_state_bytes=shard * 4 * (3 if mixed else 2) + STEP_BYTES,
+        host_state_bytes=shard * 4 * 4 + (shard * cb if mixed else 0) + STEP_BYTES,
+    )

@@ -1,0 +1,274 @@
+"""The chunks of a model: building them, binding parameters as views, gradient readiness, re-packing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from memsched.chunks.buffers import Allocator
+from memsched.chunks.chunk import Chunk, _graph_task_id
+from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
+from memsched.parallel import DataParallel
+from policies.types import DEVICE, HOST
+
+
+class ChunkStore:
+    """The chunks of a model: builds them from param groups and a layout, binds parameters as views, counts
+    gradient readiness with post-accumulate-grad hooks and re-packs on request.
+
+    Args:
+        groups: trainable parameters per param group (tied parameters once; no frozen ones).
+        alloc: where buffers come from.
+        compute_dtype: dtype of the compute and gradient buffers (fp32 masters are kept when it is not fp32).
+        chunk_numel: chunk size override (elements); ``None`` = searched.
+        on_grads_ready: ``f(chunk)`` called when all of a chunk's gradients are complete in a backward.
+        dp: the data parallelism (:class:`memsched.parallel.DataParallel`; default one rank): told when a
+            chunk's gradients are ready, after its update and before gradients are zeroed; its ``align``
+            aligns the parameters in the chunks (:func:`build_layout`).
+
+    Raises:
+        ValueError: a parameter is on the meta device or the groups are empty.
+    """
+
+    def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
+                 compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
+                 on_grads_ready: Callable[[Chunk], None] | None = None,
+                 dp: DataParallel | None = None) -> None:
+        self.groups = [list(g) for g in groups]
+        self.alloc = alloc
+        self.compute_dtype = compute_dtype
+        self.dp = dp if dp is not None else DataParallel()
+        self.on_grads_ready_cb = on_grads_ready  # an observer (tests, reports); data parallelism is ``dp``
+        self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
+        for gi, g in enumerate(self.groups):
+            for p in g:
+                if p.device.type == "meta":
+                    raise ValueError(f"parameter of shape {tuple(p.shape)} in group {gi} is on the meta "
+                                     "device: materialise the model (e.g. model.to_empty(device=...)) "
+                                     "before attach")
+        self.align = self.dp.align
+        self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel,
+                                   align=self.align)
+        self.chunks: list[Chunk] = []
+        self.param_chunk: dict[int, Chunk] = {}
+        self._hooks: list = []
+        self._build(self.layout, self.groups)
+        self.dp.install(self)
+        for g in self.groups:
+            for p in g:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+
+    # -- building / re-packing ---------------------------------------------------------------------------
+    def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
+               keep_initial: bool = True, staged: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
+        """Allocate chunk buffers for ``layout`` one chunk at a time, copy parameters (and gradients) in and
+        bind them as views at once, so the storage they had is freed before the next chunk is allocated (a
+        model already on the device peaks near its final size plus one chunk, not at three times its
+        parameters).
+
+        On failure (e.g. out of memory) every parameter bound so far gets standalone tensors back, with its
+        values (its ``staged`` host copies when given, else fresh copies), and the error is re-raised: the
+        model is as it was, only its storages are new.
+        """
+        new_chunks: list[Chunk] = []
+        try:
+            with torch.no_grad():
+                for ci, slots in enumerate(layout.chunks):
+                    new_chunks.append(self._build_chunk(ci, layout, slots, groups, keep_initial))
+        except BaseException:
+            if staged is not None:
+                self._point_at(staged, [p for c in new_chunks for p in c.params])
+            else:
+                self._unbind(new_chunks)
+            raise
+        self.chunks = new_chunks
+        self.layout = layout
+        self.param_chunk = {id(p): c for c in new_chunks for p in c.params}
+        self.param_range = {id(p): r for c in new_chunks for p, r in zip(c.params, c.ranges, strict=True)}
+
+    def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
+                     groups: list[list[torch.nn.Parameter]], keep_initial: bool) -> Chunk:
+        data = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+        grad = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+        params = [groups[s.group][s.index] for s in slots]
+        ranges = [(s.offset, s.numel) for s in slots]
+        # Mixed precision: the fp32 master starts from the parameters' full-precision values, not from their
+        # compute-dtype rounding (kept on the host until the optimizer state is made).
+        initial = None
+        if self.compute_dtype != torch.float32 and keep_initial:
+            initial = self.alloc.host_zeros(layout.chunk_numel, torch.float32)
+        for p, (off, n) in zip(params, ranges, strict=True):
+            src = p.data
+            data[off:off + n].copy_(src.reshape(-1))
+            if initial is not None:
+                with self.alloc.host_context():
+                    initial[off:off + n].copy_(src.reshape(-1))
+            if p.grad is not None and p.grad.shape == p.shape:
+                grad[off:off + n].copy_(p.grad.reshape(-1))
+        for p, (off, n) in zip(params, ranges, strict=True):
+            p.data = data[off:off + n].view(p.shape)
+            p.grad = grad[off:off + n].view(p.shape)
+        c = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad)
+        c.initial_master = initial
+        return c
+
+    def _unbind(self, chunks: Sequence[Chunk]) -> None:
+        """Give the parameters of ``chunks`` standalone copies of their values (newest chunk first, so each
+        chunk's buffers can be freed before the next chunk's copies are made)."""
+        with torch.no_grad():
+            for c in reversed(chunks):
+                for p in c.params:
+                    p.data = p.data.clone()
+                    p.grad = p.grad.clone() if p.grad is not None else None
+                c.data = c.grad = None  # type: ignore[assignment]
+
+    def params(self) -> Iterator[torch.nn.Parameter]:
+        for g in self.groups:
+            yield from g
+
+    def repack(self, order: Sequence[torch.nn.Parameter], *, chunk_numel: int | None = None) -> bool:
+        """Re-pack the chunks so parameters follow ``order`` (first-use order; parameters not in it keep their
+        relative order after those that are), moving each parameter's optimizer state with it (bit-exact).
+
+        Returns ``False`` (and changes nothing) when the layout would be the same, or when parameters with
+        different step counts would share a chunk (one step count per chunk).
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): the new chunks do not fit; the old packing is restored
+                first, with every value and optimizer state as it was.
+        """
+        new_groups = ordered_groups(self.groups, order)
+        layout = build_layout([[p.numel() for p in g] for g in new_groups], chunk_numel=chunk_numel,
+                              align=self.align)
+        same = (layout.chunk_numel == self.layout.chunk_numel
+                and all(a is b for ga, gb in zip(new_groups, self.groups, strict=True)
+                        for a, b in zip(ga, gb, strict=True)))
+        if same:
+            return False
+        # One step count per chunk: refuse a packing that would merge different counts.
+        steps = {id(p): float(self.param_chunk[id(p)].step) for p in self.params()}
+        for slots in layout.chunks:
+            if len({steps[id(new_groups[s.group][s.index])] for s in slots}) > 1:
+                return False
+        # Stage everything through host memory and drop every reference to the old chunks before allocating
+        # the new ones, so re-packing needs the device memory of the new chunks only (built one at a time).
+        staged: dict[int, tuple[torch.Tensor, ...]] = {}
+        side: dict[int, str | None] = {}
+        old_layout, old_groups = self.layout, self.groups
+        with torch.no_grad(), self.alloc.host_context():
+            for c in self.chunks:
+                c.wait_h2d()
+                c.wait_d2h()
+                tensors = (c.data, c.grad, c.master_view(), c.exp_avg, c.exp_avg_sq)
+                flat = [t.to("cpu", copy=True) for t in tensors]
+                for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                    staged[id(p)] = tuple(t[off:off + n] for t in flat)
+                    side[id(p)] = c.placement
+        self._release(staged)
+        try:
+            self._build(layout, new_groups, keep_initial=False, staged=staged)
+            self.groups = new_groups
+            self._restore_state(staged, side, steps)
+        except BaseException:
+            # Put the old packing back from the staged copies (it fitted before), then re-raise.
+            self._release(staged)
+            self._build(old_layout, old_groups, keep_initial=False, staged=staged)
+            self.groups = old_groups
+            self._restore_state(staged, side, steps)
+            raise
+        return True
+
+    @staticmethod
+    def _point_at(staged: dict[int, tuple[torch.Tensor, ...]], params: Iterable[torch.nn.Parameter]) -> None:
+        for p in params:
+            data, grad = staged[id(p)][:2]
+            p.data = data.view(p.shape)
+            p.grad = grad.view(p.shape)
+
+    def _release(self, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """Point every parameter at its staged host copy and forget the chunks (their buffers are freed)."""
+        self._point_at(staged, self.params())
+        for c in self.chunks:
+            c.data = c.grad = None  # type: ignore[assignment]
+            c.master = c.exp_avg = c.exp_avg_sq = c.step = c.host_grad = c.staging = None
+        self.chunks, self.param_chunk, self.param_range = [], {}, {}
+
+    def _restore_state(self, staged: dict[int, tuple[torch.Tensor, ...]], side: dict[int, str | None],
+                       steps: dict[int, float]) -> None:
+        """Optimizer state: each parameter's slice goes into its chunk, on the old side when the whole chunk
+        came from one side, else on the host (the plan moves it afterwards)."""
+        with torch.no_grad():
+            for c in self.chunks:
+                sides = {side[id(p)] for p in c.params}
+                where = DEVICE if sides == {DEVICE} else HOST
+                with self.alloc.host_context():
+                    master, exp_avg, exp_avg_sq = (torch.zeros(c.numel) for _ in range(3))  # fp32
+                    for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                        _, _, m, ea, eas = staged[id(p)]
+                        master[off:off + n].copy_(m)
+                        exp_avg[off:off + n].copy_(ea)
+                        exp_avg_sq[off:off + n].copy_(eas)
+                c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                             step=steps[id(c.params[0])])
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def _grad_hook(self, p: torch.nn.Parameter) -> None:
+        c = self.param_chunk.get(id(p))
+        if c is None:
+            return
+        self.rebind_grad(p, c)
+        self.grad_events += 1
+        task = _graph_task_id()
+        if task != c.ready_task:  # a new backward pass
+            c.ready_task, c.ready = task, set()
+        if id(p) in c.ready:
+            return
+        c.ready.add(id(p))
+        if len(c.ready) == len(c.params):
+            self.on_grads_ready(c)
+
+    def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
+        c = c or self.param_chunk[id(p)]
+        off, n = self.param_range[id(p)]
+        return c.grad[off:off + n].view(p.shape)
+
+    def rebind_grad(self, p: torch.nn.Parameter, c: Chunk | None = None) -> None:
+        """Put ``p.grad`` back into its chunk view if autograd or the user produced a separate tensor."""
+        g = p.grad
+        view = self.grad_view(p, c)
+        if g is None:
+            return
+        if g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.dtype != view.dtype:
+            with torch.no_grad():
+                view.copy_(g)
+            p.grad = view
+
+    def on_grads_ready(self, chunk: Chunk) -> None:
+        """All of ``chunk``'s gradients are complete in this backward (a reduce-scatter goes there)."""
+        self.dp.grads_ready(chunk)
+        if self.on_grads_ready_cb is not None:
+            self.on_grads_ready_cb(chunk)
+
+    def after_update(self, chunk: Chunk) -> None:
+        """``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes there)."""
+        self.dp.after_update(chunk)
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffers, keep the views, reset readiness."""
+        self.dp.before_zero_grad()  # pending gradient reductions finish first
+        with torch.no_grad():
+            for c in self.chunks:
+                c.grad.zero_()
+                c.ready, c.ready_task = set(), None
+            for p in self.params():
+                c = self.param_chunk[id(p)]
+                view = self.grad_view(p, c)
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+
+    def close(self) -> None:
+        """Remove the gradient hooks (parameters stay views into the chunks)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
