@@ -68,14 +68,14 @@ def _label(module: str) -> str:
     return module if module else "(root)"
 
 
-# ---- JSON ----------------------------------------------------------------------------------------------
+# ---- JSON ------------------------------------------------------------------------------------------------
 def write_json(timeline: MemoryTimeline, path: str | os.PathLike[str]) -> Path:
     """Write the versioned memsched timeline JSON to ``path`` atomically; returns the path."""
     timeline.save(path)
     return Path(path)
 
 
-# ---- Perfetto / Chrome trace events --------------------------------------------------------------------
+# ---- Perfetto / Chrome trace events ----------------------------------------------------------------------
 def to_perfetto(timelines: MemoryTimeline | Sequence[MemoryTimeline]) -> dict[str, Any]:
     """Chrome / Perfetto trace-event JSON for one or more timelines (one per rank).
 
@@ -360,7 +360,7 @@ def _step_slices(samples: Sequence[Sample], pid: int) -> list[dict[str, Any]]:
     return out
 
 
-# ---- PyTorch memory snapshot (memory_viz) ---------------------------------------------------------------
+# ---- PyTorch memory snapshot (memory_viz) ----------------------------------------------------------------
 def to_memory_viz(timeline: MemoryTimeline) -> dict[str, Any]:
     """A PyTorch memory snapshot of the traced device, for https://pytorch.org/memory_viz.
 
@@ -523,7 +523,7 @@ class _FirstFit:
             self.top = ranges.pop()[0]
 
 
-# ---- PNG -----------------------------------------------------------------------------------------------
+# ---- PNG -------------------------------------------------------------------------------------------------
 def png_available() -> bool:
     """Whether matplotlib (the ``plot`` extra) can be imported."""
     try:
@@ -624,7 +624,7 @@ def _tick_step(ymax: int) -> int:
     return 1000 * unit
 
 
-# ---- everything ----------------------------------------------------------------------------------------
+# ---- everything ------------------------------------------------------------------------------------------
 def export_paths(
     out_dir: str | os.PathLike[str],
     stem: str = "trace",

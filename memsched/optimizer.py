@@ -76,7 +76,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
 
-    # ---- bookkeeping ---------------------------------------------------------------------------------------
+    # ---- bookkeeping --------------------------------------------------------------------------------------
     def _name(self, p: torch.Tensor) -> str:
         return self.names.get(id(p), f"of shape {tuple(p.shape)}")
 
@@ -86,18 +86,12 @@ class HybridAdamW(torch.optim.Optimizer):
         self._param_versions = {id(p): p._version for p in self.store.params()}
 
     def _start_d2h(self, c: Chunk) -> None:
-        """Copy the gradients of host chunk ``c`` (its shard) to host memory, after all work queued so far on
-        the compute stream: everything that may have written them (backward, gradient reductions, clipping)
-        comes first. Mixed precision copies in the compute dtype into ``staging`` (upcast on the CPU
-        later)."""
-        dst = c.staging if c.staging is not None else c.host_grad
+        """D2H of host chunk ``c``'s gradients after everything that may have written them (backward, gradient
+        reductions, clipping) was queued."""
         with self.store.alloc.host_context():
-            c.wait_h2d()  # the previous step's H2D may still read ``staging``
-            c.wait_d2h()
-            c.d2h_event = self.streams.copy_d2h(dst, c.grad[c.lo:c.hi])
-        self.transfers.add_d2h(c.shard_numel * c.grad.element_size())
+            self.transfers.add_d2h(c.start_d2h(self.streams))
 
-    # ---- step ----------------------------------------------------------------------------------------------
+    # ---- step ---------------------------------------------------------------------------------------------
     def _validate_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """Gradients that are not (or no longer) the chunk views: ``(param, tensor or None)`` to fix up."""
         fixes = []
@@ -155,7 +149,7 @@ class HybridAdamW(torch.optim.Optimizer):
         host_chunks = [c for c in chunks if c.placement == HOST]
         if self.capacity_check is not None:
             self.capacity_check(self._step_temporary_bytes(device_chunks), "optimizer step temporaries")
-        # ---- no failure expected below this line: in-place writes start -----------------------------------
+        # ---- no failure expected below this line: in-place writes start ------------------------------------
         for p, g in fixes:
             view = self.store.grad_view(p)
             if g is None:
@@ -286,8 +280,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
                 c.staging.copy_(c.master)
                 src = c.staging
-            c.h2d_event = self.streams.copy_h2d(c.data[c.lo:c.hi], src)
-        self.transfers.add_h2d(c.shard_numel * c.data.element_size())
+            self.transfers.add_h2d(c.start_h2d(self.streams, src))
         self.store.after_update(c)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -296,7 +289,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._clip_coefs = []
         self.store.zero_grad()
 
-    # ---- clipping ------------------------------------------------------------------------------------------
+    # ---- clipping -----------------------------------------------------------------------------------------
     @torch.no_grad()
     def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -326,7 +319,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._clip_coefs.append(clip_coefficient(total, max_norm))
         return total
 
-    # ---- state_dict (one path for any world size: memsched.optim_state) ------------------------------------
+    # ---- state_dict (one path for any world size: memsched.optim_state) -----------------------------------
     def _param_index(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 

@@ -39,7 +39,7 @@ class DataParallel:
         """Know the chunks (the store calls this when it is built)."""
         self.store = store
 
-    # ---- layout and building -------------------------------------------------------------------------------
+    # ---- layout and building ------------------------------------------------------------------------------
     def chunk_numel_for(self, groups: Sequence[Sequence[torch.nn.Parameter]],
                         order: Sequence[torch.nn.Parameter] | None, chunk_numel: int | None) -> int | None:
         """The chunk size (elements) to build with; ``None`` lets the store search it."""
@@ -59,7 +59,7 @@ class DataParallel:
         """Re-pack the chunks in first-use ``order`` (:meth:`ChunkStore.repack`)."""
         store.repack(order, chunk_numel=chunk_numel)
 
-    # ---- gradients and the step ----------------------------------------------------------------------------
+    # ---- gradients and the step ---------------------------------------------------------------------------
     def grads_ready(self, chunk: Chunk) -> None:
         """All of ``chunk``'s gradients are complete in this backward (ZeRO: reduce them now)."""
 
@@ -86,7 +86,7 @@ class DataParallel:
     def before_zero_grad(self) -> None:
         """Before the gradient buffers are zeroed: nothing may still be writing into them."""
 
-    # ---- agreement between ranks ---------------------------------------------------------------------------
+    # ---- agreement between ranks --------------------------------------------------------------------------
     def agree_margin_inputs(self, capacity_bytes: int, peak_non_model_bytes: int) -> tuple[int, int]:
         """The capacity and peak non-model data every rank plans with, bytes."""
         return capacity_bytes, peak_non_model_bytes
@@ -98,7 +98,7 @@ class DataParallel:
         """fp16: a step is skipped on every rank when any rank saw inf/NaN (a CPU float tensor ``[1]``)."""
         return found
 
-    # ---- whole optimizer state -----------------------------------------------------------------------------
+    # ---- whole optimizer state ----------------------------------------------------------------------------
     def full_state(self, chunk: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fp32 master, ``exp_avg`` and ``exp_avg_sq`` of the WHOLE chunk (``[numel]``), as new CPU
         tensors (ZeRO: gathered from the ranks, a collective)."""

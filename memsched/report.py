@@ -117,7 +117,7 @@ def render_report(
         console.print(part)
 
 
-# ---- sections ----------------------------------------------------------------------------------------------
+# ---- sections --------------------------------------------------------------------------------------------
 def summary_panel(timeline: MemoryTimeline) -> Panel:
     """Traced device, backend, steps, the non-model peak and where it occurs, model data, CUDA figures."""
     grid = Table.grid(padding=(0, 2))
@@ -314,7 +314,7 @@ def transfer_table(transfers: Mapping[str, int]) -> Table:
     return table
 
 
-# ---- pieces ------------------------------------------------------------------------------------------------
+# ---- pieces ----------------------------------------------------------------------------------------------
 class StackedBar:
     """One horizontal bar, one coloured run per category, scaled so that ``scale`` bytes fill the width.
 

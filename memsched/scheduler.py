@@ -84,7 +84,7 @@ class Scheduler:
                  dist_timeout: float | None = None, chunk_build: str = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")
-        # ---- validate everything before touching the model ------------------------------------------------
+        # ---- validate everything before touching the model -------------------------------------------------
         self.gpu_margin_mem_ratio = _check_ratio(gpu_margin_mem_ratio)
         self.warmup_steps = _check_warmup(warmup_steps)
         self.policy = policies.get(policy, **(policy_options or {}))
@@ -175,7 +175,7 @@ class Scheduler:
         data parallelism itself is :attr:`dp` at every world size)."""
         return self.dp if self.dp.world > 1 else None
 
-    # ---- warmup --------------------------------------------------------------------------------------------
+    # ---- warmup -------------------------------------------------------------------------------------------
     def _start_tracer(self) -> None:
         from tracer import MemoryTracer
 
@@ -322,7 +322,7 @@ class Scheduler:
         synchronous)."""
         self.streams.wait([c.h2d_event for c in self.store.chunks])
 
-    # ---- training API --------------------------------------------------------------------------------------
+    # ---- training API -------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``; under fp16 the loss is multiplied by the dynamic loss scale first."""
         if self.scaler is not None:

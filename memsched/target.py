@@ -162,7 +162,7 @@ def build_workload(spec_or_callable: str | Callable[..., Any], device: torch.dev
     return Workload(model, loss_fn, name)
 
 
-# ---- helpers -----------------------------------------------------------------------------------------------
+# ---- helpers ---------------------------------------------------------------------------------------------
 def _looks_like_path(where: str) -> bool:
     return where.endswith(".py") or "/" in where or os.sep in where
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 
@@ -29,16 +30,20 @@ class Chunk:
         ``host_grad``: ``[hi - lo]`` fp32 host buffer the CPU update reads its gradients from (host placement
             only; in fp32 the D2H copy lands there directly).
         ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the D2H copy
-        of
-            the gradients lands there in the compute dtype and is upcast on the CPU (a D2H that converts dtype
-            would first make an fp32 temporary on the device), and the updated parameters are cast there on
-            the CPU for the H2D copy.
+            of the gradients lands there in the compute dtype and is upcast on the CPU (a D2H that converts
+            dtype would first make an fp32 temporary on the device), and the updated parameters are cast there
+            on the CPU for the H2D copy.
 
-    The optimizer state of one placement is one allocation (:meth:`Allocator.arena`).
+    The optimizer state of one placement is one allocation (:meth:`Allocator.arena`). The chunk owns its
+    transitions: its shard (:meth:`set_shard`, :meth:`reshard`), its copies and their events
+    (:meth:`start_d2h`, :meth:`start_h2d`, :meth:`wait_d2h`, :meth:`wait_h2d`), its placement
+    (:meth:`init_state`, :meth:`move_to`), its gradient readiness (:meth:`mark_grad_ready`,
+    :meth:`reset_ready`) and its release (:meth:`release`); other classes call these, never assign its fields.
     """
 
     def __init__(self, index: int, group: int, numel: int, params: list[torch.nn.Parameter],
-                 ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor) -> None:
+                 ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor, *,
+                 initial_master: torch.Tensor | None = None) -> None:
         self.index = index
         self.group = group
         self.numel = numel
@@ -61,7 +66,7 @@ class Chunk:
         self.ready_task: int | None = None
         self.d2h_event = None  # CUDA event of the in-flight D2H copy of the gradients (at step)
         self.h2d_event = None  # CUDA event of the in-flight H2D copy of the updated parameters
-        self.initial_master: torch.Tensor | None = None  # fp32 host values before the first init_state
+        self.initial_master = initial_master  # fp32 host values until the first init_state (mixed precision)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -162,7 +167,67 @@ class Chunk:
         self._install(placement, new)
         return 3 * self.shard_numel * 4
 
-    # -- H2D / D2H helpers --------------------------------------------------------------------------------
+    # -- shard -----------------------------------------------------------------------------------------------
+    def set_shard(self, lo: int, hi: int) -> None:
+        """Cover ``[lo, hi)`` of the chunk with this rank's optimizer state (before the state exists).
+
+        Raises:
+            RuntimeError: the chunk already has optimizer state (use :meth:`reshard`).
+            ValueError: not ``0 <= lo <= hi <= numel``.
+        """
+        if self.exp_avg is not None:
+            raise RuntimeError(f"chunk {self.index} already has optimizer state; reshard() moves it")
+        if not 0 <= lo <= hi <= self.numel:
+            raise ValueError(f"shard [{lo}, {hi}) is not inside chunk {self.index} of {self.numel} elements")
+        self.lo, self.hi = lo, hi
+
+    def reshard(self, lo: int, hi: int, alloc: Allocator, *, master: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor) -> None:
+        """Cover ``[lo, hi)`` with the given fp32 state (``[hi - lo]`` each), on the same side, same step."""
+        step = float(self.step) if self.step is not None else 0.0
+        if not 0 <= lo <= hi <= self.numel:
+            raise ValueError(f"shard [{lo}, {hi}) is not inside chunk {self.index} of {self.numel} elements")
+        self.wait_h2d()
+        self.lo, self.hi = lo, hi
+        self.init_state(self.placement, alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                        step=step)
+
+    # -- gradient readiness ---------------------------------------------------------------------------------
+    def mark_grad_ready(self, param_id: int, task: int | None) -> bool:
+        """Parameter ``param_id``'s gradient is complete in the backward pass ``task`` (autograd graph task
+        id); True when that completes the chunk in this backward."""
+        if task != self.ready_task:  # a new backward pass
+            self.ready_task, self.ready = task, set()
+        if param_id in self.ready:
+            return False
+        self.ready.add(param_id)
+        return len(self.ready) == len(self.params)
+
+    def reset_ready(self) -> None:
+        self.ready, self.ready_task = set(), None
+
+    def release(self) -> None:
+        """Drop every tensor (the buffers are freed when nothing else holds them)."""
+        self.data = self.grad = None  # type: ignore[assignment]
+        self.master = self.exp_avg = self.exp_avg_sq = self.step = self.host_grad = self.staging = None
+        self.initial_master = None
+
+    # -- H2D / D2H ------------------------------------------------------------------------------------------
+    def start_d2h(self, streams: Any) -> int:
+        """Copy the gradients of the shard to host memory after the work queued so far on the compute stream
+        (``staging`` in the compute dtype under mixed precision, else ``host_grad``); returns the bytes."""
+        dst = self.staging if self.staging is not None else self.host_grad
+        self.wait_h2d()  # the previous step's H2D may still read ``staging``
+        self.wait_d2h()
+        self.d2h_event = streams.copy_d2h(dst, self.grad[self.lo:self.hi])
+        return self.shard_numel * self.grad.element_size()
+
+    def start_h2d(self, streams: Any, src: torch.Tensor) -> int:
+        """Copy the updated shard ``src`` (host) into ``data[lo:hi]``; returns the bytes."""
+        self.h2d_event = streams.copy_h2d(self.data[self.lo:self.hi], src)
+        return self.shard_numel * self.data.element_size()
+
+    # -- H2D / D2H helpers ----------------------------------------------------------------------------------
     def wait_h2d(self) -> None:
         """Block the host until the chunk's last H2D copy is done (its buffers may then be rewritten)."""
         if self.h2d_event is not None:

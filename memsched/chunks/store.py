@@ -59,7 +59,7 @@ class ChunkStore:
             for p in g:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
 
-    # -- building / re-packing ---------------------------------------------------------------------------
+    # -- building / re-packing ------------------------------------------------------------------------------
     def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
                keep_initial: bool = True, staged: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
         """Allocate chunk buffers for ``layout`` one chunk at a time, copy parameters (and gradients) in and
@@ -109,9 +109,8 @@ class ChunkStore:
         for p, (off, n) in zip(params, ranges, strict=True):
             p.data = data[off:off + n].view(p.shape)
             p.grad = grad[off:off + n].view(p.shape)
-        c = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad)
-        c.initial_master = initial
-        return c
+        return Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad,
+                     initial_master=initial)
 
     def _unbind(self, chunks: Sequence[Chunk]) -> None:
         """Give the parameters of ``chunks`` standalone copies of their values (newest chunk first, so each
@@ -121,7 +120,7 @@ class ChunkStore:
                 for p in c.params:
                     p.data = p.data.clone()
                     p.grad = p.grad.clone() if p.grad is not None else None
-                c.data = c.grad = None  # type: ignore[assignment]
+                c.release()
 
     def params(self) -> Iterator[torch.nn.Parameter]:
         for g in self.groups:
@@ -190,8 +189,7 @@ class ChunkStore:
         """Point every parameter at its staged host copy and forget the chunks (their buffers are freed)."""
         self._point_at(staged, self.params())
         for c in self.chunks:
-            c.data = c.grad = None  # type: ignore[assignment]
-            c.master = c.exp_avg = c.exp_avg_sq = c.step = c.host_grad = c.staging = None
+            c.release()
         self.chunks, self.param_chunk, self.param_range = [], {}, {}
 
     def _restore_state(self, staged: dict[int, tuple[torch.Tensor, ...]], side: dict[int, str | None],
@@ -212,20 +210,14 @@ class ChunkStore:
                 c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                              step=steps[id(c.params[0])])
 
-    # -- gradients -----------------------------------------------------------------------------------------
+    # -- gradients ------------------------------------------------------------------------------------------
     def _grad_hook(self, p: torch.nn.Parameter) -> None:
         c = self.param_chunk.get(id(p))
         if c is None:
             return
         self.rebind_grad(p, c)
         self.grad_events += 1
-        task = _graph_task_id()
-        if task != c.ready_task:  # a new backward pass
-            c.ready_task, c.ready = task, set()
-        if id(p) in c.ready:
-            return
-        c.ready.add(id(p))
-        if len(c.ready) == len(c.params):
+        if c.mark_grad_ready(id(p), _graph_task_id()):
             self.on_grads_ready(c)
 
     def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
@@ -260,7 +252,7 @@ class ChunkStore:
         with torch.no_grad():
             for c in self.chunks:
                 c.grad.zero_()
-                c.ready, c.ready_task = set(), None
+                c.reset_ready()
             for p in self.params():
                 c = self.param_chunk[id(p)]
                 view = self.grad_view(p, c)

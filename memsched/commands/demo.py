@@ -91,7 +91,7 @@ def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_
     return total / n_batches
 
 
-# ---- argument types ----------------------------------------------------------------------------------------
+# ---- argument types --------------------------------------------------------------------------------------
 
 
 
@@ -149,7 +149,7 @@ def _choose_device(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    # ---- validate everything before any work -------------------------------------------------------------
+    # ---- validate everything before any work ---------------------------------------------------------------
     config = config_for(args.size)  # ValueError listing the known sizes
     if args.seq_len > config.block_size:
         raise ValueError(f"--seq-len {args.seq_len} exceeds the {args.size!r} model's block size "
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     summary["val_loss_after"] = evaluate(model, corpus.val, args.batch_size, args.seq_len, tdev,
                                          seed=args.seed)
 
-    # ---- report, plan, exports ---------------------------------------------------------------------------
+    # ---- report, plan, exports ----------------------------------------------------------------------------
     from memsched.exports import write_all
     from memsched.report import render_report
 

@@ -56,7 +56,7 @@ DEFAULT_BATCH_SIZE = 8
 DEFAULT_SEQ_LEN = 1024
 
 
-# ---- the fake trace ----------------------------------------------------------------------------------------
+# ---- the fake trace --------------------------------------------------------------------------------------
 def fake_device() -> torch.device:
     """The device of the fake trace: ``cuda`` when CUDA is available, else ``cpu`` (see the module docs)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -246,7 +246,7 @@ def gpt_workload(size: str, batch_size: int, seq_len: int, *, seed: int = 0) -> 
     return build
 
 
-# ---- planning ----------------------------------------------------------------------------------------------
+# ---- planning --------------------------------------------------------------------------------------------
 @dataclass
 class CapacityPlan:
     """Plans of every policy for one device capacity.
@@ -383,7 +383,7 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
     }
 
 
-# ---- CLI ---------------------------------------------------------------------------------------------------
+# ---- CLI -------------------------------------------------------------------------------------------------
 
 
 
@@ -483,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- rendering ---------------------------------------------------------------------------------------------
+# ---- rendering -------------------------------------------------------------------------------------------
 def render(result: dict[str, Any], console: Console) -> None:
     """Print a :func:`result_dict` as rich tables."""
     w, tr, md = result["workload"], result["trace"], result["model_data"]

@@ -88,7 +88,7 @@ class Comm:
         self.reduce_scatter_supported = self._reduce_scatter is not None
         self.all_gather_supported = self._all_gather is not None
 
-    # ---- errors --------------------------------------------------------------------------------------------
+    # ---- errors -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
         """Re-raise a backend failure inside as :class:`ZeroCommError` naming ``what`` and this rank."""
@@ -117,7 +117,7 @@ class Comm:
         with self.guard(what):
             work.wait()
 
-    # ---- collectives ---------------------------------------------------------------------------------------
+    # ---- collectives --------------------------------------------------------------------------------------
     def all_reduce(
         self, t: torch.Tensor, *, op: Any = None, what: str = "all_reduce", async_op: bool = False
     ) -> Any:

@@ -149,7 +149,7 @@ class ZeroEngine(DataParallel):
     def shard(self, store: ChunkStore) -> None:
         """Set each chunk's piece before its optimizer state is allocated (``Chunk.init_state``)."""
         for c in store.chunks:
-            c.lo, c.hi = self.piece(c)
+            c.set_shard(*self.piece(c))
 
     # ---- building the chunks ------------------------------------------------------------------------------
     def prepare_build(
@@ -440,9 +440,7 @@ class ZeroEngine(DataParallel):
                 continue
             with store.alloc.host_context():  # temporary host copies, not device memory
                 master, m, v = self.full_state(c)
-            step = float(c.step)
-            c.lo, c.hi = 0, c.numel
-            c.init_state(c.placement, store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=step)
+            c.reshard(0, c.numel, store.alloc, master=master, exp_avg=m, exp_avg_sq=v)
 
     def reshard(self, store: ChunkStore) -> None:
         """Cut each (whole-state) chunk back to this rank's piece; reset the reduction bookkeeping."""
@@ -458,8 +456,6 @@ class ZeroEngine(DataParallel):
                 master = c.master_view()[lo:hi].detach().cpu().clone()
                 m = c.exp_avg[lo:hi].detach().cpu().clone()
                 v = c.exp_avg_sq[lo:hi].detach().cpu().clone()
-            step = float(c.step)
-            c.lo, c.hi = lo, hi
-            c.init_state(c.placement, store.alloc, master=master, exp_avg=m, exp_avg_sq=v, step=step)
+            c.reshard(lo, hi, store.alloc, master=master, exp_avg=m, exp_avg_sq=v)
         self._reset_round()
         self._reduced.clear()
