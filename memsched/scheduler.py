@@ -23,8 +23,7 @@ accounting is active from attach until :meth:`Scheduler.close` (or the end of ``
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
+import enum
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -35,30 +34,29 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import policies
 from memsched.chunks import Allocator, ChunkStore
-from memsched.devices import DeviceSpec, parse_device
-from memsched.first_use import first_use_order, first_use_owners
-from memsched.optimizer import HybridAdamW, hyperparameter_groups
+from memsched.config import SchedulerConfig, make_config
+from memsched.devices import DeviceSpec
+from memsched.first_use import first_use_order
+from memsched.optimizer import HybridAdamW
 from memsched.parallel import DataParallel
 from memsched.planning import build_problem
-from memsched.precision import LossScaler, check_dtype
+from memsched.precision import LossScaler
 from memsched.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.transfers import Streams, TransferStats
+from memsched.waits import H2DWaits
 from policies.types import DEVICE, HOST, PlacementPlan
 
 # Models a live Scheduler owns (their parameters are views into its chunks).
 _ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-def _check_ratio(r: Any) -> float:
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or not 0 <= r <= 1:
-        raise ValueError(f"gpu_margin_mem_ratio must be a number in [0, 1], got {r!r}")
-    return float(r)
+class Phase(enum.Enum):
+    """Where a :class:`Scheduler` is in its life (the module docstring tells the story)."""
 
-
-def _check_warmup(n: Any) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise ValueError(f"warmup_steps must be an integer >= 1, got {n!r}")
-    return int(n)
+    WARMUP = "warmup"  # traced steps; all optimizer state on the host
+    PLANNED = "planned"  # the plan is applied; no tracing cost
+    PLAN_FAILED = "plan failed"  # the policy found no plan; the state stays on the host, training goes on
+    CLOSED = "closed"  # hooks, modes and accounting removed
 
 
 def _check_not_meta(model: torch.nn.Module) -> None:
@@ -69,62 +67,46 @@ def _check_not_meta(model: torch.nn.Module) -> None:
 
 
 class Scheduler:
-    """The scheduler :func:`attach` returns. Attributes: ``model``, ``optimizer`` (:class:`HybridAdamW`),
-    ``plan`` (the :class:`policies.PlacementPlan` in force; ``None`` during warmup), ``timeline`` (the warmup
-    trace), ``device`` (:class:`memsched.devices.DeviceSpec`), ``sim`` (the stand-in device or ``None``),
-    ``store`` (the chunks), ``zero`` (the :class:`memsched.distributed.ZeroEngine` with more than one rank,
-    else ``None``)."""
+    """The scheduler :func:`attach` returns, built from a checked :class:`memsched.config.SchedulerConfig`.
 
-    def __init__(self, model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
-                 device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 3e-4,
-                 weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
-                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
-                 process_group: Any = None, fetch: str = "all_gather",
-                 dist_timeout: float | None = None, chunk_build: str = "auto") -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")
-        # ---- validate everything before touching the model -------------------------------------------------
-        self.gpu_margin_mem_ratio = _check_ratio(gpu_margin_mem_ratio)
-        self.warmup_steps = _check_warmup(warmup_steps)
-        self.policy = policies.get(policy, **(policy_options or {}))
-        self.compute_dtype = check_dtype(dtype)
-        self.device: DeviceSpec = parse_device(device)
+    Attributes: ``model``, ``optimizer`` (:class:`HybridAdamW`), ``phase`` (:class:`Phase`), ``steps``
+    (optimizer steps taken, skipped fp16 steps included), ``plan`` (the :class:`policies.PlacementPlan` in
+    force; ``None`` until there is one), ``problem`` (the :class:`policies.PlacementProblem` it solved;
+    ``None`` until warmup ends), ``timeline`` (the warmup trace; ``None`` until warmup ends), ``device``
+    (:class:`memsched.devices.DeviceSpec`), ``sim`` (the stand-in device or ``None``), ``store`` (the chunks),
+    ``dp`` (the data parallelism: :class:`memsched.parallel.DataParallel`, one rank or ZeRO).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: SchedulerConfig) -> None:
         _check_not_meta(model)
         if model in _ATTACHED:
             raise RuntimeError("memsched is already attached to this model: close() the first scheduler (or "
                                "leave its with-block) before attaching again")
-        groups = hyperparameter_groups(params, model)
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
-        from memsched.optimizer import check_hyperparameters
-        check_hyperparameters(defaults, "attach()")
-        for i, g in enumerate(groups):
-            check_hyperparameters({**defaults, **g}, f"param group {i}")
-        if chunk_numel is not None:
-            largest = max(p.numel() for g in groups for p in g["params"])
-            if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < largest:
-                raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} "
-                                 f"elements), got {chunk_numel!r}")
-        self.chunk_numel = chunk_numel
-        # Data parallelism: one rank (memsched.parallel) or ZeRO over torch.distributed (.distributed).
+        self.config = config
+        self.device: DeviceSpec = config.device
+        self.compute_dtype = config.compute_dtype
+        self.policy = config.placement.policy
+        self.gpu_margin_mem_ratio = config.placement.gpu_margin_mem_ratio
+        self.warmup_steps = config.placement.warmup_steps
+        self.chunk_numel = config.chunk_numel
+        groups = config.adamw.groups
         from memsched.distributed import make_engine
-        self.dp: DataParallel = make_engine(zero_stage, fetch, process_group, timeout=dist_timeout,
-                                            chunk_build=chunk_build, device=self.device.torch_device)
-        chunk_numel = self.dp.chunk_numel_for([g["params"] for g in groups], None, chunk_numel)
+
+        self.dp: DataParallel = make_engine(config.data_parallel, self.device.torch_device)
+        chunk_numel = self.dp.chunk_numel_for([g["params"] for g in groups], None, config.chunk_numel)
         self.model = model
+        self.phase = Phase.WARMUP
+        self.steps = 0
         self.plan: PlacementPlan | None = None
+        self.problem: policies.PlacementProblem | None = None
         self.plan_error: Exception | None = None
         self.timeline = None
         self.transfers = TransferStats()
-        self._closed = False
-        self._warmup_done = False
         self._handles: list[Any] = []
         tdev = self.device.torch_device
 
         # ---- the stand-in device's accounting starts before any device buffer is made ---------------------
-        self.sim: SimDevice | None = None
-        if self.device.is_sim:
-            self.sim = SimDevice(self.device.capacity_bytes)
+        self.sim: SimDevice | None = SimDevice(self.device.capacity_bytes) if self.device.is_sim else None
         trainable = {id(p) for g in groups for p in g["params"]}
         try:
             if self.sim is not None:
@@ -151,16 +133,16 @@ class Scheduler:
         self.streams = Streams(tdev)
         self.scaler = LossScaler(tdev) if self.compute_dtype == torch.float16 else None
         self.optimizer = HybridAdamW(
-            self.store, groups, defaults=defaults, streams=self.streams, transfers=self.transfers,
-            scaler=self.scaler, capacity_check=self.sim.require if self.sim is not None else None,
+            self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
+            transfers=self.transfers, scaler=self.scaler, capacity_check=self.sim.require if self.sim is not None else None,
             names=self.names)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
         self._handles.append(register_optimizer_step_post_hook(self._global_post_hook))
-        self._wait_handles: list[Any] = []
+        self.waits = H2DWaits(model, self.store, self.streams)
         if self.streams.cuda:  # elsewhere copies are synchronous: nothing to wait for
-            self._install_h2d_waits()
+            self.waits.install(())
         self._tracer = None
         try:
             self._start_tracer()
@@ -195,18 +177,20 @@ class Scheduler:
 
     @property
     def in_warmup(self) -> bool:
-        return not self._warmup_done
+        return self.phase is Phase.WARMUP
 
     def _global_post_hook(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if optimizer is self.optimizer:
             self._after_step()
 
     def _after_step(self) -> None:
-        if self._warmup_done or self._closed or self.transfers.steps < self.warmup_steps:
+        self.steps += 1
+        if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
             return
-        self._warmup_done = True
         self._stop_tracer()
+        self.phase = Phase.PLAN_FAILED  # until the plan is applied
         self._make_plan()
+        self.phase = Phase.PLANNED
 
     def traced_modules(self) -> list[str]:
         """Qualified names of the modules whose forward ran in the warmup trace, in first-call order; empty
@@ -240,7 +224,7 @@ class Scheduler:
         order = [p for g in self.store.groups for p in g]  # the packing in force
         self.optimizer.record_param_versions()
         if self.streams.cuda:
-            self._install_h2d_waits()
+            self.waits.install(self.traced_modules())
         peak, capacity = self.peak_non_model_bytes(), self.device.capacity_bytes
         capacity, peak = self.dp.agree_margin_inputs(capacity, peak)  # the smallest margin over the ranks
         problem, layout = build_problem(
@@ -281,46 +265,15 @@ class Scheduler:
             raise
         self.plan = plan
 
-    # ---- the next forward waits for the H2D copies of the parameters it reads
-    # --------------------------------
     def _install_h2d_waits(self) -> None:
-        """Forward pre-hooks that make the compute stream wait for a chunk's H2D copy before anything may read
-        its parameters: at the first traced module that may read them (:mod:`memsched.first_use`). Before the
-        trace exists (warmup) every module holding chunk parameters waits for all chunks. The state dict of
-        the model waits for all chunks too. Anything else that reads parameters outside a forward (an EMA, a
-        functional call on a submodule) must call :meth:`synchronize` first."""
-        for h in self._wait_handles:
-            h.remove()
-        self._wait_handles = []
-        store, traced = self.store, self.traced_modules()
-        by_module: dict[str, set[int]] = {}
-        if traced:
-            owners = first_use_owners(self.model, traced, list(store.params()))
-            for p in store.params():
-                by_module.setdefault(owners[id(p)], set()).add(store.param_chunk[id(p)].index)
-        else:
-            every = set(range(len(store.chunks)))
-            for name, m in self.model.named_modules():
-                if any(id(p) in store.param_chunk for p in m.parameters(recurse=False)) or name == "":
-                    by_module[name] = every
-        modules = dict(self.model.named_modules())
-        for name, indices in by_module.items():
-            self._wait_handles.append(
-                modules[name].register_forward_pre_hook(self._wait_hook(sorted(indices)), prepend=True))
-        sync = self.model.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize())
-        self._wait_handles.append(sync)
-
-    def _wait_hook(self, indices: list[int]):
-        def wait(_module: torch.nn.Module, _args: Any) -> None:
-            chunks = self.store.chunks
-            self.streams.wait([chunks[i].h2d_event for i in indices])
-        return wait
+        """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.waits.H2DWaits`)."""
+        self.waits.install(self.traced_modules())
 
     def synchronize(self) -> None:
         """Make the current stream wait for every pending H2D copy (before reading parameters outside a
         module's forward, e.g. an EMA that reads ``p`` directly). No-op without CUDA (copies are
         synchronous)."""
-        self.streams.wait([c.h2d_event for c in self.store.chunks])
+        self.waits.synchronize()
 
     # ---- training API -------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -364,9 +317,9 @@ class Scheduler:
     def close(self) -> None:
         """Stop tracing and the stand-in's accounting and remove memsched's hooks (idempotent). Parameters
         stay views into the chunks and the optimizer keeps working (without the early D2H)."""
-        if self._closed:
+        if self.phase is Phase.CLOSED:
             return
-        self._closed = True
+        self.phase = Phase.CLOSED
         _ATTACHED.discard(self.model)
         try:
             for c in self.store.chunks:  # a read right after close() must see the updated parameters
@@ -374,10 +327,10 @@ class Scheduler:
                 c.wait_d2h()
             self._stop_tracer()
         finally:
-            for h in [*self._handles, *self._wait_handles]:
+            for h in self._handles:
                 h.remove()
             self._handles.clear()
-            self._wait_handles.clear()
+            self.waits.remove()
             self.store.close()
             if self.sim is not None:
                 self.sim.stop()
@@ -439,8 +392,8 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         ValueError (ZeRO): a ``zero_stage``, ``fetch`` or ``chunk_build`` not among the allowed values.
         memsched.distributed.ZeroCommError: another rank did not reach attach within ``dist_timeout``.
     """
-    return Scheduler(model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
-                     warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
-                     params=params, policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel,
-                     zero_stage=zero_stage, process_group=process_group, fetch=fetch,
-                     dist_timeout=dist_timeout, chunk_build=chunk_build)
+    return Scheduler(model, make_config(
+        model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
+        warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, params=params,
+        policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage, process_group=process_group, fetch=fetch,
+        dist_timeout=dist_timeout, chunk_build=chunk_build))

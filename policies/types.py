@@ -18,6 +18,18 @@ DEVICE = "device"  # placement on the accelerator (CUDA or the stand-in)
 HOST = "host"  # placement in (pinned) CPU memory
 
 
+def check_ratio(value: object, name: str = "gpu_margin_mem_ratio") -> float:
+    """``value`` as a float in [0, 1] (the one place this is checked: the problem, attach and the CLI).
+
+    Raises:
+        ValueError: not a real number in [0, 1] (NaN and bools included); the message names ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+            or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def _check_bytes(
     owner: object, name: str, value: Any, *, optional: bool = False, unit: str = "bytes"
 ) -> None:
@@ -102,10 +114,7 @@ class PlacementProblem:
             if not isinstance(c, ChunkSpec):
                 raise ValueError(f"PlacementProblem.chunks[{i}] must be a ChunkSpec, got {c!r}")
         object.__setattr__(self, "chunks", chunks)
-        r = self.gpu_margin_mem_ratio
-        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(r) or not 0 <= r <= 1:
-            raise ValueError(f"gpu_margin_mem_ratio must be a number in [0, 1], got {r!r}")
-        object.__setattr__(self, "gpu_margin_mem_ratio", float(r))
+        object.__setattr__(self, "gpu_margin_mem_ratio", check_ratio(self.gpu_margin_mem_ratio))
 
     @property
     def margin_bytes(self) -> int:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from policies.types import check_ratio
+
 
 def _number(text: str, kind: type, expected: str) -> int | float:
     try:
@@ -24,11 +26,12 @@ def positive_int(text: str) -> int:
 
 
 def ratio(text: str) -> float:
-    """A finite number in [0, 1] (e.g. ``gpu_margin_mem_ratio``)."""
+    """A finite number in [0, 1] (e.g. ``gpu_margin_mem_ratio``; :func:`policies.types.check_ratio`)."""
     value = _number(text, float, "a number in [0, 1]")
-    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
+    try:
+        return check_ratio(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
 
 
 def positive_float(text: str) -> float:

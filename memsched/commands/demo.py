@@ -29,6 +29,7 @@ from memsched.models import config_for, lm_loss, sizes
 from memsched.models.gpt import build_gpt
 from memsched.planning import build_problem
 from memsched.progress import StepStats, TrainingProgress
+from policies.types import check_ratio
 from policies.units import format_bytes
 from tracer.timeline import atomic_write_text
 
@@ -66,8 +67,7 @@ def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_me
     from memsched.commands.plan import gpt_workload, trace_step
     from policies.builtin import DEFAULT_RESERVE_FRAC
 
-    if not 0 <= gpu_margin_mem_ratio <= 1:
-        raise ValueError(f"gpu_margin_mem_ratio must be in [0, 1], got {gpu_margin_mem_ratio!r}")
+    gpu_margin_mem_ratio = check_ratio(gpu_margin_mem_ratio)
     prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True, device="cpu")
     problem, _ = build_problem(prediction.model, prediction.peak_non_model_bytes, 1,
                                gpu_margin_mem_ratio=gpu_margin_mem_ratio, param_order=prediction.param_order)

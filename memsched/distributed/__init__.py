@@ -7,11 +7,12 @@ for collectives, errors and timeouts; :mod:`memsched.distributed.build` for wher
 
 from __future__ import annotations
 
-import datetime
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch
 
 from memsched.distributed.build import BUILD_MODES, check_build_mode, plan_build, stage_params
-from memsched.distributed.comm import Comm, ZeroCommError
+from memsched.distributed.comm import Comm, ZeroCommError, as_timedelta
 from memsched.distributed.engine import (
     FETCH_MODES,
     ZERO_STAGES,
@@ -22,42 +23,35 @@ from memsched.distributed.engine import (
 from memsched.distributed.layout import padded_chunk_numel, param_pieces, shard_range, shard_state_numel
 from memsched.parallel import DataParallel
 
+if TYPE_CHECKING:
+    from memsched.config import DataParallelConfig
 
-def make_engine(
-    zero_stage: Any = 1,
-    fetch: Any = "all_gather",
-    process_group: Any = None,
-    *,
-    timeout: float | datetime.timedelta | None = None,
-    chunk_build: Any = "auto",
-    device: Any = None,
-) -> DataParallel:
-    """The data parallelism :func:`memsched.attach` uses: a one-rank :class:`memsched.parallel.DataParallel`
-    when there is one rank (``torch.distributed`` not initialised, or a group of size 1), else a
-    :class:`ZeroEngine`: one code path for every world size.
 
-    Waits for every rank of the group (:meth:`Comm.check_peers`, bounded by ``timeout`` seconds or the group's
-    timeout) before returning. ``chunk_build`` (``"auto"``, ``"device"``, ``"cpu"``) says where the chunks are
-    built at attach (:mod:`memsched.distributed.build`); it is kept as ``engine.chunk_build``. ``device`` (a
-    ``torch.device``) is the compute device of attach: NCCL collectives run there (see :class:`Comm`).
+def make_engine(config: DataParallelConfig, device: torch.device | None = None) -> DataParallel:
+    """The data parallelism :func:`memsched.attach` uses, from its checked options
+    (:class:`memsched.config.DataParallelConfig`): a one-rank :class:`memsched.parallel.DataParallel` when
+    there is one rank (``torch.distributed`` not initialised, or a group of size 1), else a
+    :class:`ZeroEngine`: one code path for every world size. NCCL collectives run on ``device`` (the compute
+    device of attach; see :class:`Comm`).
+
+    Waits for every rank of the group (:meth:`Comm.check_peers`, bounded by the timeout or the group's
+    timeout) before returning.
 
     Raises:
-        ValueError: a bad ``zero_stage``/``fetch``/``chunk_build`` (lists the allowed values), a
-            ``process_group`` without an initialised ``torch.distributed``, a bad ``timeout``.
+        ValueError: a ``process_group`` without an initialised ``torch.distributed``.
         ZeroCommError: a rank did not reach attach in time.
     """
-    stage, fetch = check_zero_options(zero_stage, fetch)
-    build = check_build_mode(chunk_build)
-    comm = Comm(process_group, timeout=timeout, device=device)
+    comm = Comm(config.process_group, timeout=config.timeout, device=device)
     if comm.world == 1:
         return DataParallel()
     comm.check_peers("memsched.attach")
-    engine = ZeroEngine(comm, stage, fetch)
-    engine.chunk_build = build
+    engine = ZeroEngine(comm, config.zero_stage, config.fetch)
+    engine.chunk_build = config.chunk_build
     return engine
 
 
 __all__ = [
+    "as_timedelta",
     "BUILD_MODES",
     "FETCH_MODES",
     "ZERO_STAGES",

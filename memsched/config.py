@@ -1,0 +1,115 @@
+"""The options of :func:`memsched.attach`, validated once into small frozen dataclasses.
+
+``attach`` keeps its keyword API; :func:`make_config` maps it onto :class:`SchedulerConfig` and is the one
+place each value is checked (the checks themselves live with what they check: policies in
+:mod:`policies`, the ratio in :func:`policies.types.check_ratio`, devices in :mod:`memsched.devices`,
+hyper-parameters in :mod:`memsched.hyperparams`, ZeRO options in :mod:`memsched.distributed`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import policies
+from memsched.devices import DeviceSpec, parse_device
+from memsched.hyperparams import check_hyperparameters, hyperparameter_groups
+from memsched.precision import check_dtype
+from policies.types import check_ratio
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Which placement policy plans, how much of the GPU margin it may fill, after how many traced steps."""
+
+    policy: policies.Policy
+    gpu_margin_mem_ratio: float
+    warmup_steps: int
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """AdamW's defaults (``lr``, ``betas``, ``eps``, ``weight_decay``) and the param groups (trainable
+    parameters only, each group's hyper-parameters checked against the defaults)."""
+
+    defaults: dict[str, Any]
+    groups: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """ZeRO options (ignored with one rank): stage, how updated shards are fetched, the group, the attach
+    barrier's timeout, where chunks are built."""
+
+    zero_stage: int
+    fetch: str
+    process_group: Any
+    timeout: datetime.timedelta | None
+    chunk_build: str
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything a :class:`memsched.Scheduler` needs, checked."""
+
+    placement: PlacementConfig
+    adamw: AdamWConfig
+    data_parallel: DataParallelConfig
+    device: DeviceSpec
+    compute_dtype: torch.dtype
+    chunk_numel: int | None
+
+
+def _check_warmup(n: Any) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"warmup_steps must be an integer >= 1, got {n!r}")
+    return int(n)
+
+
+def _check_betas(betas: Any) -> tuple[Any, ...]:
+    try:
+        return tuple(betas)
+    except TypeError:
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}") from None
+
+
+def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
+                device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 3e-4,
+                weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
+                dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
+                process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
+                chunk_build: str = "auto") -> SchedulerConfig:
+    """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
+
+    Raises:
+        ValueError: as :func:`memsched.attach` documents (each message names the value and what is allowed).
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    from memsched.distributed import as_timedelta, check_build_mode, check_zero_options
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")
+    placement = PlacementConfig(policies.get(policy, **(policy_options or {})),
+                                check_ratio(gpu_margin_mem_ratio), _check_warmup(warmup_steps))
+    compute_dtype = check_dtype(dtype)
+    spec = parse_device(device)
+    groups = hyperparameter_groups(params, model)
+    defaults = {"lr": lr, "betas": _check_betas(betas), "eps": eps, "weight_decay": weight_decay}
+    check_hyperparameters(defaults, "attach()")
+    for i, g in enumerate(groups):
+        check_hyperparameters({**defaults, **g}, f"param group {i}")
+    if chunk_numel is not None:
+        largest = max(p.numel() for g in groups for p in g["params"])
+        if isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < largest:
+            raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} elements), "
+                             f"got {chunk_numel!r}")
+    stage, fetch = check_zero_options(zero_stage, fetch)
+    dp = DataParallelConfig(stage, fetch, process_group, as_timedelta(dist_timeout),
+                            check_build_mode(chunk_build))
+    return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel)
