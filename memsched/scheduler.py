@@ -134,8 +134,8 @@ class Scheduler:
         self.scaler = LossScaler(tdev) if self.compute_dtype == torch.float16 else None
         self.optimizer = HybridAdamW(
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
-            transfers=self.transfers, scaler=self.scaler, capacity_check=self.sim.require if self.sim is not None else None,
-            names=self.names)
+            transfers=self.transfers, scaler=self.scaler,
+            capacity_check=self.sim.require if self.sim is not None else None, names=self.names)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
@@ -395,5 +395,5 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
     return Scheduler(model, make_config(
         model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
         warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, params=params,
-        policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage, process_group=process_group, fetch=fetch,
-        dist_timeout=dist_timeout, chunk_build=chunk_build))
+        policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage,
+        process_group=process_group, fetch=fetch, dist_timeout=dist_timeout, chunk_build=chunk_build))
