@@ -1,0 +1,125 @@
+"""Write a memory timeline to files other tools open.
+
+* ``write_json``: memsched's own versioned JSON (:meth:`tracer.MemoryTimeline.save`), read back by
+  ``memsched report``.
+* ``write_perfetto``: Chrome / Perfetto trace-event JSON (the "Trace Event Format"): one counter track per
+  category and device, module slices on a forward and a backward thread, one process per rank. Opens in
+  https://ui.perfetto.dev and chrome://tracing.
+* ``write_memory_viz``: a pickled PyTorch memory snapshot (the format of ``torch.cuda.memory._snapshot()``),
+  for PyTorch's own viewer at https://pytorch.org/memory_viz. Allocations are synthesised from the
+  per-category byte changes between samples (the tracer records sizes, not addresses).
+* ``write_png``: a stacked area plot by category (needs matplotlib: ``pip install 'memsched[plot]'``).
+
+Every file is written atomically (:func:`tracer.timeline.atomic_write_bytes`), so an interrupted export never
+leaves a half-written file; :func:`write_all` renders every export in memory before writing the first one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from memsched.exports.jsonfile import write_json
+from memsched.exports.memory_viz import _memory_viz_bytes, to_memory_viz, write_memory_viz
+from memsched.exports.perfetto import (
+    TID_BACKWARD,
+    TID_FORWARD,
+    TID_OPTIMIZER,
+    TID_OTHER,
+    TID_STEPS,
+    _perfetto_bytes,
+    to_perfetto,
+    write_perfetto,
+)
+from memsched.exports.png import PNG_HINT, _png_bytes, png_available, write_png
+from tracer.timeline import MemoryTimeline, atomic_write_bytes
+
+# Suffixes of the files write_all creates: <stem><suffix>.
+SUFFIXES: dict[str, str] = {
+    "json": ".json",
+    "perfetto": ".perfetto.json",
+    "memory_viz": ".memory_viz.pickle",
+    "png": ".png",
+}
+
+__all__ = [
+    "PNG_HINT",
+    "SUFFIXES",
+    "TID_BACKWARD",
+    "TID_FORWARD",
+    "TID_OPTIMIZER",
+    "TID_OTHER",
+    "TID_STEPS",
+    "export_paths",
+    "png_available",
+    "to_memory_viz",
+    "to_perfetto",
+    "write_all",
+    "write_json",
+    "write_memory_viz",
+    "write_perfetto",
+    "write_png",
+]
+
+
+def export_paths(
+    out_dir: str | os.PathLike[str],
+    stem: str = "trace",
+    overrides: Mapping[str, str | os.PathLike[str] | None] | None = None,
+) -> dict[str, Path]:
+    """Where :func:`write_all` writes each export: ``out_dir/<stem><suffix>`` unless overridden by kind.
+
+    Raises:
+        ValueError: an override names an unknown kind (the message lists the kinds), or ``stem`` is empty
+            or contains a path separator.
+    """
+    if not stem or "/" in stem or os.sep in stem:
+        raise ValueError(f"stem must be a plain file name prefix, got {stem!r}")
+    paths = {kind: Path(out_dir) / f"{stem}{suffix}" for kind, suffix in SUFFIXES.items()}
+    for kind, path in (overrides or {}).items():
+        if kind not in SUFFIXES:
+            raise ValueError(f"unknown export kind {kind!r}; expected one of {', '.join(SUFFIXES)}")
+        if path is not None:
+            paths[kind] = Path(path)
+    return paths
+
+
+def write_all(
+    timeline: MemoryTimeline,
+    out_dir: str | os.PathLike[str],
+    stem: str = "trace",
+    *,
+    overrides: Mapping[str, str | os.PathLike[str] | None] | None = None,
+    kinds: Iterable[str] | None = None,
+) -> dict[str, Path]:
+    """Write the JSON, Perfetto, memory_viz and PNG exports; returns ``{kind: path}`` of what was written.
+
+    Paths are ``out_dir/<stem>.json``, ``.perfetto.json``, ``.memory_viz.pickle`` and ``.png``, unless
+    ``overrides`` maps a kind to another path. ``kinds`` limits the exports (default: all). The PNG is
+    skipped (absent from the result) when matplotlib is missing; see :func:`png_available`. All exports are
+    rendered in memory first, so a failure while rendering writes nothing.
+
+    Raises:
+        ValueError: an unknown kind in ``kinds`` or ``overrides``, or a bad ``stem``.
+    """
+    paths = export_paths(out_dir, stem, overrides)
+    wanted = list(SUFFIXES) if kinds is None else list(kinds)
+    for kind in wanted:
+        if kind not in SUFFIXES:
+            raise ValueError(f"unknown export kind {kind!r}; expected one of {', '.join(SUFFIXES)}")
+    render = {
+        "json": lambda: json.dumps(timeline.to_dict(), separators=(",", ":")).encode("utf-8"),
+        "perfetto": lambda: _perfetto_bytes([timeline]),
+        "memory_viz": lambda: _memory_viz_bytes(timeline),
+        "png": lambda: _png_bytes(timeline),
+    }
+    payloads: dict[str, bytes] = {}
+    for kind in wanted:
+        if kind == "png" and not png_available():
+            continue
+        payloads[kind] = render[kind]()
+    for kind, data in payloads.items():
+        atomic_write_bytes(paths[kind], data)
+    return {kind: paths[kind] for kind in payloads}

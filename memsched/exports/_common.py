@@ -1,0 +1,7 @@
+"""Shared by the exports: how a module is labelled."""
+
+from __future__ import annotations
+
+
+def _label(module: str) -> str:
+    return module if module else "(root)"
