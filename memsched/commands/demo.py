@@ -55,7 +55,7 @@ def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_me
     models, where it is several chunks) at which ``auto`` offloads about half of
     the optimizer state of GPT ``size`` trained on ``[batch_size, seq_len]`` batches.
 
-    From a fake trace (:func:`memsched.commands.plan.trace_step`) and the placement problem:
+    From a fake trace (:func:`memsched.prediction.trace_step`) and the placement problem:
     ``base = (peak non-model + resident model data) x (1 + STAND_IN_SLACK)``; ``auto``'s budget is
     ``ratio x (margin - reserve_frac x capacity)``, so a budget of half the optimizer-state bytes needs
     ``capacity = (base + optimizer / (2 ratio)) / (1 - reserve_frac)``. With ratio 0 nothing can go to the
@@ -64,7 +64,7 @@ def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_me
     Raises:
         ValueError: unknown size, bad batch/sequence, or a ratio outside [0, 1].
     """
-    from memsched.commands.plan import gpt_workload, trace_step
+    from memsched.prediction import gpt_workload, trace_step
     from policies.builtin import DEFAULT_RESERVE_FRAC
 
     gpu_margin_mem_ratio = check_ratio(gpu_margin_mem_ratio)
