@@ -51,30 +51,24 @@ def _positive_float(text: str) -> float:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """``--device``: default cuda when available, else cpu.
+    """``--device``: default cuda when available, else cpu (:func:`memsched.devices.parse_device`, without the
+    stand-in: a TARGET runs on a real torch device).
 
     Raises:
-        ValueError: not a device torch knows, or a CUDA device when CUDA is not available (names the value).
+        ValueError: not cpu, cuda or cuda:N, or a CUDA device that is not there (names the value).
     """
-    import torch
+    from memsched.devices import parse_device
 
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {name!r} is not a torch device; expected cpu, cuda or cuda:N") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"--device {name!r}: CUDA is not available here (torch.cuda.is_available() is "
-                "False); expected cpu"
-            )
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    elif device.type != "cpu":
-        raise ValueError(f"--device {name!r}: expected cpu, cuda or cuda:N")
-    return device
+        spec = parse_device(name)
+    except ValueError as e:
+        if not str(name).strip().lower().startswith(("cpu", "cuda", "sim")):
+            raise ValueError(f"--device {name!r} is not a torch device; expected cpu, cuda or cuda:N") \
+                from None
+        raise ValueError(f"--device {name!r}: {e}") from None
+    if spec.is_sim:
+        raise ValueError(f"--device {name!r}: memsched trace runs on cpu, cuda or cuda:N, not the stand-in")
+    return spec.torch_device
 
 
 def register(sub: argparse._SubParsersAction) -> None:
