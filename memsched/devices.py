@@ -101,7 +101,8 @@ def parse_device(device: str | torch.device | None) -> DeviceSpec:
             raise ValueError(f"bad device {device!r}; allowed: {ALLOWED}") from None
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} needs CUDA, but CUDA is not available here "
-                             "(torch.cuda.is_available() is False); use 'cpu' or a stand-in such as 'sim:8GiB'")
+                             "(torch.cuda.is_available() is False); use 'cpu' or a stand-in such as "
+                             "'sim:8GiB'")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices "
