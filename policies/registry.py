@@ -26,12 +26,13 @@ import inspect
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from policies.types import DEVICE, HOST, PlacementPlan, PlacementProblem
+from policies.plans import PlacementError, check_base_fits, check_plan, make_plan
+from policies.types import PlacementPlan, PlacementProblem
 from policies.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -44,11 +45,6 @@ PolicyFn = Callable[..., PlacementPlan]
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-
-
-class PlacementError(ValueError):
-    """No plan exists under this policy: the optimizer state (or even the non-model and resident data)
-    does not fit on the device or in pinned host memory. The message gives the numbers and what to try."""
 
 
 class UnknownPolicyError(LookupError, ValueError):
@@ -248,98 +244,8 @@ class Policy:
                 f"placement policy {self.name!r} returned {type(plan).__name__}, not a PlacementPlan"
             )
         plan = dataclasses.replace(plan, policy=self.name, options=dict(self.options))
-        _check_plan(self.name, problem, plan)
+        check_plan(self.name, problem, plan)
         return plan
-
-
-def check_base_fits(problem: PlacementProblem) -> None:
-    """Raise :class:`PlacementError` when resident model data + peak non-model data exceed the capacity.
-
-    ``Policy.plan`` calls this before any policy: the GPU margin is then negative, and no placement of
-    optimizer state can prevent an out-of-memory error.
-    """
-    p = problem
-    if p.margin_bytes < 0:
-        raise PlacementError(
-            f"resident model data ({format_bytes(p.resident_model_bytes)}) + peak non-model data "
-            f"({format_bytes(p.peak_non_model_bytes)}) exceed the device capacity "
-            f"({format_bytes(p.capacity_bytes)}) by {format_bytes(-p.margin_bytes)} before any optimizer "
-            "state is placed; no placement policy can fix this: reduce activation memory (smaller batch, "
-            "activation checkpointing) or use a larger device"
-        )
-
-
-def _sums(problem: PlacementProblem, placement: Sequence[str]) -> tuple[int, int]:
-    pairs = list(zip(problem.chunks, placement, strict=True))
-    dev = sum(c.device_bytes for c, p in pairs if p == DEVICE)
-    return dev, sum(c.host_bytes for c, p in pairs if p == HOST)
-
-
-def _check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> None:
-    """Post-conditions every plan must meet, whoever wrote the policy."""
-    n = len(problem.chunks)
-    if len(plan.placement) != n:
-        raise ValueError(
-            f"placement policy {name!r} placed {len(plan.placement)} chunks, the problem has {n}"
-        )
-    wrong = [p for p in plan.placement if p not in (DEVICE, HOST)]
-    if wrong:
-        raise ValueError(
-            f"placement policy {name!r} used placement {wrong[0]!r}; allowed: {DEVICE!r}, {HOST!r}"
-        )
-    dev, host = _sums(problem, plan.placement)
-    if (plan.device_bytes, plan.host_bytes, plan.margin_bytes) != (dev, host, problem.margin_bytes):
-        raise ValueError(
-            f"placement policy {name!r} returned device_bytes={plan.device_bytes}, "
-            f"host_bytes={plan.host_bytes}, margin_bytes={plan.margin_bytes}; the placement gives {dev}, "
-            f"{host}, {problem.margin_bytes} (build plans with policies.make_plan)"
-        )
-    if dev > problem.margin_bytes:
-        raise PlacementError(
-            f"placement policy {name!r} put {format_bytes(dev)} of optimizer state on the device, more "
-            f"than the GPU margin of {format_bytes(problem.margin_bytes)}; try 'auto' or 'cpu'"
-        )
-    if problem.host_capacity_bytes is not None and host > problem.host_capacity_bytes:
-        raise PlacementError(
-            f"placement policy {name!r} needs {format_bytes(host)} of pinned host memory for "
-            f"{plan.placement.count(HOST)} chunks, but only {format_bytes(problem.host_capacity_bytes)} "
-            "is available; keep more chunks on the device or free host memory"
-        )
-
-
-def make_plan(
-    problem: PlacementProblem,
-    placement: Sequence[str],
-    *,
-    budget_bytes: int,
-    reasons: Iterable[str] = (),
-    policy: str = "",
-    options: Mapping[str, Any] | None = None,
-) -> PlacementPlan:
-    """Build a :class:`PlacementPlan` from a placement (one ``DEVICE``/``HOST`` per chunk), computing
-    ``device_bytes`` and ``host_bytes`` (sums over the chunks, bytes) and ``margin_bytes`` from ``problem``.
-    ``Policy.plan`` fills in ``policy`` and ``options``.
-
-    Raises:
-        ValueError: ``placement`` does not have one ``DEVICE``/``HOST`` entry per chunk.
-    """
-    placement = tuple(placement)
-    if len(placement) != len(problem.chunks) or any(p not in (DEVICE, HOST) for p in placement):
-        raise ValueError(
-            f"placement must hold one of {DEVICE!r}/{HOST!r} per chunk ({len(problem.chunks)}), "
-            f"got {placement!r}"
-        )
-    dev, host = _sums(problem, placement)
-    return PlacementPlan(
-        policy=policy,
-        placement=placement,
-        device_bytes=dev,
-        host_bytes=host,
-        margin_bytes=problem.margin_bytes,
-        budget_bytes=int(budget_bytes),
-        reasons=tuple(reasons),
-        options=dict(options or {}),
-    )
 
 
 def _as_option(policy: str, name: str, spec: Option | tuple) -> Option:
