@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA, Category
+from tracer.ops import _RESIZE, _SKIP, _op_kind, device_name
 
 __all__ = ["StorageAccountant", "AllocateCallback", "device_name"]
 
@@ -52,20 +53,11 @@ _CPU = sys.intern("cpu")
 _OTHER = _CAT_INDEX[Category.OTHER]
 _TEMPORARY = _CAT_INDEX[Category.TEMPORARY]
 
-# How an op is handled, decided once per OpOverload from its schema.
-_SKIP, _TRACK, _RESIZE = 0, 1, 2
 # Rare log events, logged as ``(kind, entry, arg)``. Allocations and frees (the hot ones) are logged as the
 # entry itself, without a tuple: its first appearance is the allocation, a later one its free.
 _MOVE, _GROW = 1, 2
 # Replay the log once it is this long even if nobody asks, so memory stays bounded.
 _LOG_LIMIT = 4096
-
-_aten = torch.ops.aten
-_RESIZING_PACKETS = {_aten.resize_, _aten.resize_as_}
-if hasattr(_aten, "_resize_output_"):
-    _RESIZING_PACKETS.add(_aten._resize_output_)
-# These alias their input in the schema, but the input was made inside the op (``torch.tensor(...)``).
-_FRESH_PACKETS = {getattr(_aten, n) for n in ("lift_fresh", "lift_fresh_copy") if hasattr(_aten, n)}
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -73,42 +65,6 @@ _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 def _in_autograd() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
     return _graph_task_id is not None and _graph_task_id() != -1
-
-
-def _op_kind(func: Any) -> int:
-    schema = func._schema
-    if func.overloadpacket in _FRESH_PACKETS:
-        return _TRACK
-    if not any("Tensor" in str(r.type) for r in schema.returns):
-        return _SKIP  # no tensor output (``item``, in-place foreach ops returning ``()``)
-    if func.overloadpacket in _RESIZING_PACKETS or any(getattr(a, "is_out", False) for a in schema.arguments):
-        return _RESIZE
-    if all(r.alias_info is not None for r in schema.returns):
-        return _SKIP  # views and in-place ops: no new storage
-    return _TRACK
-
-
-def device_name(device: str | torch.device) -> str:
-    """Canonical device name as used in samples: ``"cpu"``, ``"cuda:0"``; a bare ``"cuda"`` gets the current
-    index (0 when CUDA is not really available, e.g. under ``FakeTensorMode``). Names torch does not know
-    (a stand-in ``"sim"`` device) are returned unchanged.
-
-    Raises:
-        TypeError: ``device`` is neither a string nor a ``torch.device``.
-    """
-    if isinstance(device, str):
-        try:
-            dev = torch.device(device)
-        except RuntimeError:
-            return device
-    elif isinstance(device, torch.device):
-        dev = device
-    else:
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
-    if dev.type == "cuda" and dev.index is None:
-        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        dev = torch.device("cuda", index)
-    return str(dev)
 
 
 class _Entry(weakref.ref):
