@@ -21,7 +21,9 @@ flat host buffers (so both paths run and are tested here), and a GPU run measure
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -119,3 +121,39 @@ def stage_params(
         "cpu_chunks": sum(d == "cpu" for d in decisions),
         "moved_bytes": moved,
     }
+
+
+def prepare(groups: Sequence[Sequence[torch.nn.Parameter]], chunk_numel: int, device: Any, alloc: Any,
+            compute_dtype: torch.dtype, mode: str, *, free_bytes: int | None = None,
+            align: int = 1) -> dict[str, Any]:
+    """Before the chunks are built: decide per chunk whether it is built on the device or on the CPU
+    (:func:`plan_build`) and put its parameters there (:func:`stage_params`).
+
+    Args:
+        device: the :class:`memsched.devices.DeviceSpec` of attach.
+        free_bytes: the free device memory (bytes); default 90 % of what CUDA reports free (the rest kept for
+            the allocator), or the capacity of another device.
+        align: parameter alignment in chunks (elements), as the store will use.
+
+    Returns:
+        build statistics: :func:`stage_params`'s, plus ``mode``, ``decisions`` and ``seconds``.
+    """
+    from memsched.chunks import build_layout, chunk_bytes
+
+    t0 = time.perf_counter()
+    layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel, align=align)
+    tdev = device.torch_device
+    param_bytes = [
+        sum(groups[s.group][s.index].numel() * groups[s.group][s.index].element_size()
+            for s in slots if groups[s.group][s.index].device != tdev)
+        for slots in layout.chunks
+    ]
+    if free_bytes is None:
+        if device.kind == "cuda":
+            free_bytes = int(torch.cuda.mem_get_info(tdev)[0] * 0.9)  # 10 % kept for the allocator
+        else:
+            free_bytes = int(device.capacity_bytes)
+    buffers = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype).resident_bytes
+    decisions = plan_build(param_bytes, buffers, free_bytes, mode)
+    stats = stage_params(groups, layout, tdev, decisions, host_context=alloc.host_context)
+    return {**stats, "mode": mode, "decisions": decisions, "seconds": time.perf_counter() - t0}

@@ -152,52 +152,15 @@ class ZeroEngine(DataParallel):
             c.set_shard(*self.piece(c))
 
     # ---- building the chunks ------------------------------------------------------------------------------
-    def prepare_build(
-        self,
-        groups: Sequence[Sequence[torch.nn.Parameter]],
-        chunk_numel: int,
-        device: Any,
-        alloc: Any,
-        compute_dtype: torch.dtype,
-        mode: str | None = None,
-        free_bytes: int | None = None,
-    ) -> dict[str, Any]:
-        """Before the chunks are built: decide per chunk whether it is built on the device or on the CPU
-        (:mod:`memsched.distributed.build`) and put its parameters there. ``device`` is the
-        :class:`memsched.devices.DeviceSpec`; ``free_bytes`` overrides the free device memory (bytes).
-        Records ``build_stats`` (decisions, bytes moved, seconds)."""
-        import time
+    def prepare_build(self, groups: Sequence[Sequence[torch.nn.Parameter]], chunk_numel: int, device: Any,
+                      alloc: Any, compute_dtype: torch.dtype, mode: str | None = None,
+                      free_bytes: int | None = None) -> dict[str, Any]:
+        """Before the chunks are built: decide per chunk whether it is built on the device or on the CPU and
+        put its parameters there (:func:`memsched.distributed.build.prepare`); records ``build_stats``."""
+        from memsched.distributed.build import prepare
 
-        from memsched.chunks import build_layout, chunk_bytes
-        from memsched.distributed.build import plan_build, stage_params
-
-        mode = mode or self.chunk_build
-        t0 = time.perf_counter()
-        layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel,
-                              align=self.align)
-        tdev = device.torch_device
-        param_bytes = [
-            sum(
-                groups[s.group][s.index].numel() * groups[s.group][s.index].element_size()
-                for s in slots
-                if groups[s.group][s.index].device != tdev
-            )
-            for slots in layout.chunks
-        ]
-        if free_bytes is None:
-            if device.kind == "cuda":
-                free_bytes = int(torch.cuda.mem_get_info(tdev)[0] * 0.9)  # 10 % kept for the allocator
-            else:
-                free_bytes = int(device.capacity_bytes)
-        buffers = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype).resident_bytes
-        decisions = plan_build(param_bytes, buffers, free_bytes, mode)
-        stats = stage_params(groups, layout, tdev, decisions, host_context=alloc.host_context)
-        self.build_stats = {
-            **stats,
-            "mode": mode,
-            "decisions": decisions,
-            "seconds": time.perf_counter() - t0,
-        }
+        self.build_stats = prepare(groups, chunk_numel, device, alloc, compute_dtype,
+                                   mode or self.chunk_build, free_bytes=free_bytes, align=self.align)
         return self.build_stats
 
     # ---- wiring -------------------------------------------------------------------------------------------
