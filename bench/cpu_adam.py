@@ -195,7 +195,7 @@ def memsched_impl(flat: FlatState, grad: torch.Tensor, chunk_numel: int) -> Impl
 def memsched_params_impl(flat: FlatState, grad: torch.Tensor, chunk_numel: int,
                          numels: Sequence[int]) -> Impl:
     """What ``HybridAdamW`` runs: one :func:`fused_adamw_` call per flat chunk whose tensors are the views of
-    the parameters' pieces inside it (torch's CPU kernel treats the last ``numel % vector width`` elements of
+    the parameters' shards inside it (torch's CPU kernel treats the last ``numel % vector width`` elements of
     each tensor apart, so one tensor per parameter is what makes the update bit-exact against
     ``torch.optim.AdamW(fused=True)``), one step count per chunk."""
     starts = [0]
@@ -426,7 +426,7 @@ def bit_exact(ref: Impl, impls: Sequence[Impl], numels: Sequence[int]) -> dict[s
 def check_numerics(ref: Impl, others: Sequence[Impl], numels: Sequence[int]) -> dict[str, Any]:
     """Max |difference| of params, exp_avg, exp_avg_sq between ``ref`` and each of ``others``.
 
-    Every impl's state is read as consecutive per-parameter pieces (``numels``) of one flat sequence, so
+    Every impl's state is read as consecutive per-parameter shards (``numels``) of one flat sequence, so
     flat-chunk and per-parameter layouts compare element by element.
     """
 
@@ -640,7 +640,7 @@ def run(
     flat = FlatState.from_master(master_p)
     mem = {c: memsched_impl(flat, grad, c) for c in sizes}
     adamw: list[Impl] = [mem[c] for c in sizes]
-    # What HybridAdamW runs: the headline chunks, one tensor per parameter piece. Timed on the same buffers as
+    # What HybridAdamW runs: the headline chunks, one tensor per parameter part. Timed on the same buffers as
     # the flat chunks (so the two differ only in the partition); checked on buffers of its own.
     head = min(chunk_numel, numel)
     params_timed = memsched_params_impl(flat, grad, head, numels)

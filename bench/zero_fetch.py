@@ -1,4 +1,4 @@
-"""ZeRO collectives on this machine: how updated pieces are fetched, how gradients are reduced, and what a
+"""ZeRO collectives on this machine: how updated shards are fetched, how gradients are reduced, and what a
 whole training step costs in each configuration.
 
 Run ``python bench/zero_fetch.py [--world 2] [--chunk-mib 4 16] [--repeats 7] [--steps 5]`` from the
@@ -9,10 +9,10 @@ repository root; ranks are local processes on gloo (CPU); the result goes to
 What is timed, per chunk size (fp32 chunks of ``--chunk-mib`` MiB), every repetition calling every variant
 once in a fixed order (ABCD ABCD ...) with a barrier before each, median over repetitions of the slowest rank:
 
-* ``fetch_all_gather``: ``all_gather_into_tensor`` of each rank's piece straight into the flat chunk
-  (``fetch="all_gather"``; gloo needs the own piece cloned first, NCCL gathers in place).
+* ``fetch_all_gather``: ``all_gather_into_tensor`` of each rank's shard straight into the flat chunk
+  (``fetch="all_gather"``; gloo needs the own shard cloned first, NCCL gathers in place).
 * ``fetch_all_reduce``: zero the rest of the chunk, ``all_reduce`` the whole chunk (``fetch="all_reduce"``).
-* ``grad_reduce_scatter``: ZeRO-2's gradient reduction (``reduce_scatter_tensor`` into the own piece).
+* ``grad_reduce_scatter``: ZeRO-2's gradient reduction (``reduce_scatter_tensor`` into the own part).
 * ``grad_all_reduce``: ZeRO-0/1's gradient reduction (``all_reduce`` of the whole chunk).
 
 End to end: ``memsched.attach(device="cpu", zero_stage=S, fetch=F)`` on an MLP, ``--steps`` timed optimizer

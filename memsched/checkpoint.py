@@ -6,7 +6,7 @@ What is saved (keys of the DCP state dict):
   DCP writes them once).
 * ``optim.<param>.exp_avg``, ``optim.<param>.exp_avg_sq`` and, under mixed precision, ``optim.<param>.master``
   (fp32): 1-D tensors of the flattened parameter's numel. With ZeRO-1/2 each rank holds only its part of each
-  parameter (the part inside its piece of the chunk; a parameter may straddle two ranks), so these are
+  parameter (the part inside its shard of the chunk; a parameter may straddle two ranks), so these are
   ``ShardedTensor`` s whose local shard is that part, with its global offset in the flattened parameter.
   Saving per parameter rather than per chunk makes a checkpoint independent of the chunk layout: DCP
   re-shards on load, so a checkpoint written by 2 ranks loads on 3 ranks, or in one process, whatever the
@@ -19,7 +19,7 @@ per-parameter fragments); the machinery is PyTorch's DCP. Loading reads into fre
 the model and optimizer state only after DCP succeeded, so a failed load leaves them unchanged.
 
 A whole (unsharded) ``torch.optim.AdamW``-format state dict is ``sched.optimizer.state_dict()`` (gathered from
-the ranks' pieces under ZeRO).
+the ranks' shards under ZeRO).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from memsched.distributed.layout import param_pieces
+from memsched.distributed.layout import param_shards
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
@@ -50,10 +50,10 @@ def _local_parts(sched: Any) -> dict[str, list[tuple[int, int, Any, int]]]:
     store, names = sched.store, sched.names
     out: dict[str, list[tuple[int, int, Any, int]]] = {}
     for c in store.chunks:
-        for p, piece in zip(c.params, param_pieces(c.ranges, c.lo, c.hi), strict=True):
+        for p, part in zip(c.params, param_shards(c.ranges, c.lo, c.hi), strict=True):
             parts = out.setdefault(names[id(p)], [])
-            if piece is not None:
-                parts.append((piece.param_start, piece.numel, c, piece.shard_start))
+            if part is not None:
+                parts.append((part.param_start, part.numel, c, part.shard_start))
     return out
 
 

@@ -7,7 +7,7 @@ hyper-parameters and the parameter indices. It loads into ``torch.optim.AdamW`` 
 
 Saving reads each chunk's WHOLE state through the data parallelism (:meth:`DataParallel.full_state`: a copy on
 one rank, an all-gather of the shards under ZeRO), one chunk at a time. Loading writes, on every rank, the
-part of each parameter that falls in the rank's shard (:func:`memsched.chunks.param_pieces`; one rank: all of
+part of each parameter that falls in the rank's shard (:func:`memsched.chunks.param_shards`; one rank: all of
 it), in place. Everything is checked before anything is written.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memsched.chunks import param_pieces
+from memsched.chunks import param_shards
 from memsched.hyperparams import check_hyperparameters, indexed_param_groups
 
 if TYPE_CHECKING:
@@ -105,11 +105,11 @@ def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
         for c in store.chunks:
             c.wait_h2d()
             with store.alloc.host_context():
-                for p, piece in zip(c.params, param_pieces(c.ranges, c.lo, c.hi), strict=True):
-                    if piece is None:
+                for p, part in zip(c.params, param_shards(c.ranges, c.lo, c.hi), strict=True):
+                    if part is None:
                         continue  # none of this parameter is in this rank's shard
                     st = per_param.get(id(p))
-                    ps, ss, n = piece.param_start, piece.shard_start, piece.numel
+                    ps, ss, n = part.param_start, part.shard_start, part.numel
                     for k, dst in (("exp_avg", c.exp_avg), ("exp_avg_sq", c.exp_avg_sq)):
                         if st is None:
                             dst[ss:ss + n].zero_()
@@ -121,7 +121,7 @@ def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
                     if src is not None:
                         c.master[ss:ss + n].copy_(src.reshape(-1)[ps:ps + n])
                     else:
-                        c.master[ss:ss + n].copy_(c.data[piece.chunk_start:piece.chunk_start + n])
+                        c.master[ss:ss + n].copy_(c.data[part.chunk_start:part.chunk_start + n])
                 c.step.fill_(steps[c.index])
     for sg, g in zip(sd["param_groups"], opt.param_groups, strict=True):
         for k, v in sg.items():

@@ -25,7 +25,7 @@ import torch
 
 from memsched import optim_state
 from memsched.adam import fused_adamw_
-from memsched.chunks import Chunk, ChunkStore, param_pieces
+from memsched.chunks import Chunk, ChunkStore, param_shards
 from memsched.hyperparams import (  # noqa: F401 (re-exported: memsched.optimizer.check_hyperparameters etc.)
     adamw_default_keys,
     check_hyperparameters,
@@ -231,16 +231,16 @@ class HybridAdamW(torch.optim.Optimizer):
     def _adamw(chunks: list[Chunk], masters: list[torch.Tensor], grads: list[torch.Tensor],
                hp: dict[str, Any]) -> None:
         """One fused AdamW call over ``chunks``, given each chunk's fp32 master and gradient of its shard
-        (``[hi - lo]``). The kernel gets one tensor per parameter (per parameter piece of the shard), as
+        (``[hi - lo]``). The kernel gets one tensor per parameter (per parameter shard of the shard), as
         ``torch.optim.AdamW`` does: torch's CPU kernel computes the last ``numel % vector width`` elements of
         each tensor on a scalar path whose rounding differs, so flat chunk-sized tensors would not be
         bit-exact. The chunks' step counts are incremented once each."""
         ps, gs, ms, vs, steps = [], [], [], [], []
         for c, master, grad in zip(chunks, masters, grads, strict=True):
-            for piece in param_pieces(c.ranges, c.lo, c.hi):
-                if piece is None:
+            for part in param_shards(c.ranges, c.lo, c.hi):
+                if part is None:
                     continue
-                sl = slice(piece.shard_start, piece.shard_start + piece.numel)
+                sl = slice(part.shard_start, part.shard_start + part.numel)
                 ps.append(master[sl])
                 gs.append(grad[sl])
                 ms.append(c.exp_avg[sl])

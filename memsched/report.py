@@ -314,7 +314,7 @@ def transfer_table(transfers: Mapping[str, int]) -> Table:
     return table
 
 
-# ---- pieces ----------------------------------------------------------------------------------------------
+# ---- shards ----------------------------------------------------------------------------------------------
 class StackedBar:
     """One horizontal bar, one coloured run per category, scaled so that ``scale`` bytes fill the width.
 

@@ -371,7 +371,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             (optimizer state sharded evenly over the ranks) or 2 (gradients reduce-scattered too); see
             :mod:`memsched.distributed.engine`. Ignored with one rank.
         process_group: the data-parallel group; ``None`` = the default group.
-        fetch: how updated pieces reach every rank: ``"all_gather"`` or ``"all_reduce"``.
+        fetch: how updated shards reach every rank: ``"all_gather"`` or ``"all_reduce"``.
         dist_timeout: seconds the attach barrier waits for every rank (``None``: the group's timeout).
         chunk_build: with ZeRO, where chunks are built: ``"auto"`` (on the device while it has room for a full
             copy, else on the CPU, per chunk), ``"device"`` or ``"cpu"``; see

@@ -108,7 +108,7 @@ def test_cpu_adam_tiny_run_without_deepspeed() -> None:
         "axpy",
     }
     assert set(res) == expected
-    # what HybridAdamW runs (one tensor per parameter piece) is bit-exact against torch's fused AdamW
+    # what HybridAdamW runs (one tensor per parameter part) is bit-exact against torch's fused AdamW
     assert out["numerics"]["bit_exact_vs_torch_fused"]["memsched_params_chunk16384"] is True
     # All implementations produced the same update as memsched's fused chunks (the check can fail: see above).
     assert out["numerics"]["ok"] is True

@@ -19,7 +19,7 @@ from memsched.distributed import (
     ZeroCommError,
     check_zero_options,
     padded_chunk_numel,
-    param_pieces,
+    param_shards,
     shard_range,
     shard_state_numel,
 )
@@ -32,7 +32,7 @@ BATCH = 12  # global batch per micro-batch; divisible by 1, 2, 3
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    # Odd sizes: chunks that do not divide by 2 or 3, parameters straddling the ranks' pieces.
+    # Odd sizes: chunks that do not divide by 2 or 3, parameters straddling the ranks' shards.
     return torch.nn.Sequential(
         torch.nn.Linear(7, 13),
         torch.nn.Tanh(),
@@ -106,7 +106,7 @@ def _train_rank(rank: int, world: int, cfg: dict) -> dict:
         "chunk_numel": store.layout.chunk_numel,
         "n_chunks": store.layout.n_chunks,
         "used_numel": sum(store.layout.used_numel(i) for i in range(store.layout.n_chunks)),
-        "pieces": [(c.lo, c.hi) for c in store.chunks],
+        "shards": [(c.lo, c.hi) for c in store.chunks],
         "placement": [c.placement for c in store.chunks],
         "warnings": caught,
         "stats": dict(sched.zero.stats),
@@ -165,7 +165,7 @@ def _check(results: list[list[dict]], cfgs: list[dict], world: int) -> None:
         if cfg.get("clip") is not None:  # clipping engaged, with the same global norm on every rank
             assert max(per_rank[0]["norms"]) > cfg["clip"]
             assert all(res["norms"] == per_rank[0]["norms"] for res in per_rank)
-        # sharding: every rank holds 1/world of the (padded) optimizer state, and the pieces tile each chunk
+        # sharding: every rank holds 1/world of the (padded) optimizer state, and the shards tile each chunk
         r0 = per_rank[0]
         total = r0["n_chunks"] * r0["chunk_numel"]
         if cfg["stage"] >= 1:
@@ -179,7 +179,7 @@ def _check(results: list[list[dict]], cfgs: list[dict], world: int) -> None:
             assert r0["state_bytes"] * world - single == 4 * r0["n_chunks"] * (world - 1)
             assert total - r0["used_numel"] >= 0
             for c in range(r0["n_chunks"]):
-                spans = sorted(res["pieces"][c] for res in per_rank)
+                spans = sorted(res["shards"][c] for res in per_rank)
                 assert spans[0][0] == 0 and spans[-1][1] == r0["chunk_numel"]
                 assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
         else:
@@ -296,9 +296,9 @@ def test_pieces_tile_the_padded_chunk_evenly(numel: int, world: int) -> None:
     assert shard_state_numel(numel, 3, world) * world == 3 * padded
 
 
-def test_param_pieces_split_straddling_parameters() -> None:
-    ranges = [(0, 5), (5, 4), (9, 3)]  # a chunk of 12 over 3 ranks: pieces [0,4) [4,8) [8,12)
-    got = [param_pieces(ranges, *shard_range(12, r, 3)) for r in range(3)]
+def test_param_shards_split_straddling_parameters() -> None:
+    ranges = [(0, 5), (5, 4), (9, 3)]  # a chunk of 12 over 3 ranks: shards [0,4) [4,8) [8,12)
+    got = [param_shards(ranges, *shard_range(12, r, 3)) for r in range(3)]
     # each parameter's parts over the ranks add up to the parameter, in order and without overlap
     for i, (off, n) in enumerate(ranges):
         parts = [g[i] for g in got if g[i] is not None]
@@ -405,7 +405,7 @@ def _fp16_rank(rank: int, world: int) -> dict:
             if step == 1:
                 sched.clip_grad_norm_(1e30)  # a no-op clip that finishes the gradient reductions
                 if rank == 1:
-                    # element 0 of chunk 0 is rank 0's piece: only rank 1 sees this overflow (in its zeros)
+                    # element 0 of chunk 0 is rank 0's part: only rank 1 sees this overflow (in its zeros)
                     with torch.no_grad():
                         sched.store.chunks[0].grad[0] = float("inf")
             before = {n: p.detach().clone() for n, p in model.named_parameters()}

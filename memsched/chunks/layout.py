@@ -141,7 +141,7 @@ def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel
         chunk_numel: the chunk size (elements); ``None`` = :func:`search_chunk_size`.
         align: every parameter starts at a multiple of ``align`` elements (ZeRO uses
             :data:`SHARD_ALIGN`, so that shard boundaries cut parameters where torch's CPU AdamW kernel
-            would also start a vector: bit-exact updates of parameter pieces).
+            would also start a vector: bit-exact updates of parameter shards).
 
     Raises:
         ValueError: bad numels, or ``chunk_numel`` smaller than the largest parameter (names both).
@@ -173,13 +173,13 @@ def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel
 
 
 @dataclass(frozen=True)
-class Piece:
-    """The part of one parameter inside one rank's piece of a chunk.
+class ParamShard:
+    """The part of one parameter inside one rank's shard of a chunk.
 
     Attributes:
         param_start: first element of the part, counted in the flattened parameter.
         chunk_start: the same element's index in the chunk's flat buffers.
-        shard_start: the same element's index in the rank's piece (``chunk_start - lo``).
+        shard_start: the same element's index in the rank's shard (``chunk_start - lo``).
         numel: elements of the part (> 0).
     """
 
@@ -189,21 +189,21 @@ class Piece:
     numel: int
 
 
-def param_pieces(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[Piece | None]:
-    """For each parameter ``(offset, numel)`` of a chunk, its intersection with the piece ``[lo, hi)``
-    (``None`` when it has none). A parameter may straddle two ranks' pieces; it then has a part on each.
+def param_shards(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> list[ParamShard | None]:
+    """For each parameter ``(offset, numel)`` of a chunk, its intersection with the shard ``[lo, hi)``
+    (``None`` when it has none). A parameter may straddle two ranks' shards; it then has a part on each.
 
     Raises:
         ValueError: ``lo > hi`` or a range has a negative offset / numel < 1.
     """
     if lo > hi or lo < 0:
-        raise ValueError(f"bad piece [{lo}, {hi})")
-    out: list[Piece | None] = []
+        raise ValueError(f"bad shard [{lo}, {hi})")
+    out: list[ParamShard | None] = []
     for off, n in ranges:
         if off < 0 or n < 1:
             raise ValueError(f"bad parameter range (offset {off}, numel {n})")
         a, b = max(off, lo), min(off + n, hi)
-        out.append(Piece(a - off, a, a - lo, b - a) if a < b else None)
+        out.append(ParamShard(a - off, a, a - lo, b - a) if a < b else None)
     return out
 
 

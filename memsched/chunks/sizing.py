@@ -9,7 +9,7 @@ import torch
 STEP_BYTES = 4  # the fp32 step count of a chunk lives next to its moments
 # Elements (64 bytes of fp32: the widest CPU vector torch uses) at which ZeRO aligns parameters in chunks and
 # shard boundaries: torch's CPU fused AdamW computes the last ``numel % vector width`` elements of each tensor
-# on a scalar path with different rounding, so a parameter piece must start on a vector boundary.
+# on a scalar path with different rounding, so a parameter's part in a shard must start on a vector boundary.
 SHARD_ALIGN = 16
 
 

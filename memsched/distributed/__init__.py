@@ -20,7 +20,7 @@ from memsched.distributed.engine import (
     ZeroEngine,
     check_zero_options,
 )
-from memsched.distributed.layout import padded_chunk_numel, param_pieces, shard_range, shard_state_numel
+from memsched.distributed.layout import padded_chunk_numel, param_shards, shard_range, shard_state_numel
 from memsched.parallel import DataParallel
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ __all__ = [
     "check_zero_options",
     "make_engine",
     "padded_chunk_numel",
-    "param_pieces",
+    "param_shards",
     "plan_build",
     "shard_range",
     "shard_state_numel",

@@ -4,7 +4,7 @@ Every collective goes through :class:`Comm`, which
 
 * picks the flat-tensor collectives of this torch (``all_gather_single`` / ``reduce_scatter_single`` in newer
   torch, ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` since 2.x), with a fallback for backends that
-  lack them (``all_gather`` into views of the output; ``all_reduce`` then keep the own piece);
+  lack them (``all_gather`` into views of the output; ``all_reduce`` then keep the own part);
 * keeps tensors on the backend's side (NCCL: CUDA tensors, others: CPU), staging a copy when needed;
 * turns a failed or timed-out collective into a :class:`ZeroCommError` that says which collective, which rank,
   and what to check, instead of a bare backend error or a silent hang. Hangs are bounded by the process
@@ -128,9 +128,9 @@ class Comm:
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, *, what: str = "reduce_scatter", async_op: bool = False
     ) -> Any:
-        """SUM-reduce ``inp`` (``[world * k]``) over ranks into this rank's piece ``out`` (``[k]``).
+        """SUM-reduce ``inp`` (``[world * k]``) over ranks into this rank's shard ``out`` (``[k]``).
 
-        Backends without a flat reduce-scatter (older gloo) all-reduce ``inp`` in place and copy the own piece
+        Backends without a flat reduce-scatter (older gloo) all-reduce ``inp`` in place and copy the own shard
         (twice the traffic, same result); the work is then already complete and ``None`` is returned.
         """
         if self.reduce_scatter_supported:
@@ -173,11 +173,12 @@ class Comm:
         with self.guard(what + " (list fallback)"):
             return dist.all_gather(list(out.chunk(self.world)), inp, group=self.group, async_op=async_op)
 
-    def all_gather_piece_to(self, piece: torch.Tensor, numel: int, *, what: str) -> torch.Tensor:
-        """Every rank's ``piece`` gathered into one new CPU tensor of ``numel`` elements (``piece`` may live
-        anywhere; it is staged on the backend's device). For checkpoints and re-packing, not the hot path."""
-        src = piece.detach().to(self.device)
-        out = torch.empty(numel, dtype=piece.dtype, device=self.device)
+    def all_gather_shard_to(self, part: torch.Tensor, numel: int, *, what: str) -> torch.Tensor:
+        """Every rank's ``part`` (its shard) gathered into one new CPU tensor of ``numel`` elements (``part``
+        may live anywhere; it is staged on the backend's device). For checkpoints and re-packing, not the hot
+        path."""
+        src = part.detach().to(self.device)
+        out = torch.empty(numel, dtype=part.dtype, device=self.device)
         self.all_gather(out, src, what=what)
         return out.cpu()
 

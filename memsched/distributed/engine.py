@@ -1,24 +1,24 @@
-"""ZeRO-1/2 data parallelism over memsched's chunks: every rank owns an equal piece of every chunk.
+"""ZeRO-1/2 data parallelism over memsched's chunks: every rank owns an equal shard of every chunk.
 
 Layout (:mod:`memsched.distributed.layout`): the chunk size is padded to a multiple of the world size and
 rank ``r`` owns elements ``[r * s, (r + 1) * s)``, ``s = chunk_numel / world``, of every chunk. A chunk's
-optimizer state (fp32 master, ``exp_avg``, ``exp_avg_sq``) covers only that piece, so each rank holds
-``1 / world`` of the optimizer state, and when the state lives in host memory all ranks copy their pieces
+optimizer state (fp32 master, ``exp_avg``, ``exp_avg_sq``) covers only that part, so each rank holds
+``1 / world`` of the optimizer state, and when the state lives in host memory all ranks copy their shards
 between host and device at the same moment.
 
 Stages (ZeRO, arXiv 1910.02054; ``memsched.attach(zero_stage=...)``):
 
 * ``0``: plain data parallelism. Gradients are all-reduced (averaged) whole; every rank keeps the whole
   optimizer state and updates whole chunks; nothing is fetched after the step.
-* ``1``: optimizer state sharded. Gradients are all-reduced (averaged) whole; each rank updates its piece.
-* ``2``: gradients sharded too. Each chunk's gradients are reduce-scattered into the owning piece as soon as
-  the chunk's gradients are complete in backward (overlapping the rest of backward); only that piece is
+* ``1``: optimizer state sharded. Gradients are all-reduced (averaged) whole; each rank updates its part.
+* ``2``: gradients sharded too. Each chunk's gradients are reduce-scattered into the owning shard as soon as
+  the chunk's gradients are complete in backward (overlapping the rest of backward); only that shard is
   copied device-to-host for host-placed chunks. memsched keeps each chunk's whole gradient buffer on the
   device in every stage (the parameters' ``.grad`` are views into it and backward writes there), so here
   stage 2 saves communication (a reduce-scatter moves half the bytes of an all-reduce) rather than gradient
-  memory; outside the own piece the gradients are zero after the reduction.
+  memory; outside the own shard the gradients are zero after the reduction.
 
-After the update (stages 1 and 2) the updated pieces are fetched into the pre-allocated flat chunk, whose
+After the update (stages 1 and 2) the updated shards are fetched into the pre-allocated flat chunk, whose
 views the parameters already are: ``fetch="all_gather"`` gathers them with ``all_gather_into_tensor`` (no
 concatenation, no slicing); ``fetch="all_reduce"`` zeroes the rest of the chunk and all-reduces it (adding
 zeros is exact). ``bench/zero_fetch.py`` compares the two.
@@ -39,7 +39,7 @@ compute dtype per rank). Because the gradients must then stay whole, gradient sh
 about it once.
 
 Re-packing at the end of warmup: the optimizer state of every chunk is gathered whole (temporarily, one-off:
-full fp32 state per rank on the state's side), the chunks are re-packed as in a single process, and the pieces
+full fp32 state per rank on the state's side), the chunks are re-packed as in a single process, and the shards
 are cut again.
 """
 
@@ -142,14 +142,14 @@ class ZeroEngine(DataParallel):
                                             align=self.align)
         return self.chunk_numel(chunk_numel)
 
-    def piece(self, chunk: Chunk) -> tuple[int, int]:
+    def shard_of(self, chunk: Chunk) -> tuple[int, int]:
         """``[lo, hi)`` of ``chunk`` this rank owns (the whole chunk at stage 0)."""
         return shard_range(chunk.numel, self.rank, self.world) if self.sharded else (0, chunk.numel)
 
     def shard(self, store: ChunkStore) -> None:
-        """Set each chunk's piece before its optimizer state is allocated (``Chunk.init_state``)."""
+        """Set each chunk's shard before its optimizer state is allocated (``Chunk.init_state``)."""
         for c in store.chunks:
-            c.set_shard(*self.piece(c))
+            c.set_shard(*self.shard_of(c))
 
     # ---- building the chunks ------------------------------------------------------------------------------
     def prepare_build(self, groups: Sequence[Sequence[torch.nn.Parameter]], chunk_numel: int, device: Any,
@@ -236,7 +236,7 @@ class ZeroEngine(DataParallel):
         w = self.world
         with torch.no_grad():
             if self.stage == 2 and c.index in self._reduced:
-                # The own piece holds an average already; scale it back to a sum so that adding the new local
+                # The own shard holds an average already; scale it back to a sum so that adding the new local
                 # gradients of every rank and averaging again is right.
                 c.grad[c.lo : c.hi].mul_(w)
             what = f"gradient reduction of chunk {c.index}"
@@ -244,7 +244,7 @@ class ZeroEngine(DataParallel):
                 work, out = self.comm.all_reduce(c.grad, what=what, async_op=True), None
                 self.stats["reduce_bytes"] += 2 * (w - 1) * c.grad.numel() * c.grad.element_size() // w
             else:
-                # NCCL reduces in place when the output is the own piece of the input; elsewhere a temporary.
+                # NCCL reduces in place when the output is the own shard of the input; elsewhere a temporary.
                 out = (
                     c.grad[c.lo : c.hi]
                     if self.comm.nccl
@@ -305,11 +305,11 @@ class ZeroEngine(DataParallel):
 
     # ---- parameters after the update ----------------------------------------------------------------------
     def after_update(self, c: Chunk) -> None:
-        """Hook: ``c.data[lo:hi]`` holds this rank's updated piece; fetch the others' into ``c.data``."""
+        """Hook: ``c.data[lo:hi]`` holds this rank's updated shard; fetch the others' into ``c.data``."""
         if not self.sharded:
             return
         if c.h2d_event is not None and torch.cuda.is_available():
-            torch.cuda.current_stream(c.data.device).wait_event(c.h2d_event)  # the piece's H2D comes first
+            torch.cuda.current_stream(c.data.device).wait_event(c.h2d_event)  # the shard's H2D comes first
         what = f"parameter fetch ({self.fetch}) of chunk {c.index}"
         nbytes = c.data.numel() * c.data.element_size()
         with torch.no_grad():
@@ -369,7 +369,7 @@ class ZeroEngine(DataParallel):
     # ---- re-packing at the end of warmup ------------------------------------------------------------------
     def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None) -> None:
         """``store.repack`` across ranks: gather the state whole, re-pack with a padded chunk size, check that
-        every rank got the same layout, cut the pieces again."""
+        every rank got the same layout, cut the shards again."""
         self.unshard(store)
         store.repack(order, chunk_numel=self.chunk_numel_for(store.groups, order, chunk_numel))
         lay = store.layout
@@ -388,7 +388,7 @@ class ZeroEngine(DataParallel):
         collective), as new CPU tensors."""
         if not self.sharded:
             return super().full_state(c)
-        g = self.comm.all_gather_piece_to
+        g = self.comm.all_gather_shard_to
         return (
             g(c.master_view(), c.numel, what=f"gathering the master of chunk {c.index}"),
             g(c.exp_avg, c.numel, what=f"gathering exp_avg of chunk {c.index}"),
@@ -406,14 +406,14 @@ class ZeroEngine(DataParallel):
             c.reshard(0, c.numel, store.alloc, master=master, exp_avg=m, exp_avg_sq=v)
 
     def reshard(self, store: ChunkStore) -> None:
-        """Cut each (whole-state) chunk back to this rank's piece; reset the reduction bookkeeping."""
+        """Cut each (whole-state) chunk back to this rank's shard; reset the reduction bookkeeping."""
         for c in store.chunks:
-            lo, hi = self.piece(c)
+            lo, hi = self.shard_of(c)
             if (c.lo, c.hi) == (lo, hi):
                 continue
             if (c.lo, c.hi) != (0, c.numel):
                 raise RuntimeError(
-                    f"chunk {c.index} is neither whole nor this rank's piece: [{c.lo}, {c.hi})"
+                    f"chunk {c.index} is neither whole nor this rank's part: [{c.lo}, {c.hi})"
                 )
             with store.alloc.host_context():
                 master = c.master_view()[lo:hi].detach().cpu().clone()

@@ -2,7 +2,7 @@
 
 Every chunk is split evenly: with ``world`` ranks the chunk size is padded up to a multiple of ``world`` and
 rank ``r`` owns ``[r * s, (r + 1) * s)`` with ``s = chunk_numel / world`` of EVERY chunk. So when the
-optimizer state lives in host memory every rank moves one equal piece of each chunk between host and device
+optimizer state lives in host memory every rank moves one equal shard of each chunk between host and device
 at the same moment and no rank waits on another. (The uneven alternative, one rank owning whole chunks, made
 the first ZeRO of ColossalAI slow for exactly that reason; the even split follows PatrickStar, arXiv
 2108.05818, section 6, and ZeRO's flat partitions, arXiv 1910.02054.)
@@ -12,9 +12,9 @@ All sizes are element counts (numel), never bytes.
 
 from __future__ import annotations
 
-from memsched.chunks import Piece, param_pieces  # one parameter's part of a shard: pure chunk arithmetic
+from memsched.chunks import ParamShard, param_shards  # one parameter's part of a shard: pure chunk arithmetic
 
-__all__ = ["Piece", "padded_chunk_numel", "param_pieces", "shard_range", "shard_state_numel"]
+__all__ = ["ParamShard", "padded_chunk_numel", "param_shards", "shard_range", "shard_state_numel"]
 
 
 def _check_world(world: int) -> int:
@@ -24,7 +24,7 @@ def _check_world(world: int) -> int:
 
 
 def padded_chunk_numel(chunk_numel: int, world: int) -> int:
-    """``chunk_numel`` rounded up to a multiple of ``world`` (elements), so every rank owns an equal piece.
+    """``chunk_numel`` rounded up to a multiple of ``world`` (elements), so every rank owns an equal part.
 
     Raises:
         ValueError: ``chunk_numel`` < 1 or ``world`` < 1 (names the value).
@@ -36,7 +36,7 @@ def padded_chunk_numel(chunk_numel: int, world: int) -> int:
 
 
 def shard_range(chunk_numel: int, rank: int, world: int) -> tuple[int, int]:
-    """The piece ``[lo, hi)`` (elements) of a chunk that ``rank`` owns.
+    """The shard ``[lo, hi)`` (elements) of a chunk that ``rank`` owns.
 
     Raises:
         ValueError: ``chunk_numel`` is not a multiple of ``world`` (pad it with

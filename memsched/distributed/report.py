@@ -28,7 +28,7 @@ class RankSummary:
         device: the compute device (``"cuda:0"``, ``"cpu"``, ``"sim"``).
         peak_bytes, peak_non_model_bytes: peaks of the warmup trace on the compute device (0 before the
             warmup ends).
-        optimizer_state_bytes: optimizer state this rank holds (its pieces of every chunk; host buffers
+        optimizer_state_bytes: optimizer state this rank holds (its shards of every chunk; host buffers
             included).
         device_chunks, host_chunks: chunks whose state is on the device / in host memory.
         h2d_bytes, d2h_bytes: bytes copied between device and host so far.
