@@ -59,6 +59,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._harness import summarize
 from bench._machine import write_result  # noqa: E402
 from memsched.adam import fused_adamw_  # noqa: E402
 from policies.units import format_bytes  # noqa: E402
@@ -324,20 +325,6 @@ def bandwidth_impls(numel: int) -> list[Impl]:
 
 
 # ----------------------------------------------------------------------------------------- measurement
-def summarize(times: Sequence[float]) -> dict[str, float]:
-    """Median, min, max, quartiles (seconds) and spread ``(max - min) / median`` in percent."""
-    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [times[0]] * 3
-    med = statistics.median(times)
-    return {
-        "median_s": med,
-        "min_s": min(times),
-        "max_s": max(times),
-        "p25_s": q[0],
-        "p75_s": q[2],
-        "spread_pct": 100.0 * (max(times) - min(times)) / med,
-        "n": len(times),
-    }
-
 
 def interleaved(impls: Sequence[Impl], repeats: int) -> dict[str, dict[str, Any]]:
     """Time ``repeats`` rounds of every impl once per round (ABC ABC ...); minor page faults per call too.

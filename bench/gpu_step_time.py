@@ -41,7 +41,6 @@ import importlib.util
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from torch import nn
 if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._harness import summarize
 from bench._machine import write_result  # noqa: E402
 from policies.units import format_bytes, parse_bytes  # noqa: E402
 
@@ -91,17 +91,6 @@ def gpu_slug(name: str) -> str:
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return slug or "unknown-gpu"
 
-
-def summarize(times: Sequence[float]) -> dict[str, float]:
-    """Median / min / max of step times (seconds), and the spread ``(max - min) / median`` in percent."""
-    med = statistics.median(times)
-    return {
-        "median_s": med,
-        "min_s": min(times),
-        "max_s": max(times),
-        "spread_pct": 100.0 * (max(times) - min(times)) / med,
-        "n": len(times),
-    }
 
 
 def _jsonable(x: Any) -> Any:

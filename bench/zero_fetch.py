@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import memsched  # noqa: E402
+from bench._harness import summarize
 from bench._machine import write_result  # noqa: E402
 from memsched.distributed.comm import Comm  # noqa: E402
 from memsched.distributed.layout import shard_range  # noqa: E402
@@ -50,9 +50,6 @@ HIDDEN = 1024
 LAYERS = 4
 BATCH = 32
 
-
-def _stats(xs: list[float]) -> dict[str, float]:
-    return {"median_s": statistics.median(xs), "min_s": min(xs), "max_s": max(xs), "n": len(xs)}
 
 
 def _slowest(comm: Comm, xs: list[float]) -> list[float]:
@@ -92,7 +89,7 @@ def _micro(comm: Comm, chunk_mib: float, repeats: int) -> dict[str, dict[str, fl
             t0 = time.perf_counter()
             f()
             times[f.__name__].append(time.perf_counter() - t0)
-    res = {k: _stats(_slowest(comm, v)) for k, v in times.items()}
+    res = {k: summarize(_slowest(comm, v)) for k, v in times.items()}
     for k in res:
         res[k]["chunk_bytes"] = numel * 4
         res[k]["GiB_per_s_chunk"] = numel * 4 / res[k]["median_s"] / 2**30
@@ -126,7 +123,7 @@ def _builds(comm: Comm, repeats: int) -> dict[str, dict]:
             t, stats = _attach_time(comm, build)
             times[build].append(t)
             info[build] = {k: v for k, v in stats.items() if k not in ("decisions", "seconds")}
-    return {b: {**_stats(v), **info[b]} for b, v in times.items()}
+    return {b: {**summarize(v), **info[b]} for b, v in times.items()}
 
 
 def _end_to_end(comm: Comm, stage: int, fetch: str, steps: int) -> dict[str, float]:
@@ -151,7 +148,7 @@ def _end_to_end(comm: Comm, stage: int, fetch: str, steps: int) -> dict[str, flo
         stats = dict(sched.zero.stats) if sched.zero is not None else {}
     attach_all = comm.all_gather_object(attach_s, what="collecting timings")
     return {
-        **_stats(_slowest(comm, times)),
+        **summarize(_slowest(comm, times)),
         "attach_s_slowest_rank": max(attach_all),
         "optimizer_state_bytes_per_rank": state_bytes,
         "collectives": stats,
