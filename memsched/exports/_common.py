@@ -3,5 +3,5 @@
 from __future__ import annotations
 
 
-def _label(module: str) -> str:
+def label(module: str) -> str:
     return module if module else "(root)"

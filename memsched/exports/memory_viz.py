@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from memsched.exports._common import _label
+from memsched.exports._common import label
 from tracer.categories import MODEL_DATA, Category
 from tracer.timeline import MemoryTimeline, Sample, atomic_write_bytes
 
@@ -85,7 +85,7 @@ def _memory_viz_bytes(timeline: MemoryTimeline) -> bytes:
 def _viz_frames(category: str, s: Sample) -> list[dict[str, Any]]:
     kind = "model data" if category in _MODEL_DATA_NAMES else "non-model data"
     return [
-        {"filename": category, "line": s.step, "name": f"{s.phase} {s.event} of {_label(s.module)}"},
+        {"filename": category, "line": s.step, "name": f"{s.phase} {s.event} of {label(s.module)}"},
         {"filename": kind, "line": s.step, "name": f"step {s.step}"},
     ]
 

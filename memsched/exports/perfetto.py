@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memsched.exports._common import _label
+from memsched.exports._common import label
 from tracer.categories import Category
 from tracer.timeline import MemoryTimeline, Sample, atomic_write_bytes
 
@@ -163,7 +163,7 @@ def _perfetto_process(tl: MemoryTimeline, pid: int) -> list[dict[str, Any]]:
                 {
                     "ph": "i",
                     "s": "t",
-                    "name": _label(s.module),
+                    "name": label(s.module),
                     "pid": pid,
                     "tid": _PHASE_TID.get(s.phase, TID_OTHER),
                     "ts": _us(s.t_ns),
@@ -286,7 +286,7 @@ def _slices(samples: Sequence[Sample], pid: int) -> list[dict[str, Any]]:
         out.append(
             {
                 "ph": "X",
-                "name": _label(pre.module),
+                "name": label(pre.module),
                 "cat": pre.phase,
                 "pid": pid,
                 "tid": call.tid,

@@ -6,7 +6,7 @@ import io
 import os
 from pathlib import Path
 
-from memsched.exports._common import _label
+from memsched.exports._common import label
 from policies.units import format_bytes
 from tracer.timeline import MemoryTimeline, atomic_write_bytes
 
@@ -75,7 +75,7 @@ def _png_bytes(timeline: MemoryTimeline) -> bytes:
             ax.axvline(x, color="black", linestyle="--", linewidth=1)
             ax.annotate(
                 f"peak non-model {format_bytes(peak.peak_non_model_bytes)}\n"
-                f"{peak.phase} of {_label(peak.module)}",
+                f"{peak.phase} of {label(peak.module)}",
                 xy=(x, 0.97),
                 xycoords=("data", "axes fraction"),
                 # Label on the side with room: right of the line, or left of it near the right edge.
