@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
+from memsched.hyperparams import hyperparameter_groups
 from policies.types import ChunkSpec, PlacementProblem
 
 
@@ -22,17 +23,14 @@ def trainable_groups(model: torch.nn.Module,
                      param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None,
                      ) -> list[list[torch.nn.Parameter]]:
     """Trainable parameters per group (default: one group, ``model.parameters()``, which lists tied parameters
-    once); frozen ones dropped, empty groups dropped.
+    once); frozen ones dropped, empty groups dropped: :func:`memsched.hyperparams.hyperparameter_groups`, the
+    one normalisation of param groups.
 
     Raises:
         ValueError: there is no trainable parameter.
     """
-    raw = [list(model.parameters())] if param_groups is None else [list(g) for g in param_groups]
-    groups = [[p for p in g if p.requires_grad] for g in raw]
-    groups = [g for g in groups if g]
-    if not groups:
-        raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize")
-    return groups
+    raw = None if param_groups is None else [{"params": list(g)} for g in param_groups]
+    return [g["params"] for g in hyperparameter_groups(raw, model)]
 
 
 def resident_extra_bytes(model: torch.nn.Module, trainable: Sequence[Sequence[torch.nn.Parameter]]) -> int:
