@@ -71,6 +71,22 @@ def _check_warmup(n: Any) -> int:
     return int(n)
 
 
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_param_dtypes(model: torch.nn.Module, groups: list[dict[str, Any]]) -> None:
+    """Refuse trainable parameters memsched cannot train exactly (float64 would silently become float32,
+    a complex parameter would lose its imaginary part)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g in groups:
+        for p in g["params"]:
+            if p.dtype not in SUPPORTED_PARAM_DTYPES:
+                raise ValueError(
+                    f"parameter {names.get(id(p), tuple(p.shape))!r} is {p.dtype}: memsched trains float32, "
+                    "bfloat16 and float16 parameters (with fp32 master weights); convert the model (e.g. "
+                    "model.float()) or freeze the parameter (requires_grad_(False)) before attach")
+
+
 def _check_betas(betas: Any) -> tuple[Any, ...]:
     try:
         return tuple(betas)
@@ -100,6 +116,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     compute_dtype = check_dtype(dtype)
     spec = parse_device(device)
     groups = hyperparameter_groups(params, model)
+    _check_param_dtypes(model, groups)
     defaults = {"lr": lr, "betas": _check_betas(betas), "eps": eps, "weight_decay": weight_decay}
     check_hyperparameters(defaults, "attach()")
     for i, g in enumerate(groups):

@@ -136,6 +136,8 @@ class HybridAdamW(torch.optim.Optimizer):
         Raises:
             ValueError: a group's hyper-parameter is invalid (names the group and value), or a gradient
                 has the wrong shape/dtype/device (names the parameter).
+            RuntimeError: a parameter is no longer a view into its chunk (the model was converted after
+                attach; :meth:`memsched.chunks.ChunkStore.check_bound`).
             memsched.simdevice.SimOutOfMemoryError: the stand-in device cannot hold the step's temporaries.
         """
         loss = None
@@ -143,6 +145,7 @@ class HybridAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
+        self.store.check_bound(self.names)
         fixes = self._validate_grads()
         chunks = self.store.chunks
         device_chunks = [c for c in chunks if c.placement == DEVICE]

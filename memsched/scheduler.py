@@ -46,8 +46,36 @@ from memsched.transfers import Streams, TransferStats
 from memsched.waits import H2DWaits
 from policies.types import DEVICE, HOST, PlacementPlan
 
-# Models a live Scheduler owns (their parameters are views into its chunks).
+# Models a live Scheduler owns (their parameters are views into its chunks), and the parameters themselves:
+# id(param) -> (weak reference to it, the owner's model class name). Parameters, not models: attaching a
+# submodule of an attached model, or a second model sharing a parameter, must be refused.
 _ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_OWNED: dict[int, tuple[weakref.ref, str]] = {}
+
+
+def _claim(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+    """Register ``params`` as owned by a scheduler of ``model``.
+
+    Raises:
+        RuntimeError: one of them is owned by another live scheduler (names it).
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in params:
+        entry = _OWNED.get(id(p))
+        if entry is not None and entry[0]() is p:
+            raise RuntimeError(
+                f"parameter {names.get(id(p), tuple(p.shape))!r} is already managed by memsched (attached to "
+                f"a {entry[1]}): a parameter can belong to one scheduler only; close() the other scheduler, "
+                "or attach once to the model that holds every parameter")
+    for p in params:
+        _OWNED[id(p)] = (weakref.ref(p), type(model).__name__)
+
+
+def _release(params: list[torch.nn.Parameter]) -> None:
+    for p in params:
+        entry = _OWNED.get(id(p))
+        if entry is not None and entry[0]() in (p, None):
+            del _OWNED[id(p)]
 
 
 class Phase(enum.Enum):
@@ -90,6 +118,14 @@ class Scheduler:
         self.warmup_steps = config.placement.warmup_steps
         self.chunk_numel = config.chunk_numel
         groups = config.adamw.groups
+        _claim(model, [p for g in groups for p in g["params"]])
+        try:
+            self._build(model, config, groups)
+        except BaseException:
+            _release([p for g in groups for p in g["params"]])
+            raise
+
+    def _build(self, model: torch.nn.Module, config: SchedulerConfig, groups: list[dict[str, Any]]) -> None:
         from memsched.distributed import make_engine
 
         self.dp: DataParallel = make_engine(config.data_parallel, self.device.torch_device)
@@ -321,6 +357,7 @@ class Scheduler:
             return
         self.phase = Phase.CLOSED
         _ATTACHED.discard(self.model)
+        _release(list(self.store.params()))
         try:
             for c in self.store.chunks:  # a read right after close() must see the updated parameters
                 c.wait_h2d()

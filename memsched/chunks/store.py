@@ -220,6 +220,39 @@ class ChunkStore:
         if c.mark_grad_ready(id(p), _graph_task_id()):
             self.on_grads_ready(c)
 
+    def data_view(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The chunk view ``p`` must be (its compute values)."""
+        c = self.param_chunk[id(p)]
+        off, n = self.param_range[id(p)]
+        return c.data[off:off + n].view(p.shape)
+
+    def check_bound(self, names: dict[int, str]) -> None:
+        """Every parameter is still the view into its chunk that attach made it.
+
+        Raises:
+            RuntimeError: a parameter got new storage, dtype, device, shape or memory format after attach
+                (``model.to(...)``, ``p.data = ...``); the message names it and what changed. Updates would
+                otherwise go to the chunk and never reach the model.
+        """
+        for p in self.params():
+            view = self.data_view(p)
+            if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.stride() == view.stride() \
+                    and p.device == view.device:
+                continue
+            name = names.get(id(p), f"of shape {tuple(p.shape)}")
+            if p.dtype != view.dtype:
+                what = f"its dtype changed from {view.dtype} to {p.dtype}"
+            elif p.device != view.device:
+                what = f"it moved from {view.device} to {p.device}"
+            elif p.stride() != view.stride():
+                what = f"its memory format changed (strides {view.stride()} -> {p.stride()})"
+            else:
+                what = "it got new storage (p.data = ..., or a module conversion)"
+            raise RuntimeError(
+                f"parameter {name!r} is no longer memsched's view into its chunk: {what} after attach. "
+                "memsched cannot follow that; convert the model (dtype, device, memory format) before "
+                "memsched.attach, or load values in place (param.data.copy_(...), model.load_state_dict)")
+
     def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
         c = c or self.param_chunk[id(p)]
         off, n = self.param_range[id(p)]

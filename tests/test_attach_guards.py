@@ -1,0 +1,88 @@
+"""What a user may do to a model after attach is followed or refused with a clear error, never silent:
+overlapping attaches, parameters converted after attach (memory format, dtype, device, new storage), and
+parameter dtypes memsched cannot train exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memsched
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean(dim=(2, 3)))
+
+
+def step(sched, model, x):
+    sched.backward(model(x).pow(2).mean())
+    sched.optimizer.step()
+    sched.optimizer.zero_grad()
+
+
+def test_attaching_a_submodule_of_an_attached_model_is_refused():
+    model = ConvNet()
+    with memsched.attach(model, device="cpu"):
+        with pytest.raises(RuntimeError, match=r"parameter '0.weight' is already managed by memsched"):
+            memsched.attach(model.body, device="cpu")
+    with memsched.attach(model.body, device="cpu"):  # after close() it is free again
+        pass
+
+
+def test_two_models_sharing_a_parameter_cannot_both_be_attached():
+    a, b = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4))
+    b[0].weight = a.weight
+    with memsched.attach(a, device="cpu"):
+        with pytest.raises(RuntimeError, match=r"parameter '0.weight' is already managed"):
+            memsched.attach(b, device="cpu")
+
+
+def test_a_failed_attach_leaves_the_parameters_free():
+    model = ConvNet()
+    with pytest.raises(ValueError):
+        memsched.attach(model, device="cpu", lr=-1.0)
+    with memsched.attach(model, device="cpu"):
+        pass
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: m.to(memory_format=torch.channels_last), "memory format changed"),
+    (lambda m: m.double(), "dtype changed from torch.float32 to torch.float64"),
+    (lambda m: setattr(m.head.weight, "data", m.head.weight.data.clone()), "got new storage"),
+])
+def test_a_parameter_converted_after_attach_is_refused_at_the_next_step(change, match):
+    model = ConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    with memsched.attach(model, device="sim:64MiB") as sched:
+        step(sched, model, x)
+        with torch.no_grad(), sched.sim.paused():
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            state = sched.optimizer.state_dict()
+        change(model)
+        with pytest.raises(RuntimeError, match=match):
+            sched.optimizer.step()
+        with sched.sim.paused():  # refused before any write
+            after = sched.optimizer.state_dict()
+            for n, p in model.named_parameters():
+                assert torch.equal(p.detach().float(), before[n].float()), n
+        for i, st in state["state"].items():
+            for k, v in st.items():
+                assert torch.equal(v, after["state"][i][k])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_unsupported_parameter_dtypes_are_refused_at_attach(dtype):
+    model = nn.Linear(3, 3).to(dtype)
+    with pytest.raises(ValueError, match=f"parameter 'weight' is {dtype}"):
+        memsched.attach(model, device="cpu")
+    frozen = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).to(dtype).requires_grad_(False))
+    with memsched.attach(frozen, device="cpu"):  # frozen parameters of any dtype are left alone
+        pass
