@@ -11,7 +11,7 @@ What is saved (keys of the DCP state dict):
   Saving per parameter rather than per chunk makes a checkpoint independent of the chunk layout: DCP
   re-shards on load, so a checkpoint written by 2 ranks loads on 3 ranks, or in one process, whatever the
   chunk size.
-* ``optim.<param>.step`` (fp32 scalar, the step count of the parameter's chunk) and ``optim.param_groups``
+* ``optim.<param>.step`` (fp32 scalar, the parameter's step count) and ``optim.param_groups``
   (hyper-parameters per group).
 
 Idea: ZeRO's partitioned optimizer checkpoints (DeepSpeed's universal checkpoint re-shards flat partitions via
@@ -87,10 +87,8 @@ def _build(sched: Any, *, fill: bool) -> tuple[dict[str, Any], dict[tuple[str, s
     params = {sched.names[id(p)]: p for p in sched.store.params()}
     for name, plist in parts.items():
         numel = params[name].numel()
-        c0 = sched.store.param_chunk[id(params[name])]
-        sd[f"optim.{name}.step"] = (
-            c0.step.detach().to("cpu", copy=True).reshape(()) if fill else torch.zeros(())
-        )
+        step = sched.store.step_of(params[name])
+        sd[f"optim.{name}.step"] = step.detach().to("cpu", copy=True).reshape(()) if fill else torch.zeros(())
         for key in _opt_keys(sched):
             local = []
             for start, n, c, ss in plist:
@@ -160,15 +158,7 @@ def load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
         raise ValueError(
             f"checkpoint has {len(saved_groups)} param groups, the optimizer has {len(opt.param_groups)}"
         )
-    steps = {}
-    for c in store.chunks:
-        vals = {float(sd[f"optim.{sched.names[id(p)]}.step"]) for p in c.params}
-        if len(vals) > 1:
-            raise ValueError(
-                f"parameters of chunk {c.index} have different step counts {sorted(vals)} in the "
-                "checkpoint; memsched keeps one step count per chunk"
-            )
-        steps[c.index] = vals.pop()
+    steps = {id(p): float(sd[f"optim.{sched.names[id(p)]}.step"]) for p in store.params()}
     # ---- write: everything was read ------------------------------------------------------------------------
     with torch.no_grad():
         for name, t in [*sched.model.named_parameters(), *sched.model.named_buffers()]:
@@ -176,14 +166,14 @@ def load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
         with store.alloc.host_context():
             for c in store.chunks:
                 c.wait_h2d()
-                c.step.fill_(steps[c.index])
+                for k, p in enumerate(c.params):
+                    c.steps[k].fill_(steps[id(p)])
             for (_name, key), items in back.items():
                 for t, c, ss, n in items:
                     _state_tensor(c, key)[ss : ss + n].copy_(t)
             for c in store.chunks:
                 if not c.mixed and c.master is not None:  # fp32 on the host: the master is the parameter
                     c.master.copy_(c.data[c.lo : c.hi])
-                c.d2h_version = None
     for g, saved in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in saved.items():
             if k != "params":

@@ -35,9 +35,11 @@ def state_dict(opt: HybridAdamW) -> dict[str, Any]:
             c.wait_h2d()
             with store.alloc.host_context():  # host copies: never device memory
                 master, m, v = opt.dp.full_state(c)
-                step = c.step.detach().to("cpu", copy=True).reshape(())
-                for p, (off, n) in zip(c.params, c.ranges, strict=True):
-                    st = {"step": step.clone(), "exp_avg": m[off:off + n].clone().view(p.shape),
+                steps = c.steps.detach().to("cpu", copy=True)
+                for k, (p, (off, n)) in enumerate(zip(c.params, c.ranges, strict=True)):
+                    if float(steps[k]) == 0:
+                        continue  # never updated: torch.optim.AdamW has no state for it either
+                    st = {"step": steps[k].clone(), "exp_avg": m[off:off + n].clone().view(p.shape),
                           "exp_avg_sq": v[off:off + n].clone().view(p.shape)}
                     if c.mixed:
                         st["master_weight"] = master[off:off + n].clone().view(p.shape)
@@ -52,12 +54,11 @@ def validate_state_dict(
 
     Returns:
         the saved state per parameter (keyed by ``id(param)``; parameters without state are absent) and the
-        step count per chunk index.
+        step count per parameter (keyed by ``id(param)``; 0 without state).
 
     Raises:
         ValueError: not a state dict, the group count or sizes differ, a hyper-parameter is invalid, a tensor
-            has the wrong shape, a state lacks a key, or parameters of one chunk have different step counts
-            (memsched keeps one per chunk).
+            has the wrong shape, a state lacks a key, or a step is not a number.
     """
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("optimizer state dict must be a dict with 'state' and 'param_groups'")
@@ -86,12 +87,14 @@ def validate_state_dict(
                                      f"{tuple(st[k].shape)}, expected {tuple(p.shape)}")
             per_param[id(p)] = st
     steps: dict[int, float] = {}
-    for c in opt.store.chunks:
-        vals = {float(per_param[id(p)]["step"]) if id(p) in per_param else 0.0 for p in c.params}
-        if len(vals) > 1:
-            raise ValueError(f"parameters of chunk {c.index} have different step counts {sorted(vals)}; "
-                             "memsched keeps one step count per chunk")
-        steps[c.index] = vals.pop()
+    for p in opt.store.params():
+        st = per_param.get(id(p))
+        step = st["step"] if st is not None else 0.0
+        if isinstance(step, torch.Tensor) and step.numel() == 1:
+            step = step.item()
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not step >= 0:
+            raise ValueError(f"state 'step' of parameter {opt._name(p)} must be a number >= 0, got {step!r}")
+        steps[id(p)] = float(step)
     return per_param, steps
 
 
@@ -122,7 +125,8 @@ def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
                         c.master[ss:ss + n].copy_(src.reshape(-1)[ps:ps + n])
                     else:
                         c.master[ss:ss + n].copy_(c.data[part.chunk_start:part.chunk_start + n])
-                c.step.fill_(steps[c.index])
+                for k, p in enumerate(c.params):
+                    c.steps[k].fill_(steps[id(p)])
     for sg, g in zip(sd["param_groups"], opt.param_groups, strict=True):
         for k, v in sg.items():
             if k != "params":

@@ -73,6 +73,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.names = names or {}
         self.dp = store.dp  # data parallelism: one rank, or ZeRO (memsched.parallel)
         self._clip_coefs: list[torch.Tensor] = []  # fp16: clip coefficients applied at the next step
+        self._active: set[int] = set()  # ids of the parameters updated by the step in progress
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
 
@@ -153,15 +154,19 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.capacity_check is not None:
             self.capacity_check(self._step_temporary_bytes(device_chunks), "optimizer step temporaries")
         # ---- no failure expected below this line: in-place writes start ------------------------------------
+        with_grad = self.store.with_grad
         for p, g in fixes:
             view = self.store.grad_view(p)
-            if g is None:
-                view.zero_()
+            if g is None:  # p.grad = None (e.g. model.zero_grad()): no gradient, not updated (torch's rule)
+                view.zero_()  # a later backward writes its gradient into the view from zero
+                with_grad.discard(id(p))
             else:
                 view.copy_(g)
-            p.grad = view
+                p.grad = view
+                with_grad.add(id(p))
         self._sync_user_param_writes()
         self.dp.before_update()  # gradient reductions are complete
+        self._active = self.dp.agree_with_grad(self.store, with_grad)
         coefs, self._clip_coefs = self._clip_coefs, []
         inv_scale = None
         if self.scaler is not None:
@@ -230,28 +235,35 @@ class HybridAdamW(torch.optim.Optimizer):
             out.mul_(k)
         return out
 
-    @staticmethod
-    def _adamw(chunks: list[Chunk], masters: list[torch.Tensor], grads: list[torch.Tensor],
+    def _adamw(self, chunks: list[Chunk], masters: list[torch.Tensor], grads: list[torch.Tensor],
                hp: dict[str, Any]) -> None:
         """One fused AdamW call over ``chunks``, given each chunk's fp32 master and gradient of its shard
-        (``[hi - lo]``). The kernel gets one tensor per parameter (per parameter shard of the shard), as
+        (``[hi - lo]``). The kernel gets one tensor per parameter (its part in this rank's shard), as
         ``torch.optim.AdamW`` does: torch's CPU kernel computes the last ``numel % vector width`` elements of
         each tensor on a scalar path whose rounding differs, so flat chunk-sized tensors would not be
-        bit-exact. The chunks' step counts are incremented once each."""
-        ps, gs, ms, vs, steps = [], [], [], [], []
+        bit-exact. Only parameters that have a gradient this step are updated, and only their step counts
+        move (``torch.optim.AdamW`` skips parameters whose ``.grad`` is None)."""
+        active = self._active
+        ps, gs, ms, vs, steps, elsewhere = [], [], [], [], [], []
         for c, master, grad in zip(chunks, masters, grads, strict=True):
-            for part in param_shards(c.ranges, c.lo, c.hi):
-                if part is None:
+            for k, (p, part) in enumerate(zip(c.params, param_shards(c.ranges, c.lo, c.hi), strict=True)):
+                if id(p) not in active:
+                    continue
+                if part is None:  # updated by the ranks whose shards hold it: its count moves here too
+                    elsewhere.append(c.steps[k])
                     continue
                 sl = slice(part.shard_start, part.shard_start + part.numel)
                 ps.append(master[sl])
                 gs.append(grad[sl])
                 ms.append(c.exp_avg[sl])
                 vs.append(c.exp_avg_sq[sl])
-                steps.append(c.step)
-        torch._foreach_add_([c.step for c in chunks], 1)
+                steps.append(c.steps[k])
+        if elsewhere:
+            torch._foreach_add_(elsewhere, 1)
+        if not ps:
+            return
         fused_adamw_(ps, gs, ms, vs, steps, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
-                     weight_decay=hp["weight_decay"], maximize=hp["maximize"], increment_steps=False)
+                     weight_decay=hp["weight_decay"], maximize=hp["maximize"])
 
     def _update_device(self, gi: int, hp: dict[str, Any], chunks: list[Chunk],
                        inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
@@ -287,10 +299,12 @@ class HybridAdamW(torch.optim.Optimizer):
         self.store.after_update(c)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers (the ``.grad`` views stay: they are never set to ``None``), reset
-        the per-chunk readiness and drop a pending fp16 clip coefficient."""
+        """Zero the flat gradient buffers and drop a pending fp16 clip coefficient. The ``.grad`` views stay
+        bound (no new gradient tensors in the next backward), but with ``set_to_none`` (torch's default) the
+        parameters count as having no gradient: one that gets none in the next backward is not updated, as
+        ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None."""
         self._clip_coefs = []
-        self.store.zero_grad()
+        self.store.zero_grad(set_to_none)
 
     # ---- clipping -----------------------------------------------------------------------------------------
     @torch.no_grad()

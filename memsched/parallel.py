@@ -77,6 +77,11 @@ class DataParallel:
         self.before_update()
         return clip()
 
+    def agree_with_grad(self, store: ChunkStore, with_grad: set[int]) -> set[int]:
+        """The parameters (ids) the step updates: those with a gradient on this rank (ZeRO: on any rank, since
+        their gradients are averaged over the ranks)."""
+        return set(with_grad)
+
     def after_update(self, chunk: Chunk) -> None:
         """``chunk``'s shard was updated into ``chunk.data[lo:hi]`` (ZeRO: fetch the other shards)."""
 

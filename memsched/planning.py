@@ -95,17 +95,19 @@ def build_problem(
         if master_weights and compute_dtype == torch.float32:
             compute_dtype = torch.bfloat16
     shard = math.ceil(layout.chunk_numel / world_size)
-    cb = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype, shard_numel=shard,
-                     master_weights=master_weights or None)
-    host_bytes = pinned_bytes(cb.host_state_bytes, pinned=pinned)
-    specs = tuple(ChunkSpec(index=i, device_bytes=cb.device_state_bytes, host_bytes=host_bytes,
-                            numel=layout.chunk_numel) for i in range(layout.n_chunks))
+    specs = []
+    for i, slots in enumerate(layout.chunks):  # the step counts make chunks differ by 4 bytes per parameter
+        cb = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype, shard_numel=shard,
+                         master_weights=master_weights or None, n_params=len(slots))
+        specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes,
+                               host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
+                               numel=layout.chunk_numel))
     resident = layout.n_chunks * cb.resident_bytes + resident_extra_bytes(model, groups)
     problem = PlacementProblem(
         capacity_bytes=int(capacity_bytes),
         peak_non_model_bytes=int(peak_non_model_bytes),
         resident_model_bytes=int(resident),
-        chunks=specs,
+        chunks=tuple(specs),
         gpu_margin_mem_ratio=gpu_margin_mem_ratio,
         host_capacity_bytes=host_capacity_bytes,
     )

@@ -157,10 +157,11 @@ def test_gradients_land_in_the_flat_buffer_and_readiness_fires_once_per_chunk():
 def test_chunk_bytes_match_the_real_tensors(dtype):
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
     store = make_store(m, chunk_numel=80, compute_dtype=dtype)
-    cb = chunk_bytes(80, compute_dtype=dtype)
     alloc = store.alloc
-    for placement, expected in ((HOST, cb.host_state_bytes), (DEVICE, cb.device_state_bytes)):
+    for placement in (HOST, DEVICE):
         for c in store.chunks:
+            cb = chunk_bytes(80, compute_dtype=dtype, n_params=len(c.params))
+            expected = cb.host_state_bytes if placement == HOST else cb.device_state_bytes
             c.init_state(placement, alloc)
             real = sum(t.numel() * t.element_size() for t in c.state_tensors())
             assert real == expected
@@ -174,13 +175,14 @@ def test_moves_are_bit_exact_round_trips():
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
     store = make_store(m, chunk_numel=80)
     c = store.chunks[0]
-    c.init_state(HOST, store.alloc, exp_avg=torch.randn(80), exp_avg_sq=torch.rand(80), step=3)
-    snap = [t.clone() for t in (c.master, c.exp_avg, c.exp_avg_sq, c.step)]
+    c.init_state(HOST, store.alloc, exp_avg=torch.randn(80), exp_avg_sq=torch.rand(80),
+                 steps=[3] * len(c.params))
+    snap = [t.clone() for t in (c.master, c.exp_avg, c.exp_avg_sq, c.steps)]
     assert c.move_to(DEVICE, store.alloc) == 3 * 80 * 4
     assert c.master is None and c.host_grad is None
-    assert torch.equal(c.data, snap[0]) and torch.equal(c.exp_avg, snap[1]) and torch.equal(c.step, snap[3])
+    assert torch.equal(c.data, snap[0]) and torch.equal(c.exp_avg, snap[1]) and torch.equal(c.steps, snap[3])
     c.move_to(HOST, store.alloc)
-    for a, b in zip((c.master, c.exp_avg, c.exp_avg_sq, c.step), snap, strict=True):
+    for a, b in zip((c.master, c.exp_avg, c.exp_avg_sq, c.steps), snap, strict=True):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="placement must be"):
         c.move_to("gpu", store.alloc)
@@ -192,7 +194,7 @@ def test_repack_moves_state_with_parameters():
     store = make_store(m, chunk_numel=42)
     for i, c in enumerate(store.chunks):
         c.init_state(HOST if i % 2 else DEVICE, store.alloc, exp_avg=torch.randn(42),
-                     exp_avg_sq=torch.rand(42), step=5)
+                     exp_avg_sq=torch.rand(42), steps=[5] * len(c.params))
 
     def per_param():
         out = {}
@@ -211,7 +213,7 @@ def test_repack_moves_state_with_parameters():
     for k, vals in before.items():
         for a, b in zip(vals, after[k], strict=True):
             assert torch.equal(a, b)
-    assert all(float(c.step) == 5 for c in store.chunks)
+    assert all(torch.all(c.steps == 5) for c in store.chunks)
     assert not store.repack(order)  # same layout again: nothing to do
 
 
@@ -227,12 +229,13 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     resident = sum(c.data.nbytes + c.grad.nbytes for c in store.chunks) + 40
     assert problem.resident_model_bytes == resident
     assert problem.margin_bytes == 10**6 - 1000 - resident
-    assert [c.device_bytes for c in problem.chunks] == [layout.chunk_numel * 8 + 4] * layout.n_chunks
+    steps = [4 * len(slots) for slots in layout.chunks]  # one fp32 step count per parameter
+    assert [c.device_bytes for c in problem.chunks] == [layout.chunk_numel * 8 + s for s in steps]
     mixed, _ = build_problem(meta, 0, 10**6, master_weights=True)
-    assert mixed.chunks[0].device_bytes == layout.chunk_numel * 12 + 4
-    assert mixed.chunks[0].host_bytes == layout.chunk_numel * (16 + 2) + 4
+    assert mixed.chunks[0].device_bytes == layout.chunk_numel * 12 + steps[0]
+    assert mixed.chunks[0].host_bytes == layout.chunk_numel * (16 + 2) + steps[0]
     zero2, _ = build_problem(meta, 0, 10**6, world_size=4)
-    assert zero2.chunks[0].device_bytes == -(-layout.chunk_numel // 4) * 8 + 4
+    assert zero2.chunks[0].device_bytes == -(-layout.chunk_numel // 4) * 8 + steps[0]
     with pytest.raises(ValueError, match="world_size"):
         build_problem(meta, 0, 10**6, world_size=0)
 
@@ -249,13 +252,13 @@ def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
     c.init_state(HOST, store.alloc)
     storages = {t.untyped_storage().data_ptr() for t in c.state_tensors()}
     assert len(storages) == 1  # master, moments, step, host gradient, staging: one (pinned) allocation
-    cb = chunk_bytes(80, compute_dtype=dtype)
+    cb = chunk_bytes(80, compute_dtype=dtype, n_params=len(c.params))
     assert c.state_tensors()[0].untyped_storage().nbytes() == cb.host_state_bytes == c.state_nbytes()
     assert pinned_bytes(cb.host_state_bytes) == 1 << (cb.host_state_bytes - 1).bit_length()
     assert pinned_bytes(1024) == 1024 and pinned_bytes(1025) == 2048
     assert pinned_bytes(1025, pinned=False) == 1025
     problem, _ = build_problem(m, 0, 2**30, chunk_numel=80, compute_dtype=dtype, pinned=True)
-    assert {s.host_bytes for s in problem.chunks} == {pinned_bytes(cb.host_state_bytes)}
+    assert problem.chunks[0].host_bytes == pinned_bytes(cb.host_state_bytes)
 
 
 def test_building_chunks_of_a_model_already_on_the_device_peaks_near_its_final_size():

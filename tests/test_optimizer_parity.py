@@ -131,7 +131,7 @@ def test_unused_parameters_and_grads_set_to_none():
 
 def snapshot(store):
     return [t.clone() for c in store.chunks
-            for t in (c.data, c.master_view(), c.exp_avg, c.exp_avg_sq, c.step)]
+            for t in (c.data, c.master_view(), c.exp_avg, c.exp_avg_sq, c.steps)]
 
 
 @pytest.mark.parametrize("bad, match", [

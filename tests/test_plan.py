@@ -92,7 +92,9 @@ def test_model_data_follows_adamw_arithmetic(tiny_prediction) -> None:
     padded = cp.n_chunks * cp.chunk_numel
     assert padded >= sum(p.numel() for p in tiny_prediction.model.parameters())
     assert md["parameter"] == md["gradient"] == 4 * padded  # fp32 compute parameters and gradients
-    assert md["optimizer_state"] == 8 * padded + STEP_BYTES * cp.n_chunks  # fp32 exp_avg + exp_avg_sq, step
+    n_tensors = sum(1 for p in tiny_prediction.model.parameters() if p.requires_grad)
+    # fp32 exp_avg + exp_avg_sq, one step count per parameter (as torch.optim.AdamW keeps)
+    assert md["optimizer_state"] == 8 * padded + STEP_BYTES * n_tensors
     assert cp.problem.resident_model_bytes == md["parameter"] + md["gradient"] + md["other"]
     assert cp.problem.peak_non_model_bytes == tiny_prediction.peak_non_model_bytes
 
@@ -103,8 +105,9 @@ def test_bf16_adds_the_fp32_master_and_keeps_ties() -> None:
     assert pred.model.lm_head.weight is pred.model.wte.weight
     cp = plan_for_capacity(pred, 2**30)
     assert cp.model_data["parameter"] == 2 * cp.n_chunks * cp.chunk_numel
-    # fp32 master + exp_avg + exp_avg_sq (and the step count)
-    assert cp.model_data["optimizer_state"] == (12 * cp.chunk_numel + STEP_BYTES) * cp.n_chunks
+    # fp32 master + exp_avg + exp_avg_sq (and one step count per parameter)
+    n_tensors = sum(1 for p in pred.model.parameters() if p.requires_grad)
+    assert cp.model_data["optimizer_state"] == 12 * cp.chunk_numel * cp.n_chunks + STEP_BYTES * n_tensors
 
 
 def test_module_to_works_on_fake_models() -> None:

@@ -83,7 +83,7 @@ def test_pinned_host_buffers_streams_and_events():
             assert c.master.is_pinned() and c.host_grad.is_pinned() and c.exp_avg.is_pinned()
             assert isinstance(c.h2d_event, torch.cuda.Event)  # the H2D of its updated parameters
         for c in dev:
-            assert c.exp_avg.is_cuda and c.step.is_cuda and c.master is None
+            assert c.exp_avg.is_cuda and c.steps.is_cuda and c.master is None
         # The step copies each host chunk's gradients D2H once, on the side stream, after clipping.
         sched.backward(m(x).pow(2).mean())
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)

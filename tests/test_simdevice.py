@@ -72,7 +72,7 @@ def test_host_placed_chunks_are_not_counted():
         assert sched.sim.live_bytes() == resident  # host state (master, moments, host grads) not counted
         c = sched.store.chunks[0]
         c.move_to(DEVICE, sched.store.alloc)
-        assert sched.sim.live_bytes() == resident + c.exp_avg.nbytes + c.exp_avg_sq.nbytes + c.step.nbytes
+        assert sched.sim.live_bytes() == resident + c.exp_avg.nbytes + c.exp_avg_sq.nbytes + c.steps.nbytes
         c.move_to(HOST, sched.store.alloc)
         assert sched.sim.live_bytes() == resident
 
@@ -127,10 +127,10 @@ def test_step_that_does_not_fit_raises_before_changing_anything():
         # Mixed precision updates a device chunk from an fp32 copy of its gradients: leave no room for it.
         sched.sim.capacity_bytes = sched.sim.live_bytes() + 1024
         with sched.sim.paused():
-            before = [t.clone() for c in sched.store.chunks for t in (c.data, c.master, c.exp_avg, c.step)]
+            before = [t.clone() for c in sched.store.chunks for t in (c.data, c.master, c.exp_avg, c.steps)]
         with pytest.raises(SimOutOfMemoryError, match="optimizer step temporaries"):
             sched.optimizer.step()
-        after = [t for c in sched.store.chunks for t in (c.data, c.master, c.exp_avg, c.step)]
+        after = [t for c in sched.store.chunks for t in (c.data, c.master, c.exp_avg, c.steps)]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         assert sched.transfers.steps == 1
 

@@ -110,7 +110,7 @@ def test_bad_state_dicts_change_nothing():
     with attach(m) as sched:
         run(m, sched.optimizer, data(2, 1), sched.backward)
         sd = sched.optimizer.state_dict()
-        before = [t.clone() for c in sched.store.chunks for t in (c.exp_avg, c.exp_avg_sq, c.step)]
+        before = [t.clone() for c in sched.store.chunks for t in (c.exp_avg, c.exp_avg_sq, c.steps)]
         bad = copy.deepcopy(sd)
         bad["state"][5]["exp_avg"] = torch.zeros(3)
         with pytest.raises(ValueError, match="shape \\(3,\\), expected \\(5,\\)"):
@@ -118,13 +118,25 @@ def test_bad_state_dicts_change_nothing():
         with pytest.raises(ValueError, match="1 param groups"):
             sched.optimizer.load_state_dict({"state": {}, "param_groups": sd["param_groups"][:1]})
         bad = copy.deepcopy(sd)
-        bad["state"][0]["step"] = torch.tensor(7.0)  # same chunk as parameter 1, which is at step 2
-        with pytest.raises(ValueError, match="different step counts"):
+        bad["state"][0]["step"] = "seven"
+        with pytest.raises(ValueError, match="'step' of parameter .* must be a number >= 0, got 'seven'"):
             sched.optimizer.load_state_dict(bad)
         bad = copy.deepcopy(sd)
         bad["param_groups"][0]["lr"] = -1.0
         with pytest.raises(ValueError, match="param group 0: lr"):
             sched.optimizer.load_state_dict(bad)
-        after = [t.clone() for c in sched.store.chunks for t in (c.exp_avg, c.exp_avg_sq, c.step)]
+        after = [t.clone() for c in sched.store.chunks for t in (c.exp_avg, c.exp_avg_sq, c.steps)]
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         assert sched.optimizer.param_groups[0]["lr"] == 1e-2
+
+
+def test_each_parameter_keeps_its_own_step_count():
+    """torch.optim.AdamW keeps one step per parameter; so does memsched (a chunk's may differ)."""
+    m = make_model()
+    with attach(m) as sched:
+        run(m, sched.optimizer, data(2, 1), sched.backward)
+        sd = sched.optimizer.state_dict()
+        sd["state"][0]["step"] = torch.tensor(7.0)  # parameter 1 (same chunk) stays at step 2
+        sched.optimizer.load_state_dict(sd)
+        back = sched.optimizer.state_dict()
+    assert float(back["state"][0]["step"]) == 7.0 and float(back["state"][1]["step"]) == 2.0

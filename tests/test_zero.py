@@ -108,6 +108,7 @@ def _train_rank(rank: int, world: int, cfg: dict) -> dict:
         "used_numel": sum(store.layout.used_numel(i) for i in range(store.layout.n_chunks)),
         "shards": [(c.lo, c.hi) for c in store.chunks],
         "placement": [c.placement for c in store.chunks],
+        "n_params": [len(c.params) for c in store.chunks],
         "warnings": caught,
         "stats": dict(sched.zero.stats),
         "build": sched.zero.build_stats["decisions"],
@@ -135,8 +136,8 @@ def _state_bytes(res: dict, world: int) -> int:
     """Optimizer-state bytes by memsched.chunks.chunk_bytes (the planner's arithmetic, step count included)
     for the rank's chunks and placements, each chunk's state split over ``world`` ranks."""
     total = 0
-    for where in res["placement"]:
-        cb = chunk_bytes(res["chunk_numel"], shard_numel=res["chunk_numel"] // world)
+    for where, n_params in zip(res["placement"], res["n_params"], strict=True):
+        cb = chunk_bytes(res["chunk_numel"], shard_numel=res["chunk_numel"] // world, n_params=n_params)
         total += cb.device_state_bytes if where == "device" else cb.host_state_bytes
     return total
 
@@ -173,10 +174,10 @@ def _check(results: list[list[dict]], cfgs: list[dict], world: int) -> None:
             assert all(res["exp_avg_numel"] * world == total for res in per_rank)
             assert all(res["state_bytes"] == r0["state_bytes"] for res in per_rank)
             # bytes: each rank holds 1/world of what one process would hold for the same (padded) chunks,
-            # apart from the one fp32 step count per chunk that every rank keeps
+            # apart from the fp32 step counts (one per parameter) that every rank keeps
             single = _state_bytes(r0, 1)
             assert r0["state_bytes"] == _state_bytes(r0, world)
-            assert r0["state_bytes"] * world - single == 4 * r0["n_chunks"] * (world - 1)
+            assert r0["state_bytes"] * world - single == 4 * sum(r0["n_params"]) * (world - 1)
             assert total - r0["used_numel"] >= 0
             for c in range(r0["n_chunks"]):
                 spans = sorted(res["shards"][c] for res in per_rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,7 +27,9 @@ class Chunk:
         ``master``: ``[hi - lo]`` fp32 on the state's side; ``None`` in fp32 on the device (``data`` is
             the master).
         ``exp_avg``, ``exp_avg_sq``: ``[hi - lo]`` fp32, on the state's side.
-        ``step``: fp32 scalar, on the state's side (one step count per chunk).
+        ``steps``: ``[len(params)]`` fp32, on the state's side: each parameter's own step count (a parameter
+            that gets no gradient in a step is not updated and its count does not move, as in
+            ``torch.optim.AdamW``).
         ``host_grad``: ``[hi - lo]`` fp32 host buffer the CPU update reads its gradients from (host placement
             only; in fp32 the D2H copy lands there directly).
         ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the D2H copy
@@ -56,7 +59,7 @@ class Chunk:
         self.master: torch.Tensor | None = None
         self.exp_avg: torch.Tensor | None = None
         self.exp_avg_sq: torch.Tensor | None = None
-        self.step: torch.Tensor | None = None
+        self.steps: torch.Tensor | None = None
         self.host_grad: torch.Tensor | None = None
         self.staging: torch.Tensor | None = None
         # Parameters whose gradient is complete in the backward pass ``ready_task`` (autograd graph task id):
@@ -85,7 +88,7 @@ class Chunk:
         return self.master if self.master is not None else self.data[self.lo:self.hi]
 
     def state_tensors(self) -> list[torch.Tensor]:
-        ts = (self.master, self.exp_avg, self.exp_avg_sq, self.step, self.host_grad, self.staging)
+        ts = (self.master, self.exp_avg, self.exp_avg_sq, self.steps, self.host_grad, self.staging)
         return [t for t in ts if t is not None]
 
     def state_nbytes(self) -> int:
@@ -95,9 +98,10 @@ class Chunk:
     # -- placement: whole-chunk copies; everything new is allocated before anything is swapped --------------
     def init_state(self, placement: str, alloc: Allocator, *, master: torch.Tensor | None = None,
                    exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None,
-                   step: float = 0.0) -> None:
+                   steps: torch.Tensor | Sequence[float] | None = None) -> None:
         """Allocate the optimizer state at ``placement`` (``DEVICE``/``HOST``); zeros unless given (fp32
-        ``[hi-lo]``). Under mixed precision the master starts from the full-precision parameter values."""
+        ``[hi-lo]``; ``steps``: one step count per parameter, ``[len(params)]``). Under mixed precision the
+        master starts from the full-precision parameter values."""
         new = self._alloc_state(placement, alloc)
         if master is None and self.initial_master is not None:
             master = self.initial_master[self.lo:self.hi]
@@ -114,7 +118,10 @@ class Chunk:
                     new[k].zero_()
                 else:
                     new[k].copy_(src)
-            new["step"].fill_(step)
+            if steps is None:
+                new["steps"].zero_()
+            else:
+                new["steps"].copy_(torch.as_tensor(steps, dtype=torch.float32))
         self._install(placement, new)
 
     def _alloc_state(self, placement: str, alloc: Allocator) -> dict[str, torch.Tensor | None]:
@@ -126,18 +133,18 @@ class Chunk:
             parts.append(("master", f32, n))
         if host:
             parts.append(("host_grad", f32, n))
-        parts.append(("step", f32, 0))
+        parts.append(("steps", f32, len(self.params)))
         if host and self.mixed:
             parts.append(("staging", self.compute_dtype, n))
         views = alloc.arena(placement, parts)
-        return {k: views.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "step", "host_grad", "staging")}
+        return {k: views.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "steps", "host_grad", "staging")}
 
     def _install(self, placement: str, new: dict[str, torch.Tensor | None]) -> None:
         self.placement = placement
         self.master = new["master"]
         self.exp_avg = new["exp_avg"]
         self.exp_avg_sq = new["exp_avg_sq"]
-        self.step = new["step"]
+        self.steps = new["steps"]
         self.host_grad = new["host_grad"]
         self.staging = new["staging"]
         self.d2h_event = None
@@ -163,7 +170,7 @@ class Chunk:
                 self.data[self.lo:self.hi].copy_(src_master)
             new["exp_avg"].copy_(self.exp_avg)
             new["exp_avg_sq"].copy_(self.exp_avg_sq)
-            new["step"].copy_(self.step)
+            new["steps"].copy_(self.steps)
         self._install(placement, new)
         return 3 * self.shard_numel * 4
 
@@ -183,14 +190,14 @@ class Chunk:
 
     def reshard(self, lo: int, hi: int, alloc: Allocator, *, master: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor) -> None:
-        """Cover ``[lo, hi)`` with the given fp32 state (``[hi - lo]`` each), on the same side, same step."""
-        step = float(self.step) if self.step is not None else 0.0
+        """Cover ``[lo, hi)`` with the given fp32 state (``[hi - lo]`` each), on the same side, same steps."""
+        steps = self.steps.detach().to("cpu", copy=True) if self.steps is not None else None
         if not 0 <= lo <= hi <= self.numel:
             raise ValueError(f"shard [{lo}, {hi}) is not inside chunk {self.index} of {self.numel} elements")
         self.wait_h2d()
         self.lo, self.hi = lo, hi
         self.init_state(self.placement, alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                        step=step)
+                        steps=steps)
 
     # -- gradient readiness ---------------------------------------------------------------------------------
     def mark_grad_ready(self, param_id: int, task: int | None) -> bool:
@@ -209,7 +216,7 @@ class Chunk:
     def release(self) -> None:
         """Drop every tensor (the buffers are freed when nothing else holds them)."""
         self.data = self.grad = None  # type: ignore[assignment]
-        self.master = self.exp_avg = self.exp_avg_sq = self.step = self.host_grad = self.staging = None
+        self.master = self.exp_avg = self.exp_avg_sq = self.steps = self.host_grad = self.staging = None
         self.initial_master = None
 
     # -- H2D / D2H ------------------------------------------------------------------------------------------

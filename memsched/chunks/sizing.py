@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-STEP_BYTES = 4  # the fp32 step count of a chunk lives next to its moments
+STEP_BYTES = 4  # each parameter's fp32 step count lives next to its chunk's moments
 # Elements (64 bytes of fp32: the widest CPU vector torch uses) at which ZeRO aligns parameters in chunks and
 # shard boundaries: torch's CPU fused AdamW computes the last ``numel % vector width`` elements of each tensor
 # on a scalar path with different rounding, so a parameter's part in a shard must start on a vector boundary.
@@ -27,10 +27,10 @@ class ChunkBytes:
         grad_bytes: the flat gradient buffer on the device (compute dtype, whole chunk).
         device_state_bytes: optimizer state on the device when placed there: fp32 ``exp_avg`` + ``exp_avg_sq``
             of the shard, plus an fp32 master copy of the shard under mixed precision (in fp32 the compute
-            buffer is the master), plus the fp32 step count.
+            buffer is the master), plus one fp32 step count per parameter (``n_params``).
         host_state_bytes: pinned host memory when placed on the host: fp32 master, ``exp_avg``, ``exp_avg_sq``
             and gradient buffer of the shard, plus a compute-dtype staging buffer for the H2D copy under mixed
-            precision, plus the fp32 step count.
+            precision, plus one fp32 step count per parameter (``n_params``).
     """
 
     compute_bytes: int
@@ -45,7 +45,8 @@ class ChunkBytes:
 
 
 def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
-                shard_numel: int | None = None, master_weights: bool | None = None) -> ChunkBytes:
+                shard_numel: int | None = None, master_weights: bool | None = None,
+                n_params: int = 1) -> ChunkBytes:
     """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
 
     Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
@@ -58,6 +59,6 @@ def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
     return ChunkBytes(
         compute_bytes=chunk_numel * cb,
         grad_bytes=chunk_numel * cb,
-        device_state_bytes=shard * 4 * (3 if mixed else 2) + STEP_BYTES,
-        host_state_bytes=shard * 4 * 4 + (shard * cb if mixed else 0) + STEP_BYTES,
+        device_state_bytes=shard * 4 * (3 if mixed else 2) + STEP_BYTES * n_params,
+        host_state_bytes=shard * 4 * 4 + (shard * cb if mixed else 0) + STEP_BYTES * n_params,
     )

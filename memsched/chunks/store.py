@@ -41,6 +41,10 @@ class ChunkStore:
         self.dp = dp if dp is not None else DataParallel()
         self.on_grads_ready_cb = on_grads_ready  # an observer (tests, reports); data parallelism is ``dp``
         self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
+        self.closed = False
+        # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
+        # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
+        self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
         for gi, g in enumerate(self.groups):
             for p in g:
                 if p.device.type == "meta":
@@ -86,6 +90,7 @@ class ChunkStore:
         self.layout = layout
         self.param_chunk = {id(p): c for c in new_chunks for p in c.params}
         self.param_range = {id(p): r for c in new_chunks for p, r in zip(c.params, c.ranges, strict=True)}
+        self.param_pos = {id(p): k for c in new_chunks for k, p in enumerate(c.params)}
 
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
                      groups: list[list[torch.nn.Parameter]], keep_initial: bool) -> Chunk:
@@ -130,8 +135,8 @@ class ChunkStore:
         """Re-pack the chunks so parameters follow ``order`` (first-use order; parameters not in it keep their
         relative order after those that are), moving each parameter's optimizer state with it (bit-exact).
 
-        Returns ``False`` (and changes nothing) when the layout would be the same, or when parameters with
-        different step counts would share a chunk (one step count per chunk).
+        Returns ``False`` (and changes nothing) when the layout would be the same. Each parameter keeps its
+        own step count.
 
         Raises:
             torch.OutOfMemoryError (or the stand-in's): the new chunks do not fit; the old packing is restored
@@ -145,11 +150,7 @@ class ChunkStore:
                         for a, b in zip(ga, gb, strict=True)))
         if same:
             return False
-        # One step count per chunk: refuse a packing that would merge different counts.
-        steps = {id(p): float(self.param_chunk[id(p)].step) for p in self.params()}
-        for slots in layout.chunks:
-            if len({steps[id(new_groups[s.group][s.index])] for s in slots}) > 1:
-                return False
+        steps = {id(p): float(c.steps[k]) for c in self.chunks for k, p in enumerate(c.params)}
         # Stage everything through host memory and drop every reference to the old chunks before allocating
         # the new ones, so re-packing needs the device memory of the new chunks only (built one at a time).
         staged: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -208,7 +209,7 @@ class ChunkStore:
                         exp_avg[off:off + n].copy_(ea)
                         exp_avg_sq[off:off + n].copy_(eas)
                 c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                             step=steps[id(c.params[0])])
+                             steps=[steps[id(p)] for p in c.params])
 
     # -- gradients ------------------------------------------------------------------------------------------
     def _grad_hook(self, p: torch.nn.Parameter) -> None:
@@ -216,9 +217,14 @@ class ChunkStore:
         if c is None:
             return
         self.rebind_grad(p, c)
+        self.with_grad.add(id(p))
         self.grad_events += 1
         if c.mark_grad_ready(id(p), _graph_task_id()):
             self.on_grads_ready(c)
+
+    def step_of(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p``'s step count: a 0-d fp32 view into its chunk's ``steps``."""
+        return self.param_chunk[id(p)].steps[self.param_pos[id(p)]]
 
     def data_view(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The chunk view ``p`` must be (its compute values)."""
@@ -279,9 +285,12 @@ class ChunkStore:
         """``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes there)."""
         self.dp.after_update(chunk)
 
-    def zero_grad(self) -> None:
-        """Zero the flat gradient buffers, keep the views, reset readiness."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient buffers, keep the views, reset readiness. ``set_to_none`` (torch's default)
+        means the parameters have no gradient until backward gives them one (they are then not updated)."""
         self.dp.before_zero_grad()  # pending gradient reductions finish first
+        if set_to_none and not self.closed:
+            self.with_grad.clear()
         with torch.no_grad():
             for c in self.chunks:
                 c.grad.zero_()
@@ -293,7 +302,11 @@ class ChunkStore:
                     p.grad = view
 
     def close(self) -> None:
-        """Remove the gradient hooks (parameters stay views into the chunks)."""
+        """Remove the gradient hooks (parameters stay views into the chunks). Without them nothing tells which
+        parameters got a gradient: from here on every parameter counts as having one (as after
+        ``zero_grad(set_to_none=False)``)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self.closed = True
+        self.with_grad.update(id(p) for p in self.params())

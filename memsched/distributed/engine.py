@@ -303,6 +303,15 @@ class ZeroEngine(DataParallel):
         self._reduced.clear()
         self._flushed_at = None
 
+    def agree_with_grad(self, store: ChunkStore, with_grad: set[int]) -> set[int]:
+        """The parameters with a gradient on any rank (one small MAX all-reduce): their averaged gradient
+        exists on every rank, and every rank must update the same parameters."""
+        params = list(store.params())
+        flags = torch.tensor([id(p) in with_grad for p in params], dtype=torch.int32, device=self.comm.device)
+        self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX,
+                             what="agreeing on the parameters with gradients")
+        return {id(p) for p, f in zip(params, flags.tolist(), strict=True) if f}
+
     # ---- parameters after the update ----------------------------------------------------------------------
     def after_update(self, c: Chunk) -> None:
         """Hook: ``c.data[lo:hi]`` holds this rank's updated shard; fetch the others' into ``c.data``."""
