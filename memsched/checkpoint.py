@@ -102,6 +102,8 @@ def _build(sched: Any, *, fill: bool) -> tuple[dict[str, Any], dict[tuple[str, s
                 sd[f"optim.{name}.{key}"] = local[0][1]
     # One JSON string: DCP would flatten a list of dicts into keys of its own.
     sd["optim.param_groups"] = _groups_json(sched) if fill else ""
+    if sched.scaler is not None:  # fp16: the loss scale continues where it was
+        sd["optim.loss_scaler"] = json.dumps(sched.scaler.state_dict()) if fill else ""
     return sd, back
 
 
@@ -154,6 +156,9 @@ def load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
         )
     opt, store = sched.optimizer, sched.store
     saved_groups = json.loads(sd["optim.param_groups"])
+    scaler_state = json.loads(sd["optim.loss_scaler"]) if sched.scaler is not None else None
+    if scaler_state is not None:
+        sched.scaler.check_state_dict(scaler_state)
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
             f"checkpoint has {len(saved_groups)} param groups, the optimizer has {len(opt.param_groups)}"
@@ -178,4 +183,6 @@ def load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
         for k, v in saved.items():
             if k != "params":
                 g[k] = tuple(v) if k == "betas" else v
+    if scaler_state is not None:
+        sched.scaler.load_state_dict(scaler_state)
     opt.record_param_versions()

@@ -3,7 +3,8 @@
 Format: ``torch.optim.AdamW.state_dict()``'s. ``state`` maps the parameter index (in param-group order) to
 ``step`` (float32 scalar), ``exp_avg`` and ``exp_avg_sq`` (fp32, shaped like the parameter), all CPU tensors;
 under mixed precision also ``master_weight`` (fp32, shaped like the parameter). ``param_groups`` hold the
-hyper-parameters and the parameter indices. It loads into ``torch.optim.AdamW`` and back.
+hyper-parameters and the parameter indices. Under fp16 ``loss_scaler`` holds the dynamic loss scale's state
+(:meth:`memsched.precision.LossScaler.state_dict`). It loads into ``torch.optim.AdamW`` and back.
 
 Saving reads each chunk's WHOLE state through the data parallelism (:meth:`DataParallel.full_state`: a copy on
 one rank, an all-gather of the shards under ZeRO), one chunk at a time. Loading writes, on every rank, the
@@ -44,7 +45,10 @@ def state_dict(opt: HybridAdamW) -> dict[str, Any]:
                     if c.mixed:
                         st["master_weight"] = master[off:off + n].clone().view(p.shape)
                     state[index[id(p)]] = st
-    return {"state": dict(sorted(state.items())), "param_groups": indexed_param_groups(opt.param_groups)}
+    out = {"state": dict(sorted(state.items())), "param_groups": indexed_param_groups(opt.param_groups)}
+    if opt.scaler is not None:  # fp16: a resumed run continues the same loss scale (torch.optim ignores it)
+        out["loss_scaler"] = opt.scaler.state_dict()
+    return out
 
 
 def validate_state_dict(
@@ -102,6 +106,9 @@ def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
     """Load ``sd`` (see :func:`validate_state_dict` for the errors). Parameters without state get zero moments
     and step 0; without a saved ``master_weight`` the master starts from the parameter's current value."""
     per_param, steps = validate_state_dict(opt, sd)
+    scaler_state = sd.get("loss_scaler")
+    if opt.scaler is not None and scaler_state is not None:
+        opt.scaler.check_state_dict(scaler_state)
     store = opt.store
     opt.dp.end_step()
     with torch.no_grad():
@@ -131,4 +138,6 @@ def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
         for k, v in sg.items():
             if k != "params":
                 g[k] = v
+    if opt.scaler is not None and scaler_state is not None:
+        opt.scaler.load_state_dict(scaler_state)
     opt.record_param_versions()

@@ -195,7 +195,11 @@ class HybridAdamW(torch.optim.Optimizer):
         self.dp.end_step()
 
     def _sync_user_param_writes(self) -> None:
-        """Refresh master weights from parameters the user wrote in place since the last step."""
+        """Refresh master weights from parameters the user wrote in place since the last step
+        (``model.load_state_dict``, ``nn.init``, ``with torch.no_grad(): p.copy_(...)``: their version
+        counters moved). Only elements whose value differs from the master as the compute dtype rounds it
+        are taken: loading a model state dict after the optimizer's (whose fp32 ``master_weight`` it rounds
+        to) keeps the full-precision masters, in either order."""
         for c in self.store.chunks:
             changed = [(p, r) for p, r in zip(c.params, c.ranges, strict=True)
                        if p._version != self._param_versions.get(id(p), p._version)]
@@ -205,8 +209,12 @@ class HybridAdamW(torch.optim.Optimizer):
                 c.wait_h2d()
                 for _p, (off, n) in changed:
                     a, b = max(off, c.lo), min(off + n, c.hi)
-                    if a < b:
-                        c.master[a - c.lo:b - c.lo].copy_(c.data[a:b])
+                    if a >= b:
+                        continue
+                    master = c.master[a - c.lo:b - c.lo]
+                    new = c.data[a:b].to(master.device)
+                    written = new != master.to(new.dtype)
+                    master.copy_(torch.where(written, new.float(), master))
 
     def _found_inf(self, chunks: list[Chunk]) -> bool:
         """fp16: True when any gradient in the (device-resident) gradient buffers is inf/NaN, on any rank; the

@@ -8,6 +8,8 @@ dynamic loss scaling; the scale update is torch's own ``torch._amp_update_scale_
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 ALLOWED_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
@@ -55,7 +57,37 @@ class LossScaler:
         torch._amp_update_scale_(self.scale, self.growth_tracker, found, self.growth_factor,
                                  self.backoff_factor, self.growth_interval)
 
+    KEYS = ("scale", "growth_tracker", "growth_factor", "backoff_factor", "growth_interval", "skipped_steps")
+
     def state_dict(self) -> dict:
+        """The scale, growth tracker, settings and skipped-step count (GradScaler's state, plain numbers)."""
         return {"scale": float(self.scale.item()), "growth_tracker": int(self.growth_tracker.item()),
                 "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "skipped_steps": self.skipped_steps}
+
+    @classmethod
+    def check_state_dict(cls, state: object) -> dict:
+        """``state`` as :meth:`state_dict` writes it, checked (nothing is written).
+
+        Raises:
+            ValueError: not a dict with :attr:`KEYS`, or a value that is not a finite number (names it).
+        """
+        if not isinstance(state, dict) or set(cls.KEYS) - set(state):
+            raise ValueError(f"loss scaler state must be a dict with keys {cls.KEYS}, got {state!r}")
+        out = {}
+        for k in cls.KEYS:
+            v = state[k]
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"loss scaler state {k!r} must be a finite number, got {v!r}")
+            out[k] = v
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (checked first: :meth:`check_state_dict`)."""
+        st = self.check_state_dict(state)
+        self.scale.fill_(float(st["scale"]))
+        self.growth_tracker.fill_(int(st["growth_tracker"]))
+        self.growth_factor, self.backoff_factor = float(st["growth_factor"]), float(st["backoff_factor"])
+        self.growth_interval, self.skipped_steps = int(st["growth_interval"]), int(st["skipped_steps"])

@@ -257,7 +257,8 @@ class ChunkStore:
             raise RuntimeError(
                 f"parameter {name!r} is no longer memsched's view into its chunk: {what} after attach. "
                 "memsched cannot follow that; convert the model (dtype, device, memory format) before "
-                "memsched.attach, or load values in place (param.data.copy_(...), model.load_state_dict)")
+                "memsched.attach, or load values in place (model.load_state_dict, or "
+                "`with torch.no_grad(): param.copy_(...)`)")
 
     def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
         c = c or self.param_chunk[id(p)]
