@@ -11,9 +11,10 @@ signal says so reliably (version counters do not move under a dispatch mode or t
 once, after all of it, is exact and moves the same bytes with or without clipping; the copies of later chunks
 overlap the CPU update of earlier ones.
 
-One difference by design: the parameters' ``.grad`` are views into the chunks and never ``None``, so a
-parameter that received no gradient is updated with a zero gradient (as ``torch.optim.AdamW`` does after
-``zero_grad(set_to_none=False)``): weight decay and momentum still apply.
+Parameters without a gradient follow ``torch.optim.AdamW``: the ``.grad`` stay bound to the chunks' gradient
+buffers (so backward never allocates new gradient tensors), but after ``zero_grad()`` (``set_to_none=True``,
+torch's default) or ``model.zero_grad()`` a parameter that gets no gradient is not updated and its step count
+does not move; each parameter has its own step count.
 """
 
 from __future__ import annotations
