@@ -19,6 +19,7 @@ does not move; each parameter has its own step count.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.dp = store.dp  # data parallelism: one rank, or ZeRO (memsched.parallel)
         self._clip_coefs: list[torch.Tensor] = []  # fp16: clip coefficients applied at the next step
         self._active: set[int] = set()  # ids of the parameters updated by the step in progress
+        self.owner_thread: int | None = None  # set by the scheduler: steps must run on the attaching thread
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
 
@@ -146,6 +148,11 @@ class HybridAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.owner_thread is not None and threading.get_ident() != self.owner_thread:
+            raise RuntimeError(
+                "memsched: optimizer.step() ran on another thread than memsched.attach; the warmup tracer "
+                "and the stand-in's accounting are dispatch modes of the attaching thread, so training must "
+                "stay on that thread until sched.close()")
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
         self.store.check_bound(self.names)
         fixes = self._validate_grads()

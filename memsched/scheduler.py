@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -172,6 +173,7 @@ class Scheduler:
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
             transfers=self.transfers, scaler=self.scaler,
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names)
+        self.optimizer.owner_thread = threading.get_ident()
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
@@ -369,6 +371,7 @@ class Scheduler:
             self._handles.clear()
             self.waits.remove()
             self.store.close()
+            self.optimizer.owner_thread = None
             if self.sim is not None:
                 self.sim.stop()
 

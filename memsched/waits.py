@@ -18,6 +18,7 @@ import torch
 from memsched.chunks import ChunkStore
 from memsched.first_use import first_use_owners
 from memsched.transfers import Streams
+from tracer.hook_handles import Detachable
 
 
 class H2DWaits:
@@ -43,9 +44,10 @@ class H2DWaits:
                     by_module[name] = every
         modules = dict(self.model.named_modules())
         for name, indices in by_module.items():
-            hook = self._hook(sorted(indices))
+            hook = Detachable(self._hook(sorted(indices)))
             self._handles.append(modules[name].register_forward_pre_hook(hook, prepend=True))
-        self._handles.append(self.model.register_state_dict_pre_hook(lambda *_a, **_k: self.synchronize()))
+        sync = Detachable(lambda *_a, **_k: self.synchronize())
+        self._handles.append(self.model.register_state_dict_pre_hook(sync))
 
     def _hook(self, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
         def wait(_module: torch.nn.Module, _args: Any) -> None:

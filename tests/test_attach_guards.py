@@ -86,3 +86,49 @@ def test_unsupported_parameter_dtypes_are_refused_at_attach(dtype):
     frozen = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).to(dtype).requires_grad_(False))
     with memsched.attach(frozen, device="cpu"):  # frozen parameters of any dtype are left alone
         pass
+
+
+def test_the_model_can_be_copied_and_saved_during_warmup_and_the_copy_is_not_hooked():
+    import copy
+    import io
+    import pickle
+
+    model = ConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    with memsched.attach(model, device="sim:64MiB", warmup_steps=2) as sched:
+        step(sched, model, x)  # inside warmup: the tracer's hooks are on the model
+        ema = copy.deepcopy(model)  # the usual EMA copy
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        pickle.loads(pickle.dumps(model))
+        samples = len(sched._tracer.timeline.samples) if sched._tracer.timeline is not None else None
+        with torch.no_grad():
+            ema(x)  # the copy's hooks are inert: nothing is traced, no H2D wait, no gradient readiness
+        after = len(sched._tracer.timeline.samples) if sched._tracer.timeline is not None else None
+        assert samples == after
+        step(sched, model, x)
+        assert sched.plan is not None
+        for (n, p), q in zip(model.named_parameters(), ema.parameters(), strict=True):
+            assert not torch.equal(p.detach(), q.detach()), n  # the original trained on, the copy did not
+
+
+def test_training_on_another_thread_is_refused():
+    import threading
+
+    model = ConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    errors = []
+    with memsched.attach(model, device="sim:64MiB") as sched:
+        sched.backward(model(x).pow(2).mean())
+
+        def other():
+            try:
+                sched.optimizer.step()
+            except RuntimeError as e:
+                errors.append(str(e))
+
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert errors and "another thread than memsched.attach" in errors[0]
+        sched.optimizer.step()  # the attaching thread goes on

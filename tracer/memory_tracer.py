@@ -26,6 +26,7 @@ from torch import nn
 from tracer.accounting import _CAT_NAMES, StorageAccountant, device_name
 from tracer.categories import Category
 from tracer.cuda_probe import CudaProbe
+from tracer.hook_handles import Detachable
 from tracer.module_hooks import ModuleHooks
 from tracer.timeline import MemoryTimeline, Sample
 
@@ -190,7 +191,7 @@ class MemoryTracer:
             self._hooks.attach()
             for p in params:
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                    self._handles.append(p.register_post_accumulate_grad_hook(Detachable(self._on_grad)))
             self._attach_optimizer_hooks()
             if self.backend == "cuda":
                 self._probe = CudaProbe(torch.device(self.device))

@@ -30,6 +30,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
 from tracer.accounting import _in_autograd
+from tracer.hook_handles import Detachable
 
 __all__ = ["ModuleEventListener", "ModuleHooks", "grad_tensors"]
 
@@ -102,8 +103,8 @@ class ModuleHooks:
         try:
             for name, module in self._model.named_modules():
                 self._handles.append(module.register_forward_pre_hook(
-                    functools.partial(self._fw_pre, name), with_kwargs=True))
-                hook = functools.partial(self._fw_post, name)
+                    Detachable(functools.partial(self._fw_pre, name)), with_kwargs=True))
+                hook = Detachable(functools.partial(self._fw_post, name))
                 try:
                     self._handles.append(module.register_forward_hook(hook, always_call=True))
                 except TypeError:  # pragma: no cover - torch without always_call

@@ -11,6 +11,7 @@ from memsched.chunks.chunk import Chunk, _graph_task_id
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
 from memsched.parallel import DataParallel
 from policies.types import DEVICE, HOST
+from tracer.hook_handles import Detachable
 
 
 class ChunkStore:
@@ -61,7 +62,7 @@ class ChunkStore:
         self.dp.install(self)
         for g in self.groups:
             for p in g:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+                self._hooks.append(p.register_post_accumulate_grad_hook(Detachable(self._grad_hook)))
 
     # -- building / re-packing ------------------------------------------------------------------------------
     def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
