@@ -26,7 +26,6 @@ import contextlib
 import enum
 import threading
 import warnings
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -39,6 +38,7 @@ from memsched.config import SchedulerConfig, make_config
 from memsched.devices import DeviceSpec
 from memsched.first_use import first_use_order
 from memsched.optimizer import HybridAdamW
+from memsched.ownership import ATTACHED, claim, release
 from memsched.parallel import DataParallel
 from memsched.planning import build_problem
 from memsched.precision import LossScaler
@@ -46,37 +46,6 @@ from memsched.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.transfers import Streams, TransferStats
 from memsched.waits import H2DWaits
 from policies.types import DEVICE, HOST, PlacementPlan
-
-# Models a live Scheduler owns (their parameters are views into its chunks), and the parameters themselves:
-# id(param) -> (weak reference to it, the owner's model class name). Parameters, not models: attaching a
-# submodule of an attached model, or a second model sharing a parameter, must be refused.
-_ATTACHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-_OWNED: dict[int, tuple[weakref.ref, str]] = {}
-
-
-def _claim(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
-    """Register ``params`` as owned by a scheduler of ``model``.
-
-    Raises:
-        RuntimeError: one of them is owned by another live scheduler (names it).
-    """
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p in params:
-        entry = _OWNED.get(id(p))
-        if entry is not None and entry[0]() is p:
-            raise RuntimeError(
-                f"parameter {names.get(id(p), tuple(p.shape))!r} is already managed by memsched (attached to "
-                f"a {entry[1]}): a parameter can belong to one scheduler only; close() the other scheduler, "
-                "or attach once to the model that holds every parameter")
-    for p in params:
-        _OWNED[id(p)] = (weakref.ref(p), type(model).__name__)
-
-
-def _release(params: list[torch.nn.Parameter]) -> None:
-    for p in params:
-        entry = _OWNED.get(id(p))
-        if entry is not None and entry[0]() in (p, None):
-            del _OWNED[id(p)]
 
 
 class Phase(enum.Enum):
@@ -108,7 +77,7 @@ class Scheduler:
 
     def __init__(self, model: torch.nn.Module, config: SchedulerConfig) -> None:
         _check_not_meta(model)
-        if model in _ATTACHED:
+        if model in ATTACHED:
             raise RuntimeError("memsched is already attached to this model: close() the first scheduler (or "
                                "leave its with-block) before attaching again")
         self.config = config
@@ -119,11 +88,11 @@ class Scheduler:
         self.warmup_steps = config.placement.warmup_steps
         self.chunk_numel = config.chunk_numel
         groups = config.adamw.groups
-        _claim(model, [p for g in groups for p in g["params"]])
+        claim(model, [p for g in groups for p in g["params"]])
         try:
             self._build(model, config, groups)
         except BaseException:
-            _release([p for g in groups for p in g["params"]])
+            release([p for g in groups for p in g["params"]])
             raise
 
     def _build(self, model: torch.nn.Module, config: SchedulerConfig, groups: list[dict[str, Any]]) -> None:
@@ -187,7 +156,7 @@ class Scheduler:
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
             self.close()
             raise
-        _ATTACHED.add(model)
+        ATTACHED.add(model)
 
     @property
     def zero(self) -> Any:
@@ -358,8 +327,8 @@ class Scheduler:
         if self.phase is Phase.CLOSED:
             return
         self.phase = Phase.CLOSED
-        _ATTACHED.discard(self.model)
-        _release(list(self.store.params()))
+        ATTACHED.discard(self.model)
+        release(list(self.store.params()))
         try:
             for c in self.store.chunks:  # a read right after close() must see the updated parameters
                 c.wait_h2d()
