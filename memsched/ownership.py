@@ -7,6 +7,8 @@ writing one parameter (the first one's steps stop reaching it): refused by param
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -39,3 +41,59 @@ def release(params: list[torch.nn.Parameter]) -> None:
         entry = OWNED.get(id(p))
         if entry is not None and entry[0]() in (p, None):
             del OWNED[id(p)]
+
+
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A callable that calls ``method`` while its object lives and does nothing after: for global hooks
+    (torch's optimizer step hooks) that must not keep a scheduler alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        fn = ref()
+        return fn(*args, **kwargs) if fn is not None else None
+
+    return call
+
+
+class Installed:
+    """Everything one scheduler installs in the process: hooks, dispatch modes (the warmup tracer's, the
+    stand-in's), the claim on its parameters. Removable without the scheduler, so that a scheduler that is
+    never closed cleans up when it is garbage-collected (``weakref.finalize`` holds this, never the
+    scheduler)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model_ref = weakref.ref(model)
+        self.params: list[torch.nn.Parameter] = []
+        self.handles: list[Any] = []
+        self.waits: Any = None
+        self.store: Any = None
+        self.optimizer: Any = None
+        self.sim: Any = None
+        self.tracer: Any = None
+
+    def remove(self) -> None:
+        """Wait for copies in flight, then remove everything (idempotent)."""
+        try:
+            if self.store is not None:
+                for c in self.store.chunks:  # a read right after this must see the updated parameters
+                    c.wait_h2d()
+                    c.wait_d2h()
+            tracer, self.tracer = self.tracer, None
+            if tracer is not None:
+                tracer.__exit__(None, None, None)
+        finally:
+            for h in self.handles:
+                h.remove()
+            self.handles.clear()
+            if self.waits is not None:
+                self.waits.remove()
+            if self.store is not None:
+                self.store.close()
+            if self.optimizer is not None:
+                self.optimizer.owner_thread = None
+            if self.sim is not None:
+                self.sim.stop()
+            release(self.params)
+            model = self.model_ref()
+            if model is not None:
+                ATTACHED.discard(model)

@@ -26,6 +26,7 @@ import contextlib
 import enum
 import threading
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,7 +39,7 @@ from memsched.config import SchedulerConfig, make_config
 from memsched.devices import DeviceSpec
 from memsched.first_use import first_use_order
 from memsched.optimizer import HybridAdamW
-from memsched.ownership import ATTACHED, claim, release
+from memsched.ownership import ATTACHED, Installed, claim, release, weak_method
 from memsched.parallel import DataParallel
 from memsched.planning import build_problem
 from memsched.precision import LossScaler
@@ -108,11 +109,14 @@ class Scheduler:
         self.plan_error: Exception | None = None
         self.timeline = None
         self.transfers = TransferStats()
-        self._handles: list[Any] = []
+        self._installed = Installed(model)
+        self._installed.params = [p for g in groups for p in g["params"]]
+        self._handles = self._installed.handles
         tdev = self.device.torch_device
 
         # ---- the stand-in device's accounting starts before any device buffer is made ---------------------
         self.sim: SimDevice | None = SimDevice(self.device.capacity_bytes) if self.device.is_sim else None
+        self._installed.sim = self.sim
         trainable = {id(p) for g in groups for p in g["params"]}
         try:
             if self.sim is not None:
@@ -146,11 +150,15 @@ class Scheduler:
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
-        self._handles.append(register_optimizer_step_post_hook(self._global_post_hook))
+        self._handles.append(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
         self.waits = H2DWaits(model, self.store, self.streams)
+        inst = self._installed
+        inst.store, inst.optimizer, inst.waits = self.store, self.optimizer, self.waits
+        # A scheduler dropped without close() (an exception escaped the training function) cleans up when it
+        # is garbage-collected: nothing it installed outlives it.
+        self._finalizer = weakref.finalize(self, inst.remove)
         if self.streams.cuda:  # elsewhere copies are synchronous: nothing to wait for
             self.waits.install(())
-        self._tracer = None
         try:
             self._start_tracer()
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
@@ -172,11 +180,15 @@ class Scheduler:
         dev = "cpu" if self.device.is_sim else self.device.name
         tracer = MemoryTracer(self.model, optimizer=self.optimizer, device=dev)
         tracer.__enter__()
-        self._tracer = tracer
+        self._installed.tracer = tracer
+
+    @property
+    def _tracer(self) -> Any:
+        return self._installed.tracer
 
     def _stop_tracer(self) -> None:
-        if self._tracer is not None:
-            tr, self._tracer = self._tracer, None
+        if self._installed.tracer is not None:
+            tr, self._installed.tracer = self._installed.tracer, None
             tr.__exit__(None, None, None)
             self.timeline = tr.timeline
             if self.device.is_sim:  # say in reports that the traced CPU memory is the stand-in's
@@ -327,22 +339,13 @@ class Scheduler:
         if self.phase is Phase.CLOSED:
             return
         self.phase = Phase.CLOSED
-        ATTACHED.discard(self.model)
-        release(list(self.store.params()))
         try:
             for c in self.store.chunks:  # a read right after close() must see the updated parameters
                 c.wait_h2d()
                 c.wait_d2h()
-            self._stop_tracer()
+            self._stop_tracer()  # keeps the warmup timeline
         finally:
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            self.waits.remove()
-            self.store.close()
-            self.optimizer.owner_thread = None
-            if self.sim is not None:
-                self.sim.stop()
+            self._finalizer()  # removes everything else (memsched.ownership.Installed.remove)
 
     def __enter__(self) -> Scheduler:
         return self

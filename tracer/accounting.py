@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA, Category
-from tracer.ops import _RESIZE, _SKIP, _op_kind, device_name
+from tracer.ops import _RESIZE, _SKIP, AlwaysSkip, _op_kind, device_name, remove_mode
 
 __all__ = ["StorageAccountant", "AllocateCallback", "device_name"]
 
@@ -211,6 +211,14 @@ class StorageAccountant(TorchDispatchMode):
         if entry.counted >= 0:  # already in the counters: move the bytes now
             self._log.append((_MOVE, entry, cat))
         return entry.cur
+
+    def __exit__(self, *exc: Any) -> None:
+        """Leave the dispatch-mode stack by identity (:func:`tracer.ops.remove_mode`), not by popping its top.
+        From another thread (a garbage collector's finalizer) the mode cannot be reached: it then stops
+        tracking and passes every op through."""
+        if not remove_mode(self):
+            self._kinds = AlwaysSkip()
+            self._on_allocate = None
 
     def close(self) -> None:
         """Fold pending events into the counters and stop tracking: drop every weak reference, so storages

@@ -54,3 +54,58 @@ def device_name(device: str | torch.device) -> str:
     return str(dev)
 
 
+
+
+class AlwaysSkip(dict):
+    """An op-kind table that says "not tracked" for every op: what a dispatch mode uses once it is removed
+    but could not be popped (it sits on another thread's stack), so it costs a lookup and does nothing."""
+
+    def get(self, key: Any, default: Any = None) -> int:  # type: ignore[override]
+        return _SKIP
+
+
+def remove_mode(mode: Any) -> bool:
+    """Take ``mode`` (a ``TorchDispatchMode`` that was entered) off this thread's Python dispatch-mode stack
+    by identity. Returns False when it is not on this thread's stack.
+
+    ``TorchDispatchMode.__exit__`` pops the top of the stack, which is another mode whenever two users of
+    dispatch modes (two schedulers, a tracer and a profiler) do not exit in reverse order of entry. When
+    ``mode`` is on top, torch's own ``__exit__`` runs; otherwise the modes above it are popped and pushed back
+    in order, and torch's "a mode is active" flags are recomputed from what is left.
+    """
+    from torch.utils import _python_dispatch as pd
+
+    stack = pd._get_current_dispatch_mode_stack()
+    if not any(m is mode for m in stack):
+        return False
+    if stack[-1] is mode:
+        _torch_exit(mode)
+        return True
+    above = []
+    while True:
+        top = pd._pop_mode()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        pd._push_mode(m)
+    for name in ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+                 "old_without_ignore_compile_internals_dispatch_mode_flags"):
+        saved = getattr(mode, name, None)
+        if saved:
+            saved.pop()
+    left = pd._get_current_dispatch_mode_stack()
+    if hasattr(pd, "_is_in_non_infra_torch_dispatch_mode"):
+        pd._is_in_non_infra_torch_dispatch_mode = any(not m.is_infra_mode() for m in left)
+    if hasattr(pd, "_is_in_any_mode_without_ignore_compile_internals"):
+        flag = any(not getattr(m, "ignore_compile_internals", lambda: False)() for m in left)
+        pd._is_in_any_mode_without_ignore_compile_internals = flag
+        if hasattr(pd, "set_is_in_mode_without_ignore_compile_internals"):
+            pd.set_is_in_mode_without_ignore_compile_internals(flag)
+    return True
+
+
+def _torch_exit(mode: Any) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    TorchDispatchMode.__exit__(mode, None, None, None)
