@@ -24,10 +24,12 @@ the ranks' shards under ZeRO).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -124,16 +126,37 @@ def _jsonable(v: Any) -> bool:
     return True
 
 
+class CheckpointError(RuntimeError):
+    """Reading or writing a checkpoint failed (DCP's ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` would not catch, re-raised as an ordinary error naming the checkpoint)."""
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str, checkpoint_id: str | os.PathLike[str]) -> Iterator[None]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{what} checkpoint {os.fspath(checkpoint_id)!r} failed: {first}") from e
+
+
+def _on_host(sched: Any) -> contextlib.AbstractContextManager:
+    """Checkpoint copies are host memory: on the stand-in they must not count as device memory."""
+    return sched.sim.paused() if sched.sim is not None else contextlib.nullcontext()
+
+
 def save(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
     """Write the model and the (sharded) optimizer state of ``sched`` to the directory ``checkpoint_id``.
 
     A collective under ZeRO: every rank calls it with the same directory.
 
     Raises:
-        torch.distributed.checkpoint.CheckpointException: DCP failed on some rank.
+        CheckpointError: DCP failed on some rank.
     """
-    sd, _ = _build(sched, fill=True)
-    with warnings.catch_warnings():
+    with _on_host(sched), _dcp_errors("writing", checkpoint_id), warnings.catch_warnings():
+        sd, _ = _build(sched, fill=True)
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         dcp.save(
             sd, checkpoint_id=os.fspath(checkpoint_id), process_group=sched.dp.group, **_no_dist(dcp.save)
@@ -145,11 +168,16 @@ def load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
     optimizer; each rank reads only its parts. Nothing is written before DCP has read everything.
 
     Raises:
-        ValueError: the param-group count differs, or parameters of one chunk have different step counts.
-        torch.distributed.checkpoint.CheckpointException: DCP failed (e.g. a key is missing).
+        ValueError: the param-group count differs, or the loss-scaler state is malformed.
+        CheckpointError: DCP failed (e.g. a key is missing, or there is no checkpoint there).
     """
+    with _on_host(sched):
+        _load(sched, checkpoint_id)
+
+
+def _load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
     sd, back = _build(sched, fill=False)
-    with warnings.catch_warnings():
+    with _dcp_errors("reading", checkpoint_id), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         dcp.load(
             sd, checkpoint_id=os.fspath(checkpoint_id), process_group=sched.dp.group, **_no_dist(dcp.load)

@@ -87,6 +87,17 @@ def _check_param_dtypes(model: torch.nn.Module, groups: list[dict[str, Any]]) ->
                     "model.float()) or freeze the parameter (requires_grad_(False)) before attach")
 
 
+def _check_params_in_model(model: torch.nn.Module, groups: list[dict[str, Any]]) -> None:
+    """Every parameter given in ``params`` belongs to ``model`` (memsched binds parameters to chunks and
+    traces the model; one from elsewhere would be trained blind)."""
+    mine = {id(p) for p in model.parameters()}
+    for i, g in enumerate(groups):
+        for p in g["params"]:
+            if id(p) not in mine:
+                raise ValueError(f"param group {i} holds a parameter of shape {tuple(p.shape)} that is not a "
+                                 "parameter of the model given to memsched.attach")
+
+
 def _check_betas(betas: Any) -> tuple[Any, ...]:
     try:
         return tuple(betas)
@@ -117,6 +128,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     spec = parse_device(device)
     groups = hyperparameter_groups(params, model)
     _check_param_dtypes(model, groups)
+    _check_params_in_model(model, groups)
     defaults = {"lr": lr, "betas": _check_betas(betas), "eps": eps, "weight_decay": weight_decay}
     check_hyperparameters(defaults, "attach()")
     for i, g in enumerate(groups):

@@ -132,3 +132,47 @@ def test_training_on_another_thread_is_refused():
         t.join()
         assert errors and "another thread than memsched.attach" in errors[0]
         sched.optimizer.step()  # the attaching thread goes on
+
+
+def test_messages_name_what_is_wrong():
+    model = ConvNet()
+    with pytest.raises(ValueError, match=r"betas must be two numbers in \[0, 1\), got None"):
+        memsched.attach(model, device="cpu", betas=None)
+    stranger = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"parameter of shape \(3,\) that is not a parameter of the model"):
+        memsched.attach(model, device="cpu", params=[*model.parameters(), stranger])
+    with memsched.attach(model, device="cpu") as sched:
+        step(sched, model, torch.randn(2, 3, 8, 8))
+        sd = sched.optimizer.state_dict()
+        sd["state"][0]["step"] = torch.tensor([1.0, 2.0])
+        with pytest.raises(ValueError, match="'step' of parameter .* must be a number >= 0"):
+            sched.optimizer.load_state_dict(sd)
+
+
+def test_checkpoints_on_the_stand_in_are_host_memory_and_errors_are_ordinary(tmp_path):
+    import memsched.checkpoint as ckpt
+
+    model = ConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    with memsched.attach(model, device="sim:1MiB") as sched:  # the state alone would not fit twice
+        step(sched, model, x)
+        ckpt.save(sched, tmp_path / "c")
+        ckpt.load(sched, tmp_path / "c")
+        with pytest.raises(ckpt.CheckpointError, match="reading checkpoint .*nowhere.* failed"):
+            ckpt.load(sched, tmp_path / "nowhere")
+
+
+def test_exports_follow_the_umask(tmp_path):
+    import os
+
+    from tracer.timeline import atomic_write_bytes
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_bytes(tmp_path / "a.json", b"{}")
+        assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        atomic_write_bytes(tmp_path / "b.json", b"{}")
+        assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

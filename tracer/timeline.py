@@ -252,9 +252,16 @@ class MemoryTimeline:
             return cls.from_dict(json.load(f))
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename,
-    so an interrupted write (Ctrl-C) never leaves a half-written file behind."""
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, so an interrupted
+    write (Ctrl-C) never leaves a half-written file behind. The file's mode follows the umask, like
+    ``open()``'s."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -262,6 +269,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a file we write gets the user's usual mode
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
