@@ -379,18 +379,16 @@ class ZeroEngine(DataParallel):
     def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None) -> None:
         """``store.repack`` across ranks: gather the state whole, re-pack with a padded chunk size, check that
         every rank got the same layout, cut the shards again."""
-        self.unshard(store)
+        from memsched.distributed.reshard import reshard, unshard
+
+        unshard(self, store)
         store.repack(order, chunk_numel=self.chunk_numel_for(store.groups, order, chunk_numel))
         lay = store.layout
-        self.check_same(
-            "chunk layout",
-            (
-                lay.chunk_numel,
-                lay.chunk_groups,
-                tuple((s.group, s.index, s.numel) for c in lay.chunks for s in c),
-            ),
-        )
-        self.reshard(store)
+        self.check_same("chunk layout", (lay.chunk_numel, lay.chunk_groups,
+                                         tuple((s.group, s.index, s.numel) for c in lay.chunks for s in c)))
+        reshard(self, store)
+        self._reset_round()
+        self._reduced.clear()
 
     def full_state(self, c: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole chunk's fp32 master, ``exp_avg``, ``exp_avg_sq`` on every rank (all-gathered; a
@@ -403,31 +401,3 @@ class ZeroEngine(DataParallel):
             g(c.exp_avg, c.numel, what=f"gathering exp_avg of chunk {c.index}"),
             g(c.exp_avg_sq, c.numel, what=f"gathering exp_avg_sq of chunk {c.index}"),
         )
-
-    def unshard(self, store: ChunkStore) -> None:
-        """Give every chunk its whole optimizer state (gathered), so the store can re-pack as one process."""
-        self.end_step()
-        for c in store.chunks:
-            if (c.lo, c.hi) == (0, c.numel):
-                continue
-            with store.alloc.host_context():  # temporary host copies, not device memory
-                master, m, v = self.full_state(c)
-            c.reshard(0, c.numel, store.alloc, master=master, exp_avg=m, exp_avg_sq=v)
-
-    def reshard(self, store: ChunkStore) -> None:
-        """Cut each (whole-state) chunk back to this rank's shard; reset the reduction bookkeeping."""
-        for c in store.chunks:
-            lo, hi = self.shard_of(c)
-            if (c.lo, c.hi) == (lo, hi):
-                continue
-            if (c.lo, c.hi) != (0, c.numel):
-                raise RuntimeError(
-                    f"chunk {c.index} is neither whole nor this rank's part: [{c.lo}, {c.hi})"
-                )
-            with store.alloc.host_context():
-                master = c.master_view()[lo:hi].detach().cpu().clone()
-                m = c.exp_avg[lo:hi].detach().cpu().clone()
-                v = c.exp_avg_sq[lo:hi].detach().cpu().clone()
-            c.reshard(lo, hi, store.alloc, master=master, exp_avg=m, exp_avg_sq=v)
-        self._reset_round()
-        self._reduced.clear()
