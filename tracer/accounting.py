@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA, Category
-from tracer.ops import _RESIZE, _SKIP, AlwaysSkip, _op_kind, device_name, remove_mode
+from tracer.ops import _RESIZE, _SKIP, AlwaysSkip, _op_kind, device_name, graph_task_id, remove_mode
 
 __all__ = ["StorageAccountant", "AllocateCallback", "device_name"]
 
@@ -59,12 +59,12 @@ _MOVE, _GROW = 1, 2
 # Replay the log once it is this long even if nobody asks, so memory stays bounded.
 _LOG_LIMIT = 4096
 
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
 
 def _in_autograd() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
-    return _graph_task_id is not None and _graph_task_id() != -1
+    task = graph_task_id()
+    return task is not None and task != -1
 
 
 class _Entry(weakref.ref):

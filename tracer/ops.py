@@ -56,6 +56,15 @@ def device_name(device: str | torch.device) -> str:
 
 
 
+_current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def graph_task_id() -> int | None:
+    """The id of the autograd graph task (backward pass) running on this thread (-1 outside backward);
+    ``None`` where this torch does not expose it."""
+    return _current_graph_task_id() if _current_graph_task_id is not None else None
+
+
 class AlwaysSkip(dict):
     """An op-kind table that says "not tracked" for every op: what a dispatch mode uses once it is removed
     but could not be popped (it sits on another thread's stack), so it costs a lookup and does nothing."""

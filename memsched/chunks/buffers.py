@@ -26,9 +26,6 @@ class Allocator:
         self.pin = (device.type == "cuda" and torch.cuda.is_available()) if pin is None else pin
         self.host_context = host_context or contextlib.nullcontext
 
-    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype, device=self.device)
-
     def device_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 

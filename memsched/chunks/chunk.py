@@ -12,12 +12,6 @@ from memsched.chunks.buffers import Allocator
 from policies.types import DEVICE, HOST
 
 
-def _graph_task_id() -> int | None:
-    """The id of the autograd graph task (backward pass) running now, where this torch exposes it."""
-    get = getattr(torch._C, "_current_graph_task_id", None)
-    return get() if get is not None else None
-
-
 class Chunk:
     """One chunk: flat compute and gradient buffers on the device, optimizer state of the shard ``[lo, hi)``.
 

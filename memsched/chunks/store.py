@@ -7,11 +7,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from memsched.chunks.buffers import Allocator
-from memsched.chunks.chunk import Chunk, _graph_task_id
+from memsched.chunks.chunk import Chunk
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
 from memsched.parallel import DataParallel
 from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
+from tracer.ops import graph_task_id
 
 
 class ChunkStore:
@@ -220,7 +221,7 @@ class ChunkStore:
         self.rebind_grad(p, c)
         self.with_grad.add(id(p))
         self.grad_events += 1
-        if c.mark_grad_ready(id(p), _graph_task_id()):
+        if c.mark_grad_ready(id(p), graph_task_id()):
             self.on_grads_ready(c)
 
     def step_of(self, p: torch.nn.Parameter) -> torch.Tensor:
