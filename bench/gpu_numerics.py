@@ -3,8 +3,10 @@
 Run ``python bench/gpu_numerics.py`` from the repository root on a CUDA machine (one command; about a
 minute). Every case trains the tiny GPT of ``tests/_numerics.py`` (tied embeddings; ``nn.MultiheadAttention``
 reads ``out_proj``'s parameters without calling it) for a few steps and compares every parameter, bit for bit,
-with plain PyTorch on the same GPU: ``torch.optim.AdamW(fused=True)``, ``clip_grad_norm_`` with a norm that
-always triggers, and GradScaler's semantics for fp16 (a scale that grows every second step).
+with plain PyTorch: ``torch.optim.AdamW(fused=True)`` on the device where memsched updates each parameter
+(the GPU for device chunks, the CPU for host chunks and during warmup: the two kernels round differently),
+``clip_grad_norm_`` with a norm that always triggers, and GradScaler's semantics for fp16 (a scale that
+grows every second step).
 
 Cases: policies ``cpu`` (all optimizer state in pinned host memory), ``static`` (half), ``auto`` and ``cuda``;
 fp32, bf16, fp16; clipping through torch and through ``sched.clip_grad_norm_``; then ``close()`` followed at
@@ -38,6 +40,7 @@ import memsched  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from bench.gpu_step_time import gpu_slug  # noqa: E402
 from memsched.transfers import Streams  # noqa: E402
+from policies.types import HOST  # noqa: E402
 from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt  # noqa: E402
 
 CLIP = 0.05
@@ -74,6 +77,13 @@ def slow_copies(delay_ms: float):
         Streams._copy = original
 
 
+def host_updated(model: torch.nn.Module, sched: memsched.Scheduler) -> set[int]:
+    """Indices (``model.parameters()`` order) of the parameters whose chunk is host-resident: the next step
+    updates them with torch's CPU fused AdamW kernel (all of them during warmup)."""
+    on_host = {id(p) for c in sched.store.chunks if c.placement == HOST for p in c.params}
+    return {i for i, p in enumerate(model.parameters()) if id(p) in on_host}
+
+
 def first_difference(model: torch.nn.Module, ref: Reference) -> str | None:
     for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
         if not torch.equal(p.detach(), q.detach()):
@@ -101,10 +111,11 @@ def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int) ->
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             else:
                 sched.clip_grad_norm_(CLIP)
+            on_host = host_updated(model, sched)  # where this step updates each parameter
             sched.optimizer.step()
             sched.optimizer.zero_grad()
             with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():
-                ref.step(b, gpt_loss, CLIP)
+                ref.step(b, gpt_loss, CLIP, on_host=on_host)
             if i < steps - 1:  # the last step is checked after close(), before anything waits
                 sched.synchronize()  # reads outside a forward wait first (the documented contract)
                 with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():

@@ -112,7 +112,7 @@ def fake_module_conversions() -> Iterator[None]:
     have weak references, and ``FakeTensorMode`` keeps one on every fake tensor (torch 2.13), so
     ``model.to(device)`` fails for any fake model. Inside this context a refused swap of two fake tensors
     falls back to ``.data`` assignment, what ``_apply`` does for ordinary tensors (the parameter object, and
-    so weight tying, is kept).
+    so weight tying, is kept), and takes the new fake device along (``model.to("cuda")`` on fake CPU tensors).
     """
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -125,6 +125,8 @@ def fake_module_conversions() -> Iterator[None]:
             if not (isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor)):
                 raise
             t1.data = t2.data
+            # A fake tensor's device is a Python attribute, which ``.data`` assignment does not carry over.
+            t1.fake_device = t2.fake_device
 
     torch.utils.swap_tensors = swap
     try:

@@ -1,7 +1,7 @@
 """Run a function on N local ranks (CPU, gloo) for the ZeRO tests, with a hard time limit.
 
-``run_ranks(fn, world, *args)`` starts ``world`` processes (``fork`` where available and CUDA is not
-initialised: no re-import of torch, so a launch costs well under a second; ``spawn`` elsewhere), initialises a
+``run_ranks(fn, world, *args)`` starts ``world`` processes (``fork`` where available and there is no CUDA:
+no re-import of torch, so a launch costs well under a second; ``spawn`` elsewhere), initialises a
 gloo process group with a short timeout in each, calls ``fn(rank, world, *args)`` and returns the list of the
 ranks' return values (passed back through ``torch.save`` files). A rank that raises fails the call with its
 traceback; a launch that outlives ``timeout`` seconds is killed and raises ``TimeoutError``, so a hung
@@ -54,7 +54,9 @@ def _entry(
 
 
 def _start_method() -> str:
-    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+    # Not fork where CUDA exists: a backward over (even fake) CUDA tensors starts autograd's device threads
+    # without initialising CUDA, and autograd refuses to run in a process forked after that.
+    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_available():
         return "fork"
     return "spawn"
 

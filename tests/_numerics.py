@@ -5,12 +5,18 @@ master weights copied into a low-precision model before each forward (bf16, fp16
 ``torch.nn.utils.clip_grad_norm_`` and, for fp16, GradScaler's semantics (the scale multiplies the loss, the
 gradients are unscaled in fp32 before clipping, a step with inf/NaN is skipped, ``torch._amp_update_scale_``
 grows and backs off the scale).
+
+On CUDA, memsched updates host-resident chunks with torch's CPU fused AdamW kernel, which rounds differently
+from the CUDA kernel (fused multiply-adds), so ``Reference.step(..., on_host=...)`` runs the update of those
+parameters on the CPU: the reference is ``torch.optim.AdamW(fused=True)`` on the device where memsched runs
+each parameter's update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 from torch import nn
@@ -59,6 +65,7 @@ class Reference:
         self.tracker = torch.zeros((1,), dtype=torch.int32, device=dev)
         self.growth_interval = growth_interval
         self.skipped = 0
+        self._on_host: Collection[int] = ()
 
     def sync(self) -> None:
         """The low-precision model takes the masters' values (rounded)."""
@@ -67,9 +74,39 @@ class Reference:
                 for p, m in zip(self.model.parameters(), self.masters, strict=True):
                     p.copy_(m)
 
-    def step(self, batch, loss_fn: Callable, clip: float | None) -> None:
+    def step(self, batch, loss_fn: Callable, clip: float | None, on_host: Collection[int] = ()) -> None:
+        """One training step; ``on_host``: indices (in ``model.parameters()`` order) whose AdamW update runs
+        on the CPU (where memsched keeps their chunk)."""
+        self._on_host = on_host
         self._step(batch, loss_fn, clip)
         self.sync()
+
+    @contextlib.contextmanager
+    def _update_on_host(self) -> Iterator[None]:
+        """The masters in ``self._on_host``, their gradients and AdamW state are on the CPU for the update."""
+        moved = [m for i, m in enumerate(self.masters) if i in self._on_host and m.device.type != "cpu"]
+
+        def move(m: torch.Tensor, dev: torch.device) -> None:
+            m.data = m.data.to(dev)
+            if m.grad is not None:
+                m.grad = m.grad.to(dev)
+            state = self.opt.state.get(m, {})
+            for k, v in state.items():
+                if torch.is_tensor(v):
+                    state[k] = v.to(dev)
+
+        home = moved[0].device if moved else None
+        for m in moved:
+            move(m, torch.device("cpu"))
+        try:
+            yield
+        finally:
+            for m in moved:
+                move(m, home)
+
+    def _adamw_step(self) -> None:
+        with self._update_on_host():
+            self.opt.step()
 
     def _step(self, batch, loss_fn: Callable, clip: float | None) -> None:
         params = list(self.model.parameters())
@@ -78,7 +115,7 @@ class Reference:
         if self.dtype == torch.float32:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, clip)
-            self.opt.step()
+            self._adamw_step()
             self.opt.zero_grad()
             return
         if self.dtype == torch.bfloat16 and clip is not None:  # clipped in the compute dtype, as users do
@@ -97,7 +134,7 @@ class Reference:
             m.grad = g
         if self.dtype == torch.float16 and clip is not None:
             torch.nn.utils.clip_grad_norm_(self.masters, clip)
-        self.opt.step()
+        self._adamw_step()
         self.opt.zero_grad()
 
 

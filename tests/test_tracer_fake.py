@@ -99,7 +99,11 @@ def test_fake_cuda_training_equals_real_cpu():
         model = model.to_empty(device="cuda")
         fake = _train(model, torch.empty(B, 32, device="cuda"), foreach=True)
     assert fake.meta["device"] == "cuda:0" and fake.meta["backend"] == "tensor"
-    # Exact on the model data; within 1 % on the peaks (CUDA may pick other kernels than CPU).
-    assert fake.model_data_bytes("cuda:0") == real.model_data_bytes("cpu")
+    # Exact on the model data; within 1 % on the peaks (CUDA may pick other kernels than CPU). Unfused,
+    # uncapturable AdamW keeps each parameter's step count (a 4-byte fp32 scalar) on the host, so on CUDA
+    # those bytes are not device model data.
+    expected = dict(real.model_data_bytes("cpu"))
+    expected["optimizer_state"] -= 4 * len(list(model.parameters()))
+    assert fake.model_data_bytes("cuda:0") == expected
     assert fake.peak_non_model_bytes("cuda:0") == pytest.approx(real.peak_non_model_bytes("cpu"), rel=0.01)
     assert fake.peak_bytes("cuda:0") == pytest.approx(real.peak_bytes("cpu"), rel=0.01)
