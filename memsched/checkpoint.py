@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from memsched.distributed.layout import param_shards
+from memsched.hyperparams import FROZEN_KEY
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
@@ -112,7 +113,8 @@ def _build(sched: Any, *, fill: bool) -> tuple[dict[str, Any], dict[tuple[str, s
 def _groups_json(sched: Any) -> str:
     groups = []
     for g in sched.optimizer.param_groups:
-        d = {k: v for k, v in g.items() if k != "params" and _jsonable(v)}
+        # The frozen layout describes the groups given to attach, not hyper-parameters: never loaded over.
+        d = {k: v for k, v in g.items() if k not in ("params", FROZEN_KEY) and _jsonable(v)}
         d["params"] = [sched.names[id(p)] for p in g["params"]]
         groups.append(d)
     return json.dumps(groups)
@@ -209,7 +211,7 @@ def _load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
                     c.master.copy_(c.data[c.lo : c.hi])
     for g, saved in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in saved.items():
-            if k != "params":
+            if k not in ("params", FROZEN_KEY):
                 g[k] = tuple(v) if k == "betas" else v
     if scaler_state is not None:
         sched.scaler.load_state_dict(scaler_state)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -26,14 +27,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _os_error(e: OSError) -> str:
+    """``'FILE': problem`` (the destination of a failed rename), or the message when no file is named."""
+    name = e.filename2 if e.filename2 is not None else e.filename
+    if name is None or not e.strerror:
+        return str(e)
+    return f"{os.fsdecode(name) if isinstance(name, (bytes, os.PathLike)) else str(name)!r}: {e.strerror}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError, LookupError) as e:
+    except (ValueError, TypeError, LookupError) as e:
         # Bad input: one clear line, no traceback (the message names the value and what is allowed).
         print(f"memsched {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a file that cannot be read or written (the checks before the work missed it)
+        print(f"memsched {args.command}: error: {_os_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"memsched {args.command}: interrupted", file=sys.stderr)

@@ -2,6 +2,12 @@
 
 The group format is ``torch.optim.AdamW``'s (``lr``, ``betas``, ``eps``, ``weight_decay`` per group, plus this
 torch's other AdamW keys so that memsched's state dicts load into torch's AdamW and back).
+
+A group's ``"params"`` hold its trainable parameters only (the chunks hold nothing else). Frozen parameters
+(``requires_grad=False``) given in a group are remembered by their positions in it (:data:`FROZEN_KEY`), and a
+group of frozen parameters only is kept, empty: group indices (per-group LR schedulers) and state-dict
+parameter indices are then those of a ``torch.optim.AdamW`` given the same ``params``, which lists frozen
+parameters in its groups and keeps no state for them.
 """
 
 from __future__ import annotations
@@ -17,11 +23,19 @@ import torch
 
 @functools.cache
 def adamw_default_keys() -> dict[str, Any]:
-    """The keys of ``torch.optim.AdamW`` groups in this torch (so our state_dict loads there)."""
+    """The keys of ``torch.optim.AdamW`` groups in this torch (so our state_dict loads there), with the
+    implementation flags (:data:`IMPLEMENTATION_KEYS`) saying what memsched runs: torch's fused kernel."""
     d = dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
     for k in ("lr", "betas", "eps", "weight_decay"):
         d.pop(k, None)
+    # A torch AdamW that loads our state dict takes these flags: with fused=True it continues bit for bit.
+    d.update({"foreach": None, "fused": True, "capturable": False, "differentiable": False})
     return d
+
+
+# Group keys that describe how the update is computed, not what it is: memsched's are fixed (it always runs
+# the fused kernel), so a loaded state dict (e.g. of a foreach torch AdamW) does not overwrite them.
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def _real(x: Any) -> float | None:
@@ -62,21 +76,49 @@ def check_hyperparameters(group: dict[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+# Group key: positions of the frozen parameters in the group as given to attach (absent when there are none).
+FROZEN_KEY = "frozen_positions"
+
+
+def given_size(group: dict[str, Any]) -> int:
+    """Parameters the group was given with: trainable and frozen."""
+    return len(group["params"]) + len(group.get(FROZEN_KEY, ()))
+
+
+def trainable_positions(group: dict[str, Any]) -> list[int]:
+    """Position of each of ``group["params"]`` in the group as given (frozen parameters skipped)."""
+    frozen = set(group.get(FROZEN_KEY, ()))
+    return [k for k in range(given_size(group)) if k not in frozen]
+
+
 def indexed_param_groups(param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Param groups as ``torch.optim.Optimizer.state_dict()`` writes them: hyper-parameters plus the
-    parameters' indices, numbered across groups in order."""
+    parameters' indices, numbered across groups in order over every parameter given (frozen ones too, as
+    ``torch.optim.AdamW`` numbers them)."""
     groups, idx = [], 0
     for g in param_groups:
-        d = {k: v for k, v in g.items() if k != "params"}
-        d["params"] = list(range(idx, idx + len(g["params"])))
-        idx += len(g["params"])
+        d = {k: v for k, v in g.items() if k not in ("params", FROZEN_KEY)}
+        d["params"] = list(range(idx, idx + given_size(g)))
+        idx += given_size(g)
         groups.append(d)
     return groups
 
 
+def param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """``id(param) -> index`` in :func:`indexed_param_groups`'s numbering, for each trainable parameter."""
+    out, idx = {}, 0
+    for g in param_groups:
+        for p, k in zip(g["params"], trainable_positions(g), strict=True):
+            out[id(p)] = idx + k
+        idx += given_size(g)
+    return out
+
+
 def hyperparameter_groups(params: Iterable[Any] | None, model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Normalise ``params`` (None, an iterable of parameters, or of group dicts) into group dicts with
-    trainable parameters only (frozen ones dropped; tied ones once).
+    """Normalise ``params`` (None, an iterable of parameters, or of group dicts) into group dicts whose
+    ``"params"`` are the trainable parameters (tied ones once), with the positions of the frozen ones under
+    :data:`FROZEN_KEY` (replacing any such key given); a group without trainable parameters stays, empty,
+    at its index.
 
     Raises:
         ValueError: a group has no ``"params"``, a parameter appears in two groups, or nothing is trainable.
@@ -98,19 +140,27 @@ def hyperparameter_groups(params: Iterable[Any] | None, model: torch.nn.Module) 
             raise ValueError(f"param group {i} has no 'params' key")
         ps = g["params"]
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
-        kept = []
+        kept: list[torch.nn.Parameter] = []
+        frozen: list[int] = []
+        in_group: set[int] = set()
         for p in ps:
             if not isinstance(p, torch.nn.Parameter):
                 raise ValueError(f"param group {i} holds a {type(p).__name__}, expected nn.Parameter")
+            if id(p) in in_group:
+                continue  # tied twice in one group: once is enough
             if id(p) in seen:
-                if any(p is q for q in kept):
-                    continue  # tied twice in one group: once is enough
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} appears in two param groups")
+            in_group.add(id(p))
             if p.requires_grad:
                 seen.add(id(p))
                 kept.append(p)
-        if kept:
-            groups.append({**g, "params": kept})
-    if not groups:
+            else:
+                frozen.append(len(kept) + len(frozen))
+        group = {k: v for k, v in g.items() if k != FROZEN_KEY}
+        group["params"] = kept
+        if frozen:
+            group[FROZEN_KEY] = tuple(frozen)
+        groups.append(group)
+    if not any(g["params"] for g in groups):
         raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to optimize")
     return groups

@@ -6,6 +6,12 @@ under mixed precision also ``master_weight`` (fp32, shaped like the parameter). 
 hyper-parameters and the parameter indices. Under fp16 ``loss_scaler`` holds the dynamic loss scale's state
 (:meth:`memsched.precision.LossScaler.state_dict`). It loads into ``torch.optim.AdamW`` and back.
 
+Indices count every parameter given to :func:`memsched.attach` in its groups, frozen ones too, and a group of
+frozen parameters only keeps its place (:mod:`memsched.hyperparams`), as ``torch.optim.AdamW`` given the same
+``params`` numbers them. Like torch, there is no state for a frozen parameter nor for one never updated.
+Loading accepts, per group, that numbering or one that counts the trainable parameters only (a
+``torch.optim.AdamW`` built over ``requires_grad`` parameters); saved state of a frozen parameter is ignored.
+
 Saving reads each chunk's WHOLE state through the data parallelism (:meth:`DataParallel.full_state`: a copy on
 one rank, an all-gather of the shards under ZeRO), one chunk at a time. Loading writes, on every rank, the
 part of each parameter that falls in the rank's shard (:func:`memsched.chunks.param_shards`; one rank: all of
@@ -19,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memsched.chunks import param_shards
-from memsched.hyperparams import check_hyperparameters, indexed_param_groups
+from memsched.hyperparams import (
+    FROZEN_KEY,
+    IMPLEMENTATION_KEYS,
+    check_hyperparameters,
+    given_size,
+    indexed_param_groups,
+    param_indices,
+    trainable_positions,
+)
 
 if TYPE_CHECKING:
     from memsched.optimizer import HybridAdamW
@@ -29,7 +43,7 @@ def state_dict(opt: HybridAdamW) -> dict[str, Any]:
     """The whole optimizer state (see the module docstring); a collective under ZeRO."""
     store = opt.store
     opt.dp.end_step()  # every fetch of the last step is complete
-    index = {id(p): i for i, p in enumerate(opt._param_index())}
+    index = param_indices(opt.param_groups)
     state: dict[int, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
         for c in store.chunks:
@@ -68,17 +82,19 @@ def validate_state_dict(
         raise ValueError("optimizer state dict must be a dict with 'state' and 'param_groups'")
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(opt.param_groups):
+        frozen_only = [i for i, g in enumerate(opt.param_groups) if not g["params"]]
+        hint = (f" (groups {frozen_only} hold only frozen parameters: they keep their index, as in "
+                "torch.optim.AdamW)" if frozen_only else "")
         raise ValueError(f"state dict has {len(saved_groups)} param groups, this optimizer has "
-                         f"{len(opt.param_groups)}")
+                         f"{len(opt.param_groups)}{hint}")
+    saved_keys = []
     for i, (sg, g) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
-        if len(sg["params"]) != len(g["params"]):
-            raise ValueError(f"param group {i} of the state dict has {len(sg['params'])} parameters, "
-                             f"this optimizer's has {len(g['params'])}")
-        check_hyperparameters({**g, **{k: v for k, v in sg.items() if k != "params"}}, f"param group {i}")
+        saved_keys.append(_saved_keys(sg["params"], g, i))
+        check_hyperparameters({**g, **_hyperparameters(sg)}, f"param group {i}")
     saved_state = sd["state"]
     per_param: dict[int, dict[str, torch.Tensor]] = {}
-    for sg, g in zip(saved_groups, opt.param_groups, strict=True):
-        for key, p in zip(sg["params"], g["params"], strict=True):
+    for keys, g in zip(saved_keys, opt.param_groups, strict=True):
+        for key, p in zip(keys, g["params"], strict=True):
             st = saved_state.get(key)
             if st is None or len(st) == 0:
                 continue
@@ -100,6 +116,27 @@ def validate_state_dict(
             raise ValueError(f"state 'step' of parameter {opt._name(p)} must be a number >= 0, got {step!r}")
         steps[id(p)] = float(step)
     return per_param, steps
+
+
+def _hyperparameters(saved_group: dict[str, Any]) -> dict[str, Any]:
+    """A saved group's hyper-parameters: not its indices, its frozen layout (the optimizer's describes the
+    groups given to attach) nor its implementation flags (memsched always runs the fused kernel)."""
+    return {k: v for k, v in saved_group.items() if k not in ("params", FROZEN_KEY, *IMPLEMENTATION_KEYS)}
+
+
+def _saved_keys(saved: list[Any], group: dict[str, Any], i: int) -> list[Any]:
+    """The state-dict key of each of ``group["params"]``: the saved group numbers every parameter given
+    (frozen ones too, as ``torch.optim.AdamW`` does) or the trainable ones only."""
+    n_given, n_trainable = given_size(group), len(group["params"])
+    if len(saved) == n_given:
+        return [saved[k] for k in trainable_positions(group)]
+    if len(saved) == n_trainable:
+        return list(saved)
+    frozen = n_given - n_trainable
+    expected = (f"{n_given} (every parameter given to attach) or {n_trainable} (the trainable ones; "
+                f"{frozen} are frozen)" if frozen else str(n_given))
+    raise ValueError(f"param group {i} of the state dict has {len(saved)} parameters, this optimizer's "
+                     f"expects {expected}")
 
 
 def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
@@ -135,9 +172,7 @@ def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
                 for k, p in enumerate(c.params):
                     c.steps[k].fill_(steps[id(p)])
     for sg, g in zip(sd["param_groups"], opt.param_groups, strict=True):
-        for k, v in sg.items():
-            if k != "params":
-                g[k] = v
+        g.update(_hyperparameters(sg))
     if opt.scaler is not None and scaler_state is not None:
         opt.scaler.load_state_dict(scaler_state)
     opt.record_param_versions()

@@ -23,8 +23,8 @@ def trainable_groups(model: torch.nn.Module,
                      param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None,
                      ) -> list[list[torch.nn.Parameter]]:
     """Trainable parameters per group (default: one group, ``model.parameters()``, which lists tied parameters
-    once); frozen ones dropped, empty groups dropped: :func:`memsched.hyperparams.hyperparameter_groups`, the
-    one normalisation of param groups.
+    once); frozen ones dropped, a group without trainable parameters kept empty (chunk group indices are the
+    optimizer's): :func:`memsched.hyperparams.hyperparameter_groups`, the one normalisation of param groups.
 
     Raises:
         ValueError: there is no trainable parameter.
@@ -91,7 +91,7 @@ def build_problem(
     groups = ordered_groups(trainable_groups(model, param_groups), param_order)
     layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel, align=align)
     if compute_dtype is None:
-        compute_dtype = groups[0][0].dtype
+        compute_dtype = next(p for g in groups for p in g).dtype  # a group may be empty (all frozen)
         if master_weights and compute_dtype == torch.float32:
             compute_dtype = torch.bfloat16
     shard = math.ceil(layout.chunk_numel / world_size)

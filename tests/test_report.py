@@ -312,3 +312,13 @@ def test_cuda_without_nvml_says_why():
     text = console.export_text()
     assert "NVML used   " in text and "not measured: nvmlInit failed" in text
     assert "CUDA reserved (max)" in text
+
+
+def test_saved_timelines_load_back_with_every_kind_of_sample(tmp_path):
+    """The loader's checks of each sample accept all the tracer writes: CUDA figures, a null NVML figure
+    (NVML unreadable), CPU samples without CUDA figures."""
+    cuda = make_timeline(cuda=True)
+    cuda.samples[0].cuda["nvml_used"] = None
+    for tl in (cuda, make_timeline()):
+        tl.save(tmp_path / "t.json")
+        assert MemoryTimeline.load(tmp_path / "t.json").to_dict() == tl.to_dict()

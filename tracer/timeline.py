@@ -232,15 +232,22 @@ class MemoryTimeline:
         """Build a timeline from :meth:`to_dict` output.
 
         Raises:
-            ValueError: not a memsched timeline, or a version this release cannot read (names both).
+            ValueError: not a memsched timeline, a version this release cannot read, or a malformed sample
+                (names what is wrong and what is expected).
         """
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            raise ValueError(f"not a memsched timeline: expected schema {SCHEMA!r}, got "
-                             f"{data.get('schema') if isinstance(data, dict) else type(data).__name__!r}")
+            got = (repr(data.get("schema")) if isinstance(data, dict) and "schema" in data
+                   else "no 'schema' key" if isinstance(data, dict) else f"a JSON {_json_type(data)}")
+            raise ValueError(f"not a memsched timeline: expected schema {SCHEMA!r}, got {got}")
         if data.get("version") != VERSION:
             raise ValueError(f"unsupported timeline version {data.get('version')!r}: "
                              f"this release reads {VERSION}")
-        return cls(samples=[Sample(**s) for s in data["samples"]], meta=dict(data.get("meta", {})))
+        samples, meta = data.get("samples"), data.get("meta", {})
+        if not isinstance(samples, list):
+            raise ValueError(f"'samples' must be a list, got {_json_type(samples)}")
+        if not isinstance(meta, dict):
+            raise ValueError(f"'meta' must be an object, got {_json_type(meta)}")
+        return cls(samples=[_sample_from_dict(s, i) for i, s in enumerate(samples)], meta=dict(meta))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write versioned JSON atomically (write to a temporary file, then rename)."""
@@ -248,8 +255,82 @@ class MemoryTimeline:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> MemoryTimeline:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        """Read a timeline written by :meth:`save`.
+
+        Raises:
+            OSError: the file cannot be read (missing, a folder, no permission).
+            ValueError: the file is empty, binary, not JSON or not a timeline this release reads; the message
+                names the file, what is wrong and what was expected.
+        """
+        name = os.fspath(path)
+        with open(path, "rb") as f:
+            raw = f.read()
+        expected = f"expected a memsched timeline (JSON, schema {SCHEMA!r}, version {VERSION})"
+        if not raw.strip():
+            raise ValueError(f"{name!r} is empty; {expected}")
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                             f"{expected}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name!r} is not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); "
+                             f"{expected}") from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"{name!r}: {e}") from None
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type, for messages."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_byte_counts(value: Any, *, unknown_ok: bool = False) -> bool:
+    """An object of name -> integer bytes (``unknown_ok``: or null, a figure that could not be read)."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and (_is_int(v) or (unknown_ok and v is None)) for k, v in value.items())
+
+
+# Sample fields and the check each value must pass (``cuda`` is optional).
+_SAMPLE_FIELDS: dict[str, tuple[Any, str]] = {
+    "t_ns": (_is_int, "an integer"),
+    "step": (_is_int, "an integer"),
+    "phase": (lambda v: isinstance(v, str), "a string"),
+    "module": (lambda v: isinstance(v, str), "a string"),
+    "event": (lambda v: isinstance(v, str), "a string"),
+    "device": (lambda v: isinstance(v, str), "a string"),
+    "bytes": (_is_byte_counts, "an object of category -> integer bytes"),
+    "peak_bytes": (_is_int, "an integer"),
+    "peak_non_model_bytes": (_is_int, "an integer"),
+    # nvml_used is null when NVML could not be read
+    "cuda": (lambda v: v is None or _is_byte_counts(v, unknown_ok=True),
+             "null or an object of name -> integer bytes or null"),
+}
+
+
+def _sample_from_dict(d: Any, i: int) -> Sample:
+    """One saved sample, checked (a bad one would otherwise fail far from here, in a report)."""
+    if not isinstance(d, dict):
+        raise ValueError(f"sample {i} must be an object, got {_json_type(d)}")
+    missing = [k for k in _SAMPLE_FIELDS if k not in d and k != "cuda"]
+    unknown = sorted(k for k in d if k not in _SAMPLE_FIELDS)
+    if missing or unknown:
+        problems = ([f"lacks {', '.join(map(repr, missing))}"] if missing else []) + (
+            [f"has unknown {', '.join(map(repr, unknown))}"] if unknown else [])
+        raise ValueError(f"sample {i} {' and '.join(problems)}; expected the fields "
+                         f"{', '.join(_SAMPLE_FIELDS)} (cuda optional)")
+    for key, value in d.items():
+        check, what = _SAMPLE_FIELDS[key]
+        if not check(value):
+            raise ValueError(f"sample {i}: {key!r} must be {what}, got {value!r}")
+    return Sample(**d)
 
 
 def _umask() -> int:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from memsched.commands.argtypes import positive_int
-from memsched.commands.report import add_export_options, write_exports
+from memsched.commands.report import add_export_options, check_exports, write_exports
 from memsched.exports import SUFFIXES
 from memsched.report import render_report
 
@@ -103,8 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--out",
         default="memsched-out/trace",
         metavar="DIR",
-        help="folder for the exports (default: memsched-out/trace): "
-        + ", ".join(f"trace{s}" for s in SUFFIXES.values()),
+        help="folder for the exports (default: memsched-out/trace; created if missing): "
+        + ", ".join(f"trace{s}" for s in SUFFIXES.values())
+        + "; existing files are replaced",
     )
     add_export_options(p, with_json=True)
     p.add_argument("--top", type=positive_int, default=10, help="modules to list in the report (default: 10)")
@@ -118,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     from memsched.target import build_workload
 
     device = resolve_device(args.device)
+    overrides = {"json": args.json, "perfetto": args.perfetto, "memory_viz": args.memory_viz, "png": args.png}
+    check_exports(args.out, overrides, list(SUFFIXES))  # a bad output path fails before the trace runs
     workload = build_workload(args.target, device)  # bad input fails here, before anything is traced
     from tracer import MemoryTracer
 
@@ -146,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if not args.quiet:
         render_report(timeline, top=args.top, console=console)
-    overrides = {"json": args.json, "perfetto": args.perfetto, "memory_viz": args.memory_viz, "png": args.png}
     return write_exports(
         timeline, out_dir=args.out, overrides=overrides, kinds=list(SUFFIXES), console=console
     )
