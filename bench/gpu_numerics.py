@@ -9,8 +9,9 @@ with plain PyTorch: ``torch.optim.AdamW(fused=True)`` on the device where memsch
 grows every second step).
 
 Cases: policies ``cpu`` (all optimizer state in pinned host memory), ``static`` (half), ``auto`` and ``cuda``;
-fp32, bf16, fp16; clipping through torch and through ``sched.clip_grad_norm_``; then ``close()`` followed at
-once by a read of the parameters and of ``model.state_dict()``.
+fp32, bf16, fp16; clipping through torch and through ``sched.clip_grad_norm_``; ``overlap`` off and on (on:
+the parameters are read only after every second step, so the next forward must wait for the CPU worker by
+itself); then ``close()`` followed at once by a read of the parameters and of ``model.state_dict()``.
 
 The race detector: every D2H and H2D copy memsched issues is preceded on its side stream by
 ``torch.cuda._sleep`` (``--delay-ms``, default 20 ms). A forward that does not wait for a chunk's H2D copy
@@ -63,12 +64,15 @@ def slow_copies(delay_ms: float):
     cycles = int(delay_ms * khz)  # clock_rate is in kHz: cycles per millisecond
     original = Streams._copy
 
-    def delayed(self, stream, dst, src, device):
+    def delayed(self, stream, dst, src, device, after=None):
         if self.cuda:
-            stream.wait_stream(torch.cuda.current_stream(device))
+            if after is not None:
+                stream.wait_event(after)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(cycles)
-        return original(self, stream, dst, src, device)
+        return original(self, stream, dst, src, device, after)
 
     Streams._copy = delayed
     try:
@@ -92,16 +96,18 @@ def first_difference(model: torch.nn.Module, ref: Reference) -> str | None:
     return None
 
 
-def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int) -> dict[str, Any]:
+def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int,
+             overlap: bool = False) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
     dev = torch.device("cuda") if device == "cuda" else torch.device("cpu")
     model = tiny_gpt().to(dev)
     ref = Reference(model, dtype, growth_interval=2)
     batches = [(x.to(dev), y.to(dev)) for x, y in gpt_batches(steps)]
-    out: dict[str, Any] = {"policy": policy, "dtype": dtype_name, "clip_via": via, "status": "ok"}
+    out: dict[str, Any] = {"policy": policy, "dtype": dtype_name, "clip_via": via, "overlap": overlap,
+                           "status": "ok"}
     t0 = time.perf_counter()
     sched = memsched.attach(model, device=device, dtype=dtype, lr=LR, weight_decay=WD, warmup_steps=2,
-                            chunk_numel=8192, **POLICIES[policy])
+                            chunk_numel=8192, overlap=overlap, **POLICIES[policy])
     try:
         if sched.scaler is not None:
             sched.scaler.growth_interval = 2
@@ -116,7 +122,7 @@ def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int) ->
             sched.optimizer.zero_grad()
             with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():
                 ref.step(b, gpt_loss, CLIP, on_host=on_host)
-            if i < steps - 1:  # the last step is checked after close(), before anything waits
+            if i < steps - 1 and not (overlap and i % 2 == 0):  # last: after close(); overlap: every 2nd
                 sched.synchronize()  # reads outside a forward wait first (the documented contract)
                 with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():
                     diff = first_difference(model, ref)
@@ -155,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--overlap", choices=("off", "on", "both"), default="both",
+                    help="attach(overlap=...) for each case: off, on or both (default)")
     ap.add_argument("--name", default=None, help="result name (default gpu_numerics_<gpu-name>)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -162,14 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     results = []
     with slow_copies(args.delay_ms if args.device == "cuda" else 0.0):
-        for policy, dt, via in cases(args.policies, args.dtypes):
-            try:
-                r = run_case(args.device, policy, dt, via, args.steps)
-            except Exception as e:  # noqa: BLE001 - a failing case is a result
-                r = {"policy": policy, "dtype": dt, "clip_via": via, "status": "error",
-                     "what": f"{type(e).__name__}: {e}"[:2000]}
-            print(f"  {policy:7s} {dt:5s} clip via {via:9s} {r['status']:8s} {r.get('what', '')}", flush=True)
-            results.append(r)
+        overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
+        for overlap in overlaps:
+            for policy, dt, via in cases(args.policies, args.dtypes):
+                try:
+                    r = run_case(args.device, policy, dt, via, args.steps, overlap)
+                except Exception as e:  # noqa: BLE001 - a failing case is a result
+                    r = {"policy": policy, "dtype": dt, "clip_via": via, "overlap": overlap,
+                         "status": "error", "what": f"{type(e).__name__}: {e}"[:2000]}
+                print(f"  {policy:7s} {dt:5s} clip via {via:9s} overlap {overlap!s:5s} {r['status']:8s} "
+                      f"{r.get('what', '')}", flush=True)
+                results.append(r)
     bad = [r for r in results if r["status"] != "ok"]
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device
     payload = {

@@ -12,7 +12,8 @@ Configurations:
 
 * memsched: ``memsched.attach(model, policy=P, device="cuda")`` for each ``--policies`` entry (default
   ``cpu``, ``static:offload_optim_frac=0.5``, ``auto``, ``cuda``; ``name:key=value,...`` passes
-  ``policy_options={key: value}``), step = forward, ``sched.backward(loss)``,
+  ``policy_options={key: value}``; a trailing ``+overlap`` attaches with ``overlap=True``), step = forward,
+  ``sched.backward(loss)``,
   ``sched.optimizer.step()``, ``zero_grad()``. The plan and the H2D/D2H bytes are recorded.
 * ``torch_adamw``: plain ``torch.optim.AdamW(fused=True)`` with everything on the device (when it fits).
 * ``deepspeed_zero_offload``: DeepSpeed ZeRO stage 2 with ``offload_optimizer: cpu`` (if importable).
@@ -60,20 +61,23 @@ from bench._machine import write_result  # noqa: E402
 from policies.units import format_bytes, parse_bytes  # noqa: E402
 
 NEEDS_CUDA = "gpu_step_time: needs a CUDA device (torch.cuda.is_available() is False); nothing written"
-DEFAULT_POLICIES = ("cpu", "static:offload_optim_frac=0.5", "auto", "cuda")
+DEFAULT_POLICIES = ("cpu", "cpu+overlap", "static:offload_optim_frac=0.5",
+                    "static:offload_optim_frac=0.5+overlap", "auto", "auto+overlap", "cuda")
 PEERS = ("torch_adamw", "deepspeed_zero_offload", "torchao_cpu_offload")
 LR, WEIGHT_DECAY = 3e-4, 0.1
 
 
 # ----------------------------------------------------------------------------------------- small helpers
 def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``"static:offload_optim_frac=0.5"`` -> ``("static", {"offload_optim_frac": "0.5"})``.
+    """``"static:offload_optim_frac=0.5"`` -> ``("static", {"offload_optim_frac": "0.5"})``. A trailing
+    ``+overlap`` (memsched's ``overlap=True``) is not part of the policy: see :func:`split_overlap`.
 
     Values stay strings: the policy registry coerces and range-checks them (``policies.get``).
 
     Raises:
         ValueError: empty name or an option without ``=``.
     """
+    spec, _ = split_overlap(spec)
     name, _, rest = spec.partition(":")
     if not name:
         raise ValueError(f"policy spec {spec!r} has no name; expected NAME or NAME:key=value[,key=value]")
@@ -84,6 +88,11 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
             raise ValueError(f"policy spec {spec!r}: option {item!r} is not key=value")
         options[key] = value
     return name, options
+
+
+def split_overlap(spec: str) -> tuple[str, bool]:
+    """``"auto+overlap"`` -> ``("auto", True)``; ``"auto"`` -> ``("auto", False)``."""
+    return (spec[: -len("+overlap")], True) if spec.endswith("+overlap") else (spec, False)
 
 
 def gpu_slug(name: str) -> str:
@@ -147,6 +156,7 @@ def _setup_memsched(model: nn.Module, spec: str, cfg: dict[str, Any]) -> tuple[C
         warmup_steps=1,
         lr=LR,
         weight_decay=WEIGHT_DECAY,
+        overlap=split_overlap(spec)[1],
     )
     if next(model.parameters()).device.type != torch.device(cfg["device"]).type:
         raise RuntimeError(f"memsched.attach(device={cfg['device']!r}) left the model's parameters elsewhere")
@@ -262,9 +272,13 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
             loss = lm_loss(model, x, y)
             step(loss)
             losses.append(loss.detach())
+        finish = getattr(extra.get("sched"), "synchronize", None) or (lambda: None)  # overlapped CPU update
+        finish()
         sync()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        if "sched" in extra:
+            extra["sched"].step_timeline.records.clear()  # the timed steps only
         times = []
         start = prev = time.perf_counter()
         for _ in range(cfg["steps"]):  # no synchronisation and no loss read inside the window
@@ -274,6 +288,7 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
             now = time.perf_counter()
             times.append(now - prev)
             prev = now
+        finish()  # the last step's overlapped CPU update belongs in the window
         sync()
         window = time.perf_counter() - start
         out.update(
@@ -290,6 +305,8 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
         if "sched" in extra:
             out["plan"] = _jsonable(getattr(extra["sched"], "plan", None))
             out["transfers"] = _jsonable(getattr(extra["sched"], "transfers", None))
+            timeline = getattr(extra["sched"], "step_timeline", None)
+            out["step_timeline"] = timeline.mean_summary() if timeline is not None else None
         if "ds_config" in extra:
             out["ds_config"] = extra["ds_config"]
         if hasattr(extra.get("sched"), "close"):

@@ -63,6 +63,7 @@ class SchedulerConfig:
     device: DeviceSpec
     compute_dtype: torch.dtype
     chunk_numel: int | None
+    overlap: bool = False
 
 
 def _check_warmup(n: Any) -> int:
@@ -111,7 +112,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
                 process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-                chunk_build: str = "auto") -> SchedulerConfig:
+                chunk_build: str = "auto", overlap: bool = False) -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
 
     Raises:
@@ -141,4 +142,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     stage, fetch = check_zero_options(zero_stage, fetch)
     dp = DataParallelConfig(stage, fetch, process_group, as_timedelta(dist_timeout),
                             check_build_mode(chunk_build))
-    return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel)
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel,
+                           overlap)

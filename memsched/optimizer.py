@@ -20,6 +20,7 @@ does not move; each parameter has its own step count.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,9 @@ from memsched.hyperparams import (  # noqa: F401 (re-exported: memsched.optimize
     hyperparameter_groups,
     indexed_param_groups,
 )
+from memsched.overlap import HostUpdates
 from memsched.precision import LossScaler
+from memsched.step_timeline import CPU_UPDATE, WAITS, StepTimeline
 from memsched.transfers import Streams, TransferStats
 from policies.types import DEVICE, HOST
 
@@ -77,6 +80,11 @@ class HybridAdamW(torch.optim.Optimizer):
         self._clip_coefs: list[torch.Tensor] = []  # fp16: clip coefficients applied at the next step
         self._active: set[int] = set()  # ids of the parameters updated by the step in progress
         self.owner_thread: int | None = None  # set by the scheduler: steps must run on the attaching thread
+        # overlap=True (set by the scheduler after warmup): host chunks are updated on a worker thread
+        # (memsched.overlap); the step timeline records where each step's time went (memsched.step_timeline).
+        self.overlap = False
+        self.host_updates = HostUpdates(store.alloc.device)
+        self.timeline = StepTimeline()
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
 
@@ -153,6 +161,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 "memsched: optimizer.step() ran on another thread than memsched.attach; the warmup tracer "
                 "and the stand-in's accounting are dispatch modes of the attaching thread, so training must "
                 "stay on that thread until sched.close()")
+        self.timeline.step_begin()
+        self.wait_updates("step()")  # the previous step's overlapped CPU update
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
         self.store.check_bound(self.names)
         fixes = self._validate_grads()
@@ -192,10 +202,47 @@ class HybridAdamW(torch.optim.Optimizer):
             with self.store.alloc.host_context():
                 inv_host = inv_scale.cpu() if inv_scale is not None else None
                 coefs_host = [k.cpu() for k in coefs]
-            for c in host_chunks:
-                self._update_host(c, hps[c.group], inv_host, coefs_host)
+            if self.overlap:
+                self._submit_host(host_chunks, hps, inv_host, coefs_host)
+            else:
+                for c in host_chunks:
+                    with self.store.alloc.host_context():
+                        self._update_host(c, hps[c.group], inv_host, coefs_host)
+                    self.store.after_update(c)
         self._finish_step()
         return loss
+
+    def _submit_host(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
+                     inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
+        """Hand the host chunks to the worker (:mod:`memsched.overlap`), in chunk (first-use) order. Their
+        H2D copies wait for the work queued so far (this step's backward), not for the next forward."""
+        after = self.streams.record()
+        by_index = {c.index: c for c in host_chunks}
+
+        def update(i: int) -> None:
+            c = by_index[i]
+            self._update_host(c, hps[c.group], inv_scale, coefs, after=after)
+
+        def follow_up(i: int) -> None:  # on the training thread: collectives, version bookkeeping
+            c = by_index[i]
+            self.store.after_update(c)
+            self.dp.end_step()  # its fetch (ZeRO all-gather) completes before the forward reads the chunk
+            for p in c.params:  # the H2D copy moved their version counters
+                self._param_versions[id(p)] = p._version
+
+        self.host_updates.submit(sorted(by_index), update, follow_up)
+
+    def wait_updates(self, what: str = "synchronize()") -> None:
+        """Block until the last step's overlapped CPU update is done and followed up (nothing pending without
+        ``overlap=True``); the time blocked is a span of the step timeline named after ``what``.
+
+        Raises:
+            memsched.overlap.OverlapError: the overlapped update failed.
+        """
+        t0 = time.perf_counter()
+        blocked = self.host_updates.wait_all()
+        if blocked > 0:
+            self.timeline.span(WAITS, f"{what} <- all chunks", t0, time.perf_counter())
 
     def _finish_step(self) -> None:
         self.record_param_versions()
@@ -301,18 +348,26 @@ class HybridAdamW(torch.optim.Optimizer):
             self.store.after_update(c)
 
     def _update_host(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,
-                     coefs: list[torch.Tensor]) -> None:
-        with self.store.alloc.host_context():
-            c.wait_d2h()
-            src = c.staging if c.staging is not None else c.host_grad
-            self._fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
-            self._adamw([c], [c.master], [c.host_grad], hp)
-            src = c.master
-            if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
-                c.staging.copy_(c.master)
-                src = c.staging
-            self.transfers.add_h2d(c.start_h2d(self.streams, src))
-        self.store.after_update(c)
+                     coefs: list[torch.Tensor], after: Any = None) -> None:
+        """Update host chunk ``c`` on the CPU and start the H2D copy of its parameters (on the training
+        thread, or on the overlap worker, which never enters the stand-in's accounting contexts)."""
+        span = self.timeline.span
+        t0 = time.perf_counter()
+        c.wait_d2h()
+        t1 = time.perf_counter()
+        src = c.staging if c.staging is not None else c.host_grad
+        self._fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
+        self._adamw([c], [c.master], [c.host_grad], hp)
+        src = c.master
+        if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
+            c.staging.copy_(c.master)
+            src = c.staging
+        t2 = time.perf_counter()
+        self.transfers.add_h2d(c.start_h2d(self.streams, src, after=after))
+        t3 = time.perf_counter()
+        span(CPU_UPDATE, "d2h wait", t0, t1, chunk=c.index)
+        span(CPU_UPDATE, "update", t1, t2, chunk=c.index)
+        span(CPU_UPDATE, "h2d", t2, t3, chunk=c.index)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers and drop a pending fp16 clip coefficient. The ``.grad`` views stay
@@ -320,6 +375,8 @@ class HybridAdamW(torch.optim.Optimizer):
         parameters count as having no gradient: one that gets none in the next backward is not updated, as
         ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None."""
         self._clip_coefs = []
+        # The gradient buffers may still be read by D2H copies of an overlapped step (CUDA): zero after them.
+        self.streams.wait([c.d2h_event for c in self.store.chunks])
         self.store.zero_grad(set_to_none)
 
     # ---- clipping -----------------------------------------------------------------------------------------
@@ -353,12 +410,10 @@ class HybridAdamW(torch.optim.Optimizer):
         return total
 
     # ---- state_dict (one path for any world size: memsched.optim_state) -----------------------------------
-    def _param_index(self) -> list[torch.nn.Parameter]:
-        return [p for g in self.param_groups for p in g["params"]]
-
     def state_dict(self) -> dict[str, Any]:
         """The format of ``torch.optim.AdamW.state_dict()`` (:func:`memsched.optim_state.state_dict`); with
         data parallelism a collective: call it on every rank."""
+        self.wait_updates("optimizer.state_dict()")
         return optim_state.state_dict(self)
 
     def validate_state_dict(
@@ -373,9 +428,10 @@ class HybridAdamW(torch.optim.Optimizer):
         parallelism every rank loads the same dict and keeps its shards (:func:`memsched.optim_state.load`).
 
         Raises:
-            ValueError: the group count or sizes differ, a tensor has the wrong shape, a state lacks a key, or
-                parameters of one chunk have different step counts (memsched keeps one per chunk).
+            ValueError: the group count differs, a group's size matches neither numbering (every parameter
+                given, or the trainable ones only), a tensor has the wrong shape, or a state lacks a key.
         """
+        self.wait_updates("optimizer.load_state_dict()")
         optim_state.load_state_dict(self, state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

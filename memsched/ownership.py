@@ -74,6 +74,10 @@ class Installed:
     def remove(self) -> None:
         """Wait for copies in flight, then remove everything (idempotent)."""
         try:
+            if self.optimizer is not None:  # the overlapped update in flight finishes; no later step overlaps
+                self.optimizer.overlap = False
+                self.optimizer.timeline.stop()
+                self.optimizer.host_updates.close()
             if self.store is not None:
                 for c in self.store.chunks:  # a read right after this must see the updated parameters
                     c.wait_h2d()

@@ -68,6 +68,7 @@ def report_renderables(
     transfers: Mapping[str, int] | None = None,
     top: int = 10,
     rows: int = TIMELINE_ROWS,
+    step_summary: Mapping[str, Any] | None = None,
 ) -> list[RenderableType]:
     """The report's sections as rich renderables, for :func:`render_report` or to embed elsewhere.
 
@@ -79,6 +80,8 @@ def report_renderables(
         top: how many modules the per-module table lists (>= 1).
         rows: at most this many timeline bars (>= 1); samples are bucketed, each bar shows the bucket's
             sample with the most live bytes.
+        step_summary: the mean step of the step timeline
+            (:meth:`memsched.step_timeline.StepTimeline.mean_summary`), shown as a step-time table.
 
     Raises:
         ValueError: ``top`` or ``rows`` is not an integer >= 1, or ``transfers`` lacks a key / holds a
@@ -95,6 +98,10 @@ def report_renderables(
         out.append(plan_panel(plan))
     if transfers is not None:
         out.append(transfer_table(transfers))
+    if step_summary is not None:
+        from memsched.step_report import step_table
+
+        out.append(step_table(step_summary))
     return out
 
 
@@ -105,13 +112,14 @@ def render_report(
     transfers: Mapping[str, int] | None = None,
     top: int = 10,
     console: Console | None = None,
+    step_summary: Mapping[str, Any] | None = None,
 ) -> None:
     """Print the report (see :func:`report_renderables`) to ``console`` (default: a new stdout console).
 
     Raises:
         ValueError: as :func:`report_renderables`.
     """
-    parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top)
+    parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top, step_summary=step_summary)
     console = console or Console()
     for part in parts:
         console.print(part)

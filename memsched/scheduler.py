@@ -44,6 +44,7 @@ from memsched.parallel import DataParallel
 from memsched.planning import build_problem
 from memsched.precision import LossScaler
 from memsched.simdevice import OUT_OF_MEMORY, SimDevice
+from memsched.step_timeline import StepTimeline
 from memsched.transfers import Streams, TransferStats
 from memsched.waits import H2DWaits
 from policies.types import DEVICE, HOST, PlacementPlan
@@ -151,14 +152,15 @@ class Scheduler:
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
         self._handles.append(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
-        self.waits = H2DWaits(model, self.store, self.streams)
+        self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
+                              self.optimizer.timeline, drain_after_forward=self.dp.world > 1,
+                              needed=self.streams.cuda or config.overlap)
         inst = self._installed
         inst.store, inst.optimizer, inst.waits = self.store, self.optimizer, self.waits
         # A scheduler dropped without close() (an exception escaped the training function) cleans up when it
         # is garbage-collected: nothing it installed outlives it.
         self._finalizer = weakref.finalize(self, inst.remove)
-        if self.streams.cuda:  # elsewhere copies are synchronous: nothing to wait for
-            self.waits.install(())
+        self.waits.install(())
         try:
             self._start_tracer()
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
@@ -204,12 +206,23 @@ class Scheduler:
 
     def _after_step(self) -> None:
         self.steps += 1
+        self.optimizer.timeline.step_end(self.steps)
         if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
             return
         self._stop_tracer()
         self.phase = Phase.PLAN_FAILED  # until the plan is applied
         self._make_plan()
         self.phase = Phase.PLANNED
+        # Steady state: the step timeline starts, and with overlap=True host chunks update on the worker.
+        self.optimizer.overlap = self.config.overlap
+        self.optimizer.timeline.overlap = self.config.overlap
+        self.optimizer.timeline.start()
+
+    @property
+    def step_timeline(self) -> StepTimeline:
+        """The last steps' time spans after warmup (:class:`memsched.step_timeline.StepTimeline`):
+        ``.records``, ``.summaries()``, ``.mean_summary()``, ``.to_perfetto_events()``."""
+        return self.optimizer.timeline
 
     def traced_modules(self) -> list[str]:
         """Qualified names of the modules whose forward ran in the warmup trace, in first-call order; empty
@@ -242,8 +255,7 @@ class Scheduler:
                           "chunks keep their registration-order packing", RuntimeWarning, stacklevel=3)
         order = [p for g in self.store.groups for p in g]  # the packing in force
         self.optimizer.record_param_versions()
-        if self.streams.cuda:
-            self.waits.install(self.traced_modules())
+        self.waits.install(self.traced_modules())
         peak, capacity = self.peak_non_model_bytes(), self.device.capacity_bytes
         capacity, peak = self.dp.agree_margin_inputs(capacity, peak)  # the smallest margin over the ranks
         problem, layout = build_problem(
@@ -285,13 +297,21 @@ class Scheduler:
         self.plan = plan
 
     def _install_h2d_waits(self) -> None:
-        """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.waits.H2DWaits`)."""
+        """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.waits.H2DWaits`), also where
+        copies are synchronous (tests check where the waits are)."""
+        self.waits.needed = True
         self.waits.install(self.traced_modules())
 
     def synchronize(self) -> None:
-        """Make the current stream wait for every pending H2D copy (before reading parameters outside a
-        module's forward, e.g. an EMA that reads ``p`` directly). No-op without CUDA (copies are
-        synchronous)."""
+        """Wait for every pending update of the parameters: the overlapped CPU update (``overlap=True``; the
+        host blocks) and the H2D copies (CUDA; the current stream waits). Call it before reading or writing
+        parameters outside a module's forward (an EMA that reads ``p`` directly, ``nn.init``); forwards,
+        ``model.state_dict()``, ``model.load_state_dict()``, the optimizer's ``step()``/``state_dict()`` and
+        ``close()`` wait by themselves.
+
+        Raises:
+            memsched.overlap.OverlapError: the overlapped update failed.
+        """
         self.waits.synchronize()
 
     # ---- training API -------------------------------------------------------------------------------------
@@ -331,6 +351,7 @@ class Scheduler:
 
         if self.timeline is None:
             raise ValueError("no timeline yet: the report is available after the warmup steps")
+        kwargs.setdefault("step_summary", self.step_timeline.mean_summary())
         return render_report(self.timeline, plan=self.plan, transfers=self.transfers.as_dict(), **kwargs)
 
     def close(self) -> None:
@@ -360,7 +381,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
            dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-           chunk_build: str = "auto") -> Scheduler:
+           chunk_build: str = "auto", overlap: bool = False) -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -388,6 +409,9 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         chunk_build: with ZeRO, where chunks are built: ``"auto"`` (on the device while it has room for a full
             copy, else on the CPU, per chunk), ``"device"`` or ``"cpu"``; see
             :mod:`memsched.distributed.build`.
+        overlap: after warmup, ``optimizer.step()`` returns once the device chunks are updated; the host
+            chunks are updated on a CPU worker thread while the next forward runs, each module waiting only
+            for its own chunks (:mod:`memsched.overlap`). Bit-identical to the serial step.
 
     Returns:
         the :class:`Scheduler`; train with ``sched.backward(loss); sched.optimizer.step();
@@ -408,4 +432,5 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
         warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, params=params,
         policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage,
-        process_group=process_group, fetch=fetch, dist_timeout=dist_timeout, chunk_build=chunk_build))
+        process_group=process_group, fetch=fetch, dist_timeout=dist_timeout, chunk_build=chunk_build,
+        overlap=overlap))

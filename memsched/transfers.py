@@ -78,11 +78,20 @@ class Streams:
         ``None``."""
         return self._copy(self.d2h, dst, src, src.device)
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor):
-        """``dst.copy_(src)`` (``src`` pinned host memory) ordered after the current stream's work, so the
-        compute buffer is not overwritten while earlier kernels still read it; returns a CUDA event or
-        None."""
-        return self._copy(self.h2d, dst, src, dst.device)
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None = None):
+        """``dst.copy_(src)`` (``src`` pinned host memory) ordered after the current stream's work, or after
+        ``after`` (an event of :meth:`record`; the overlap worker issues copies while the training thread
+        queues the next forward), so the compute buffer is not overwritten while earlier kernels still read
+        it; returns a CUDA event or None."""
+        return self._copy(self.h2d, dst, src, dst.device, after)
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event on the current stream after the work queued so far (``None`` without CUDA)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def wait(self, events) -> None:
         """Make the current stream wait for ``events`` (``None`` entries skipped). No-op without CUDA."""
@@ -94,12 +103,15 @@ class Streams:
                 stream = stream or torch.cuda.current_stream(self.device)
                 stream.wait_event(ev)
 
-    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device: torch.device):
+    def _copy(self, stream, dst: torch.Tensor, src: torch.Tensor, device: torch.device, after=None):
         # On a side stream that first waits for the compute stream, so the copy overlaps later compute.
         if not self.cuda:
             dst.copy_(src)
             return None
-        stream.wait_stream(torch.cuda.current_stream(device))
+        if after is not None:
+            stream.wait_event(after)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()

@@ -1,15 +1,22 @@
-"""The next forward waits for the H2D copies of the parameters it may read (CUDA; elsewhere copies are
-synchronous and nothing is installed).
+"""The next forward waits for the parameters it may read: for the overlapped CPU update of their chunk
+(``overlap=True``, :mod:`memsched.overlap`; the host blocks) and for its H2D copy (CUDA; the compute stream
+waits, the host does not). Without either, copies are synchronous and nothing is installed.
 
 Forward pre-hooks make the compute stream wait for a chunk's H2D copy at the first traced module that may read
 its parameters (:mod:`memsched.first_use`). Before the trace exists (warmup) every module holding chunk
-parameters, and the root, waits for all chunks. ``model.state_dict()`` waits for all chunks too. Anything else
-that reads parameters outside a forward (an EMA, a functional call on a submodule) calls
-:meth:`H2DWaits.synchronize` (``sched.synchronize()``) first.
+parameters, and the root, waits for all chunks. ``model.state_dict()`` and ``model.load_state_dict()`` wait
+for all chunks too. Anything else that reads or writes parameters outside a forward (an EMA, a functional call
+on a submodule, ``nn.init`` under ``no_grad``) calls :meth:`H2DWaits.synchronize` (``sched.synchronize()``)
+first.
+
+The root module's forward hooks also mark the forward phase of the step timeline
+(:mod:`memsched.step_timeline`), and with data parallelism finish the follow-ups of the overlapped update
+(ZeRO all-gathers) before backward, so every rank issues its collectives in the same order.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +24,8 @@ import torch
 
 from memsched.chunks import ChunkStore
 from memsched.first_use import first_use_owners
+from memsched.overlap import HostUpdates
+from memsched.step_timeline import WAITS, StepTimeline
 from memsched.transfers import Streams
 from tracer.hook_handles import Detachable
 
@@ -24,13 +33,25 @@ from tracer.hook_handles import Detachable
 class H2DWaits:
     """The wait hooks of one scheduler (see the module docstring); removed by :meth:`remove`."""
 
-    def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams) -> None:
+    def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams,
+                 updates: HostUpdates | None = None, timeline: StepTimeline | None = None,
+                 drain_after_forward: bool = False, needed: bool = True) -> None:
         self.model, self.store, self.streams = model, store, streams
+        self.needed = needed  # False: synchronous copies, no overlap: only the step timeline's hooks
+        self.updates = updates if updates is not None else HostUpdates(store.alloc.device)
+        self.timeline = timeline if timeline is not None else StepTimeline()
+        self.drain_after_forward = drain_after_forward
         self._handles: list[Any] = []
 
     def install(self, traced: Sequence[str]) -> None:
         """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup)."""
         self.remove()
+        begin = Detachable(lambda *_a: self.timeline.forward_begin())
+        self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
+        end = Detachable(lambda *_a: self._forward_end())
+        self._handles.append(self.model.register_forward_hook(end, always_call=True))
+        if not self.needed:
+            return
         store = self.store
         by_module: dict[str, set[int]] = {}
         if traced:
@@ -44,19 +65,38 @@ class H2DWaits:
                     by_module[name] = every
         modules = dict(self.model.named_modules())
         for name, indices in by_module.items():
-            hook = Detachable(self._hook(sorted(indices)))
+            hook = Detachable(self._hook(name, sorted(indices)))
             self._handles.append(modules[name].register_forward_pre_hook(hook, prepend=True))
         sync = Detachable(lambda *_a, **_k: self.synchronize())
         self._handles.append(self.model.register_state_dict_pre_hook(sync))
+        self._handles.append(self.model.register_load_state_dict_pre_hook(sync))
 
-    def _hook(self, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
+    def _hook(self, name: str, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
+        label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+
         def wait(_module: torch.nn.Module, _args: Any) -> None:
+            if self.updates.pending:
+                t0 = time.perf_counter()
+                if self.updates.wait(indices) > 0:
+                    self.timeline.span(WAITS, label, t0, time.perf_counter(), chunks=indices)
             chunks = self.store.chunks
             self.streams.wait([chunks[i].h2d_event for i in indices])
         return wait
 
+    def _forward_end(self) -> None:
+        if self.drain_after_forward and self.updates.pending:
+            t0 = time.perf_counter()
+            if self.updates.wait_all() > 0:
+                self.timeline.span(WAITS, "end of forward <- all chunks", t0, time.perf_counter())
+        self.timeline.forward_end()
+
     def synchronize(self) -> None:
-        """The current stream waits for every pending H2D copy. No-op without CUDA."""
+        """Block until the overlapped CPU update (if any) is done, then make the current stream wait for every
+        pending H2D copy (no stream wait without CUDA)."""
+        if self.updates.pending:
+            t0 = time.perf_counter()
+            if self.updates.wait_all() > 0:
+                self.timeline.span(WAITS, "synchronize() <- all chunks", t0, time.perf_counter())
         self.streams.wait([c.h2d_event for c in self.store.chunks])
 
     def remove(self) -> None:

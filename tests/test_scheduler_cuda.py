@@ -112,3 +112,28 @@ def test_bf16_on_cuda_keeps_fp32_masters():
             assert c.data.dtype == torch.bfloat16 and c.master.dtype == torch.float32
             assert torch.equal(c.data[: c.numel].float(), c.master.to(c.data.device).bfloat16().float())
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overlap_on_cuda_bit_exact(dtype):
+    """overlap=True on a GPU: host chunks updated by the worker thread (CPU kernel), H2D on the side stream
+    after the step's backward; each parameter equals torch's fused AdamW run where memsched runs it."""
+    from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt
+
+    model = tiny_gpt().cuda()
+    ref = Reference(model, dtype)
+    batches = [(x.cuda(), y.cuda()) for x, y in gpt_batches(6)]
+    with memsched.attach(model, policy="static", policy_options={"offload_optim_frac": 0.5}, device="cuda",
+                         dtype=dtype, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True) as sched:
+        for b in batches:
+            chunk_of = sched.store.param_chunk
+            on_host = {k for k, p in enumerate(model.parameters()) if chunk_of[id(p)].placement == "host"}
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            ref.step(b, gpt_loss, None, on_host=on_host)
+        sched.synchronize()
+        for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
+            assert torch.equal(p, q), name
+        assert {c.placement for c in sched.store.chunks} == {"device", "host"}
+        assert len(sched.step_timeline.records) == 5

@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
         accum = cfg["accum"]
         with memsched.attach(model, policy="static", policy_options={"offload_optim_frac": 0.5},
                              device="sim:64MiB", chunk_numel=cfg["chunk_numel"], lr=LR, weight_decay=WD,
-                             zero_stage=cfg["stage"]) as sched:
+                             zero_stage=cfg["stage"], overlap=cfg.get("overlap", False)) as sched:
             norms = []
             for step in data(accum):
                 for k, micro in enumerate(step):
@@ -103,6 +103,9 @@ CFGS = [
     {"stage": 2, "clip": CLIP, "accum": 1, "chunk_numel": 170},
     {"stage": 2, "clip": None, "accum": 2, "chunk_numel": 400},  # one chunk: aux shares it with the rest
     {"stage": 1, "clip": CLIP, "accum": 2, "chunk_numel": 400},
+    # overlap=True: host shards updated on the worker, all-gathered by the training thread in chunk order
+    {"stage": 1, "clip": CLIP, "accum": 2, "chunk_numel": 170, "overlap": True},
+    {"stage": 2, "clip": CLIP, "accum": 1, "chunk_numel": 170, "overlap": True},
 ]
 
 

@@ -223,9 +223,10 @@ class Chunk:
         self.d2h_event = streams.copy_d2h(dst, self.grad[self.lo:self.hi])
         return self.shard_numel * self.grad.element_size()
 
-    def start_h2d(self, streams: Any, src: torch.Tensor) -> int:
-        """Copy the updated shard ``src`` (host) into ``data[lo:hi]``; returns the bytes."""
-        self.h2d_event = streams.copy_h2d(self.data[self.lo:self.hi], src)
+    def start_h2d(self, streams: Any, src: torch.Tensor, after: Any = None) -> int:
+        """Copy the updated shard ``src`` (host) into ``data[lo:hi]`` (after the CUDA event ``after`` when
+        given, else after the current stream's work); returns the bytes."""
+        self.h2d_event = streams.copy_h2d(self.data[self.lo:self.hi], src, after)
         return self.shard_numel * self.data.element_size()
 
     # -- H2D / D2H helpers ----------------------------------------------------------------------------------

@@ -126,6 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=positive_float, default=DEFAULT_LR,
                    help=f"AdamW learning rate (default {DEFAULT_LR:g})")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the batches")
+    p.add_argument("--overlap", action="store_true",
+                   help="update offloaded chunks on a CPU thread while the next forward runs (attach(overlap="
+                        "True)); the report's step-time table shows the exposed CPU time")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"output folder for the exports (default {DEFAULT_OUT})")
     p.set_defaults(func=run)
@@ -193,11 +196,14 @@ def run(args: argparse.Namespace) -> int:
     from memsched.exports import write_all
     from memsched.report import render_report
 
-    render_report(sched.timeline, plan=sched.plan, transfers=sched.transfers.as_dict(), console=console)
+    step_summary = sched.step_timeline.mean_summary()
+    summary["step_timeline"] = step_summary
+    render_report(sched.timeline, plan=sched.plan, transfers=sched.transfers.as_dict(), console=console,
+                  step_summary=step_summary)
     losses = summary["losses"]
     console.print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out loss {val_before:.3f} -> "
                   f"{summary['val_loss_after']:.3f} (nats per byte)")
-    paths = write_all(sched.timeline, out, stem="trace")
+    paths = write_all(sched.timeline, out, stem="trace", step_timelines=[sched.step_timeline])
     plan_path, summary_path = out / "plan.json", out / "demo.json"
     atomic_write_text(plan_path, json.dumps(_plan_dict(sched), indent=2) + "\n")
     atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
@@ -216,7 +222,7 @@ def _device_label(device: str) -> str:
 def _train(args: argparse.Namespace, model: torch.nn.Module, corpus: TextCorpus, device: str,
            console: Console) -> dict[str, Any]:
     sched = memsched.attach(model, policy=args.policy, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
-                            device=device, lr=args.lr)
+                            device=device, lr=args.lr, overlap=args.overlap)
     tdev = sched.device.torch_device
     tokens = args.batch_size * args.seq_len
     steps: list[dict[str, Any]] = []
@@ -239,7 +245,7 @@ def _train(args: argparse.Namespace, model: torch.nn.Module, corpus: TextCorpus,
         "size": args.size, "parameters": sum(p.numel() for p in model.parameters()), "device": device,
         "capacity_bytes": sched.device.capacity_bytes, "policy": args.policy,
         "gpu_margin_mem_ratio": args.gpu_margin_mem_ratio, "batch_size": args.batch_size,
-        "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed,
+        "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed, "overlap": args.overlap,
         "losses": [s["loss"] for s in steps], "steps": steps, "transfers": sched.transfers.as_dict(),
     }
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from memsched.exports.jsonfile import write_json
 from memsched.exports.memory_viz import _memory_viz_bytes, to_memory_viz, write_memory_viz
@@ -93,13 +94,15 @@ def write_all(
     *,
     overrides: Mapping[str, str | os.PathLike[str] | None] | None = None,
     kinds: Iterable[str] | None = None,
+    step_timelines: Sequence[Any] = (),
 ) -> dict[str, Path]:
     """Write the JSON, Perfetto, memory_viz and PNG exports; returns ``{kind: path}`` of what was written.
 
     Paths are ``out_dir/<stem>.json``, ``.perfetto.json``, ``.memory_viz.pickle`` and ``.png``, unless
     ``overrides`` maps a kind to another path. ``kinds`` limits the exports (default: all). The PNG is
     skipped (absent from the result) when matplotlib is missing; see :func:`png_available`. All exports are
-    rendered in memory first, so a failure while rendering writes nothing.
+    rendered in memory first, so a failure while rendering writes nothing. ``step_timelines``
+    (:class:`memsched.step_timeline.StepTimeline`) go into the Perfetto trace too.
 
     Raises:
         ValueError: an unknown kind in ``kinds`` or ``overrides``, or a bad ``stem``.
@@ -111,7 +114,7 @@ def write_all(
             raise ValueError(f"unknown export kind {kind!r}; expected one of {', '.join(SUFFIXES)}")
     render = {
         "json": lambda: json.dumps(timeline.to_dict(), separators=(",", ":")).encode("utf-8"),
-        "perfetto": lambda: _perfetto_bytes([timeline]),
+        "perfetto": lambda: _perfetto_bytes([timeline], step_timelines),
         "memory_viz": lambda: _memory_viz_bytes(timeline),
         "png": lambda: _png_bytes(timeline),
     }

@@ -37,7 +37,8 @@ _THREAD_NAMES = {
 _CUDA_COUNTERS = ("allocated", "reserved")
 
 
-def to_perfetto(timelines: MemoryTimeline | Sequence[MemoryTimeline]) -> dict[str, Any]:
+def to_perfetto(timelines: MemoryTimeline | Sequence[MemoryTimeline],
+                step_timelines: Sequence[Any] = ()) -> dict[str, Any]:
     """Chrome / Perfetto trace-event JSON for one or more timelines (one per rank).
 
     Each timeline becomes the process ``pid = timeline.meta.get("rank", 0)`` (named ``rank R (device)``), so
@@ -48,7 +49,9 @@ def to_perfetto(timelines: MemoryTimeline | Sequence[MemoryTimeline]) -> dict[st
     other), from the ``pre``/``post`` samples of the traced device, made to nest even when a module runs
     several times, a ``post`` is missing or backward hooks fire out of order (see :func:`_slices`). Steps are
     slices on their own thread; ``mark`` samples are instant events. Timestamps (``ts``, ``dur``) are
-    microseconds since the tracer was entered.
+    microseconds since the tracer was entered. Each of ``step_timelines``
+    (:class:`memsched.step_timeline.StepTimeline`, one per rank, in rank order) adds a process ``1000 + rank``
+    with a thread per track (training thread, waits, CPU update), in microseconds since its first step.
 
     Raises:
         ValueError: two timelines share a rank, or an element is not a :class:`MemoryTimeline`.
@@ -68,6 +71,8 @@ def to_perfetto(timelines: MemoryTimeline | Sequence[MemoryTimeline]) -> dict[st
             )
         seen[rank] = i
         events.extend(_perfetto_process(tl, rank))
+    for rank, st in enumerate(step_timelines):
+        events.extend(st.to_perfetto_events(pid=1000 + rank, name=f"rank {rank} step timeline"))
     return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -76,15 +81,17 @@ def to_perfetto(timelines: MemoryTimeline | Sequence[MemoryTimeline]) -> dict[st
 
 
 def write_perfetto(
-    timelines: MemoryTimeline | Sequence[MemoryTimeline], path: str | os.PathLike[str]
+    timelines: MemoryTimeline | Sequence[MemoryTimeline], path: str | os.PathLike[str],
+    step_timelines: Sequence[Any] = (),
 ) -> Path:
     """Write :func:`to_perfetto` JSON to ``path`` atomically; returns the path."""
-    atomic_write_bytes(path, _perfetto_bytes(timelines))
+    atomic_write_bytes(path, _perfetto_bytes(timelines, step_timelines))
     return Path(path)
 
 
-def _perfetto_bytes(timelines: MemoryTimeline | Sequence[MemoryTimeline]) -> bytes:
-    return json.dumps(to_perfetto(timelines), separators=(",", ":")).encode("utf-8")
+def _perfetto_bytes(timelines: MemoryTimeline | Sequence[MemoryTimeline],
+                    step_timelines: Sequence[Any] = ()) -> bytes:
+    return json.dumps(to_perfetto(timelines, step_timelines), separators=(",", ":")).encode("utf-8")
 
 
 def _us(t_ns: int) -> float:

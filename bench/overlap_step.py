@@ -1,0 +1,151 @@
+"""The overlapped hybrid step against the serial one, on the stand-in device (CPU; run by hand).
+
+Run ``python bench/overlap_step.py`` from the repository root (about a minute). One process, one compute
+thread (``torch.set_num_threads(1)``) and, with ``overlap=True``, one CPU-update thread. Two copies of an MLP
+train side by side on two stand-in devices with the ``static`` policy (``--offload`` of the optimizer state on
+the host: the last-used chunks), one with ``overlap=False`` and one with ``overlap=True``, in interleaved
+blocks of ``--block`` steps (serial block, overlapped block, ...), so both see the same machine load. Blocks,
+not single steps: the overlapped run's CPU update must not run during the other run's step. Each block ends
+with ``sched.synchronize()`` (the last update is inside the block's time). The batch is sized so that the CPU
+update of the host chunks takes about as long as the forward.
+
+Recorded per configuration: the step time (block wall time / steps, median over blocks) and, from
+``sched.step_timeline`` (host clocks) over the steps of each block but its first, the phases, the CPU-update
+time, the time exposed to it, and the ideal step:
+
+* ``ideal_from_serial_s``: from the serial run's phases, the step if the CPU update overlapped perfectly
+  with everything else: ``max(serial step - CPU update, CPU update)``;
+* the overlapped step's ratio to the serial step and to that ideal;
+* ``phase_sum_error_pct``: how far the phases add up from the measured step (by construction, ~0).
+
+Both runs are checked bit for bit against each other (the overlapped step is exact). The Perfetto trace of
+the overlapped run (its warmup memory timeline and its step timeline) goes beside the JSON result
+(``bench/results/overlap_step.perfetto.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import memsched  # noqa: E402
+from bench._harness import summarize  # noqa: E402
+from bench._machine import write_result  # noqa: E402
+from memsched.exports.perfetto import write_perfetto  # noqa: E402
+
+
+def mlp(width: int, depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=12, help="rows per step (sets forward vs CPU update time)")
+    ap.add_argument("--offload", type=float, default=0.5, help="share of optimizer state on the host")
+    ap.add_argument("--blocks", type=int, default=6, help="timed blocks per configuration")
+    ap.add_argument("--block", type=int, default=6, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps (the traced warmup step included)")
+    ap.add_argument("--name", default="overlap_step")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    runs: dict[str, dict[str, Any]] = {}
+    for overlap in (False, True):
+        model = mlp(args.width, args.depth)
+        sched = memsched.attach(model, policy="static", policy_options={"offload_optim_frac": args.offload},
+                                device="sim:4GiB", overlap=overlap, chunk_numel=args.width * (args.width + 1))
+        runs["overlap" if overlap else "serial"] = {"model": model, "sched": sched}
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(args.batch, args.width, generator=gen), torch.randn(args.batch, 1, generator=gen))
+               for _ in range(args.warmup + args.blocks * args.block)]
+
+    def train(run: dict[str, Any], part: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        model, sched = run["model"], run["sched"]
+        t0 = time.perf_counter()
+        for x, y in part:
+            sched.backward(nn.functional.mse_loss(model(x), y))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        sched.synchronize()
+        return time.perf_counter() - t0
+
+    for run in runs.values():
+        train(run, batches[:args.warmup])
+        run["block_s"], run["rows"] = [], []
+    for b in range(args.blocks):
+        part = batches[args.warmup + b * args.block:args.warmup + (b + 1) * args.block]
+        for run in runs.values():  # interleaved blocks: the same moments of the machine for both
+            run["sched"].step_timeline.records.clear()
+            run["block_s"].append(train(run, part) / len(part))
+            run["rows"] += run["sched"].step_timeline.summaries()[1:]  # the first includes the other run
+    same = all(torch.equal(p, q) for p, q in zip(runs["serial"]["model"].parameters(),
+                                                 runs["overlap"]["model"].parameters(), strict=True))
+
+    out: dict[str, Any] = {}
+    for name, run in runs.items():
+        sched = run["sched"]
+        rows = run["rows"]
+        out[name] = {
+            "step": summarize(run["block_s"]),
+            "timeline_step": summarize([r["step_s"] for r in rows]),
+            "phases_s": {p: statistics.median(r["phases_s"][p] for r in rows) for p in rows[0]["phases_s"]},
+            "cpu_update_s": statistics.median(r["cpu_update_s"] for r in rows),
+            "exposed_cpu_s": statistics.median(r["exposed_cpu_s"] for r in rows),
+            "overlap_efficiency": statistics.median(r["overlap_efficiency"] for r in rows),
+            "phase_sum_error_pct": max(100 * abs(sum(r["phases_s"].values()) - r["step_s"]) / r["step_s"]
+                                       for r in rows),
+            "placement": [c.placement for c in sched.store.chunks],
+            "host_chunks": sum(c.placement == "host" for c in sched.store.chunks),
+        }
+    serial, over = out["serial"], out["overlap"]
+    serial_step, serial_cpu = serial["step"]["median_s"], serial["cpu_update_s"]
+    over_step = over["step"]["median_s"]
+    ideal = max(serial_step - serial_cpu, serial_cpu)
+    result = {
+        "what": "overlap=True vs overlap=False, static policy on the stand-in, one compute thread + one "
+                "CPU-update thread, interleaved blocks of steps; step = block wall time / steps (median over "
+                "blocks), phases from sched.step_timeline (host clocks)",
+        "config": vars(args),
+        "bit_identical": same,
+        "serial_forward_s": serial["phases_s"]["forward"],
+        "serial_cpu_update_s": serial_cpu,
+        "serial_step_s": serial_step,
+        "overlap_step_s": over_step,
+        "ideal_from_serial_s": ideal,
+        "overlap_vs_serial": over_step / serial_step,
+        "overlap_vs_ideal": over_step / ideal,
+        "overlap_exposed_cpu_s": over["exposed_cpu_s"],
+        "runs": out,
+    }
+    path = write_result(args.name, result)
+    trace = path.with_suffix(".perfetto.json")
+    osched = runs["overlap"]["sched"]
+    write_perfetto([osched.timeline], trace, step_timelines=[osched.step_timeline])
+    for run in runs.values():
+        run["sched"].close()
+    print(f"serial step {serial_step * 1e3:.1f} ms (forward {result['serial_forward_s'] * 1e3:.1f} ms, "
+          f"CPU update {serial_cpu * 1e3:.1f} ms); overlapped {over_step * 1e3:.1f} ms = "
+          f"{result['overlap_vs_serial']:.2f}x serial, {result['overlap_vs_ideal']:.2f}x ideal "
+          f"({ideal * 1e3:.1f} ms); bit-identical: {same}; wrote {path} and {trace}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

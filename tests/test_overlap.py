@@ -1,0 +1,234 @@
+"""overlap=True: host chunks are updated on a worker thread during the next forward, bit for bit as the serial
+step (torch.optim.AdamW(fused=True)), and everything that reads or writes parameters waits for it.
+
+The worker is slowed down (a sleep before each chunk's update) so that a missing wait shows as a wrong number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+import torch
+
+import memsched
+from memsched.optimizer import HybridAdamW
+from memsched.overlap import OverlapError
+from policies.types import HOST
+from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
+
+CLIP = 0.05
+PLACEMENTS = {
+    "cpu": dict(policy="cpu", device="sim:64MiB"),
+    "cuda": dict(policy="cuda", device="sim:64MiB"),
+    "static": dict(policy="static", device="sim:64MiB", policy_options={"offload_optim_frac": 0.5}),
+    "auto": dict(policy="auto", device="sim:800KiB"),  # 2 of 5 chunks on the device
+}
+
+
+@pytest.fixture
+def slow_worker(monkeypatch):
+    """Every host-chunk update on a thread other than the training thread starts 20 ms late."""
+    original = HybridAdamW._update_host
+    main = threading.get_ident()
+    calls = {"worker": 0}
+
+    def slowed(self, *args, **kwargs):
+        if threading.get_ident() != main:
+            calls["worker"] += 1
+            time.sleep(0.02)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridAdamW, "_update_host", slowed)
+    return calls
+
+
+def paused(sched):
+    return sched.sim.paused() if sched.sim is not None else contextlib.nullcontext()
+
+
+def two_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": LR * 3}]
+
+
+class GroupedReference(Reference):
+    """The reference with the same two param groups and a StepLR on both."""
+
+    def __init__(self, model, dtype):
+        super().__init__(model, dtype)
+        groups = two_groups(self.model)
+        if dtype != torch.float32:  # the masters stand for the parameters, in the model's order
+            by_id = {id(p): m for p, m in zip(self.model.parameters(), self.masters, strict=True)}
+            groups = [{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in groups]
+        self.opt = torch.optim.AdamW(groups, lr=LR, weight_decay=WD, fused=True)
+        self.lr_sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_overlap_bit_exact(placement, dtype, slow_worker):
+    """Two param groups, a StepLR, clipping through sched.clip_grad_norm_, gradient accumulation (2 micro
+    batches), fp32/bf16/fp16; model.state_dict() right after step() holds the updated values."""
+    model = tiny_gpt()
+    ref = GroupedReference(model, dtype)
+    kw = dict(PLACEMENTS[placement])
+    batches = gpt_batches(10)
+    with memsched.attach(model, lr=LR, weight_decay=WD, warmup_steps=1, dtype=dtype, chunk_numel=8192,
+                         params=two_groups(model), overlap=True, **kw) as sched:
+        lr_sched = torch.optim.lr_scheduler.StepLR(sched.optimizer, step_size=2, gamma=0.5)
+        for i in range(5):  # checked after steps 1, 3 (and at close)
+            micro = batches[2 * i:2 * i + 2]
+            for b in micro:
+                sched.backward(gpt_loss(model, b) / 2)
+            sched.clip_grad_norm_(CLIP)
+            sched.optimizer.step()
+            lr_sched.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(None, accumulated(ref, micro), CLIP)
+                ref.lr_sched.step()
+            if i % 2 == 0:  # no read: the next forward must wait by itself
+                continue
+            state = model.state_dict()  # waits for the overlapped update
+            with paused(sched):
+                for (name, q) in ref.model.state_dict().items():
+                    assert torch.equal(state[name], q), f"{placement} {dtype} step {i}: {name}"
+                assert_same(model, ref, f"{placement} {dtype} step {i}")
+                if dtype != torch.float32:  # the fp32 masters, in the groups' order
+                    sd = sched.optimizer.state_dict()["state"]
+                    masters = [m for g in ref.opt.param_groups for m in g["params"]]
+                    for k, m in enumerate(masters):
+                        assert torch.equal(sd[k]["master_weight"], m), f"master {k}, step {i}"
+        places = {c.placement for c in sched.store.chunks}
+    assert_same(model, ref, f"{placement} {dtype} after close()")  # close() waited for the last update
+    if HOST in places and placement != "cuda":
+        assert slow_worker["worker"] > 0  # the worker really ran the host updates
+
+
+def accumulated(ref: Reference, micro):
+    """A loss function for Reference.step that runs the backward of all micro batches but the last (each its
+    own backward, as memsched's run does: one backward of the sum adds the gradients in another order)."""
+    def loss_fn(model, _batch):
+        for b in micro[:-1]:
+            loss = gpt_loss(model, b) / len(micro)
+            (loss.float() * ref.scale if ref.scale is not None else loss).backward()
+        return gpt_loss(model, micro[-1]) / len(micro)
+    return loss_fn
+
+
+def test_forward_waits_for_its_chunks_and_records_the_wait(slow_worker):
+    """The next forward reads the updated parameters: its outputs equal the reference's, and the step timeline
+    names the module that waited for a chunk."""
+    model = tiny_gpt()
+    ref = Reference(model)
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                         **PLACEMENTS["cpu"]) as sched:
+        for b in gpt_batches(4):
+            loss = gpt_loss(model, b)
+            with paused(sched):
+                ref_loss = gpt_loss(ref.model, b)
+            assert torch.equal(loss.detach(), ref_loss.detach())
+            sched.backward(loss)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(b, gpt_loss, None)
+        waits = [s for r in sched.step_timeline.records for s in r.spans if s.track == "waits"]
+    assert waits and any("<- chunk" in s.name for s in waits)
+
+
+def test_reads_wait(slow_worker):
+    """optimizer.state_dict(), sched.synchronize() and close() see the whole update."""
+    model = tiny_gpt()
+    ref = Reference(model)
+    b = gpt_batches(2)
+    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                            **PLACEMENTS["cpu"])
+    for batch in b:
+        sched.backward(gpt_loss(model, batch))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+        with paused(sched):
+            ref.step(batch, gpt_loss, None)
+    assert sched.optimizer.host_updates.pending
+    sd = sched.optimizer.state_dict()
+    with paused(sched):
+        for i, m in enumerate(ref.opt.param_groups[0]["params"]):
+            assert torch.equal(sd["state"][i]["exp_avg"], ref.opt.state[m]["exp_avg"])
+    sched.backward(gpt_loss(model, b[0]))
+    sched.optimizer.step()
+    with paused(sched):
+        ref.step(b[0], gpt_loss, None)
+    sched.close()  # waits, then removes the worker
+    assert_same(model, ref, "after close()")
+    assert not [t for t in threading.enumerate() if t.name.startswith("memsched-host-update")]
+
+
+def test_user_write_after_step_is_kept(slow_worker):
+    """model.load_state_dict() right after an overlapped step waits for the update, so the loaded values win
+    (the worker's H2D copy cannot overwrite them later)."""
+    model = tiny_gpt()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                         **PLACEMENTS["cpu"]) as sched:
+        for b in gpt_batches(2):
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        with paused(sched):
+            zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(zeros)
+        sched.synchronize()
+        with paused(sched):
+            assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
+
+
+def test_worker_failure_raises_at_the_next_wait(monkeypatch):
+    model = tiny_gpt()
+    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                            **PLACEMENTS["cpu"])
+    b = gpt_batches(1)[0]
+    sched.backward(gpt_loss(model, b))
+    sched.optimizer.step()  # warmup: serial
+    sched.optimizer.zero_grad()
+
+    def boom(*_a, **_k):
+        raise RuntimeError("injected CPU update failure")
+
+    monkeypatch.setattr(HybridAdamW, "_update_host", boom)
+    sched.backward(gpt_loss(model, b))
+    sched.optimizer.step()
+    with pytest.raises(OverlapError, match="chunk 0 failed.*injected CPU update failure"):
+        sched.synchronize()
+    sched.close()
+
+
+def test_step_timeline_phases_add_up_and_export():
+    model = tiny_gpt()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                         **PLACEMENTS["static"]) as sched:
+        for b in gpt_batches(5):
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        tl = sched.step_timeline
+        assert len(tl.records) == 4  # the warmup step is not recorded
+        for r in tl.records:
+            s = r.summary()
+            assert sum(s["phases_s"].values()) == pytest.approx(s["step_s"], rel=1e-6)
+            assert 0 < s["overlap_efficiency"] <= 1.0
+        for r in list(tl.records)[1:]:  # a step's worker spans fall in the next step (its forward)
+            assert r.summary()["cpu_update_s"] > 0
+            assert {sp.name for sp in r.spans if sp.track == "cpu update"} >= {"update", "h2d"}
+        events = tl.to_perfetto_events()
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"main", "cpu update"} <= names
+    assert sum(1 for e in events if e["ph"] == "X" and e["name"].startswith("step ")) == 4
+
+
+def test_overlap_must_be_a_bool():
+    with pytest.raises(ValueError, match="overlap must be True or False, got 'yes'"):
+        memsched.attach(tiny_gpt(), overlap="yes", device="sim:64MiB")
