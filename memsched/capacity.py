@@ -155,3 +155,69 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
                   for name, plan in cplan.plans.items()},
         "verdict": verdict(cplan, policy),
     }
+
+
+SWEEP_SCHEMA = "memsched.plan_sweep"
+#: The policies whose largest fitting size a sweep reports: ``auto`` (offloads what does not fit) and ``cpu``
+#: (offloads everything, the most a plan can free on the device).
+SWEEP_POLICIES = ("auto", "cpu")
+
+
+def largest_fitting(entries: list[tuple[int, CapacityPlan]], policy: str, *,
+                    all_on_device: bool = False) -> int | None:
+    """The largest size value whose plan under ``policy`` fits (:func:`verdict` status ``"fits"`` or
+    ``"offload"``; ``all_on_device``: ``"fits"`` only, nothing offloaded); ``None`` when none fits.
+
+    ``entries`` pairs each size value (a sequence length or a batch size) with its :class:`CapacityPlan`.
+    The largest fitting value is reported, not the last before the first failure: a larger size needs more
+    memory, so in practice the fitting values are a prefix anyway.
+    """
+    ok = ("fits",) if all_on_device else ("fits", "offload")
+    fitting = [value for value, cplan in entries if verdict(cplan, policy)["status"] in ok]
+    return max(fitting, default=None)
+
+
+def sweep_dict(over: str, entries: list[tuple[int, dict[str, Any], CapacityPlan]]) -> dict[str, Any]:
+    """The machine-readable result of ``memsched plan --json`` for several sizes.
+
+    Args:
+        over: the swept workload key, ``"seq_len"`` or ``"batch_size"``.
+        entries: per size, in the order given: its value, its :func:`result_dict` and its
+            :class:`CapacityPlan`.
+
+    Returns:
+        ``schema`` (``"memsched.plan_sweep"``), ``version`` (1), ``over``, ``values``; ``capacity_bytes``,
+        ``gpu``, ``gpu_margin_mem_ratio`` (the same for every size); ``sizes``: per size ``{over: value,
+        "peak_non_model_bytes", "margin_bytes", "verdicts": {policy: verdict}, "result": the full
+        result_dict}`` (verdicts of ``auto``, ``cpu`` and the result's verdict policy, see :func:`verdict`);
+        ``largest_fitting``: ``auto``, ``cpu`` (the largest value whose plan fits under that policy, ``None``
+        when none does) and ``auto_all_on_device`` (the largest with nothing offloaded). Sizes in bytes.
+
+    Without a host-memory limit (``memsched plan`` sets none) ``auto`` and ``cpu`` fit the same sizes: both
+    need only resident + peak non-model data to fit the device; ``auto_all_on_device`` tells them apart.
+    """
+    pairs = [(value, cplan) for value, _, cplan in entries]
+    first = entries[0][1]
+    sizes = []
+    for value, result, cplan in entries:
+        policies_seen = dict.fromkeys((*SWEEP_POLICIES, result["verdict"]["policy"]))
+        sizes.append({
+            over: value,
+            "peak_non_model_bytes": result["trace"]["peak_non_model_bytes"],
+            "margin_bytes": result["margin_bytes"],
+            "verdicts": {name: verdict(cplan, name) for name in policies_seen},
+            "result": result,
+        })
+    largest: dict[str, int | None] = {name: largest_fitting(pairs, name) for name in SWEEP_POLICIES}
+    largest["auto_all_on_device"] = largest_fitting(pairs, "auto", all_on_device=True)
+    return {
+        "schema": SWEEP_SCHEMA,
+        "version": VERSION,
+        "over": over,
+        "values": [value for value, _, _ in entries],
+        "capacity_bytes": first["capacity_bytes"],
+        "gpu": first["gpu"],
+        "gpu_margin_mem_ratio": first["gpu_margin_mem_ratio"],
+        "sizes": sizes,
+        "largest_fitting": largest,
+    }

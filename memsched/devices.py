@@ -4,6 +4,10 @@
 are the same, every chunk stays where it is), ``"sim:8GiB"`` (the stand-in accelerator of
 :mod:`memsched.simdevice`: tensors on the CPU, capacity accounted and enforced like a GPU's). ``None`` means
 ``"cuda"`` when CUDA is available, else ``"cpu"``.
+
+``"sim:8GiB,host=2GiB"`` also gives the stand-in machine's host memory: the plan's host part must fit it (as
+well as the real machine's available memory, see :mod:`memsched.host_memory`), so the host-memory check can be
+exercised on any machine, whatever its RAM.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import torch
 
 from policies.units import parse_bytes
 
-ALLOWED = "'cuda', 'cuda:N', 'cpu', 'sim:SIZE' (e.g. 'sim:8GiB'; units B, KiB, MiB, GiB, KB, MB, GB) or None"
+ALLOWED = ("'cuda', 'cuda:N', 'cpu', 'sim:SIZE' or 'sim:SIZE,host=SIZE' (e.g. 'sim:8GiB', "
+           "'sim:8GiB,host=2GiB'; units B, KiB, MiB, GiB, KB, MB, GB) or None")
 
 
 @dataclass(frozen=True)
@@ -29,12 +34,15 @@ class DeviceSpec:
             the CUDA context and other processes, capped by the per-process memory fraction when one is set;
             cpu: the machine's memory; sim: the given size).
         name: the device name in traces (``"cuda:0"``, ``"cpu"``, ``"sim"``).
+        host_capacity_bytes: the stand-in machine's host memory (``sim:SIZE,host=SIZE``), bytes; ``None``
+            elsewhere (the real machine's memory is read when planning, :mod:`memsched.host_memory`).
     """
 
     kind: str
     torch_device: torch.device
     capacity_bytes: int
     name: str
+    host_capacity_bytes: int | None = None
 
     @property
     def is_sim(self) -> bool:
@@ -66,12 +74,40 @@ def cuda_capacity_bytes(device: torch.device) -> int:
     return usable_bytes(int(total), int(free), int(torch.cuda.memory_reserved(device)), fraction)
 
 
+def _parse_size(device: str, what: str, text: str) -> int:
+    """``text`` as bytes > 0; errors name the device string, ``what`` the size is, and the allowed forms."""
+    if not text.strip():
+        raise ValueError(f"device {device!r} lacks a size for {what}; allowed: {ALLOWED}")
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"bad device {device!r}: {e}; allowed: {ALLOWED}") from None
+    if value <= 0:
+        raise ValueError(f"device {device!r}: {what} must be > 0 bytes")
+    return value
+
+
+def _parse_sim(device: str, spec: str) -> DeviceSpec:
+    """``SIZE`` or ``SIZE,host=SIZE`` after ``sim:``."""
+    size, sep, rest = spec.partition(",")
+    cap = _parse_size(device, "the capacity", size)
+    host = None
+    if sep:
+        key, eq, value = rest.partition("=")
+        if key.strip().lower() != "host" or not eq:
+            raise ValueError(f"bad device {device!r}: after the size the stand-in takes only 'host=SIZE' "
+                             f"(its host memory), got {rest.strip()!r}; allowed: {ALLOWED}")
+        host = _parse_size(device, "the host memory (host=SIZE)", value)
+    return DeviceSpec("sim", torch.device("cpu"), cap, "sim", host)
+
+
 def parse_device(device: str | torch.device | None) -> DeviceSpec:
     """Parse a ``device`` argument of :func:`memsched.attach`.
 
     Raises:
         ValueError: the text is none of the allowed forms (the message names it and lists them), a CUDA device
-            was asked for without CUDA, the CUDA index is out of range, or a ``sim`` size is not > 0.
+            was asked for without CUDA, the CUDA index is out of range, or a ``sim`` size (capacity or
+            ``host=``) is not > 0.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -82,16 +118,7 @@ def parse_device(device: str | torch.device | None) -> DeviceSpec:
     text = device.strip()
     low = text.lower()
     if low.startswith("sim:") or low == "sim":
-        size = text[4:] if low.startswith("sim:") else ""
-        if not size.strip():
-            raise ValueError(f"device {device!r} lacks a size; allowed: {ALLOWED}")
-        try:
-            cap = parse_bytes(size)
-        except ValueError as e:
-            raise ValueError(f"bad device {device!r}: {e}; allowed: {ALLOWED}") from None
-        if cap <= 0:
-            raise ValueError(f"device {device!r}: the capacity must be > 0 bytes")
-        return DeviceSpec("sim", torch.device("cpu"), cap, "sim")
+        return _parse_sim(device, text[4:] if low.startswith("sim:") else "")
     if low == "cpu":
         return DeviceSpec("cpu", torch.device("cpu"), int(psutil.virtual_memory().total), "cpu")
     if low == "cuda" or low.startswith("cuda:"):

@@ -29,6 +29,7 @@ import torch
 from memsched import optim_state
 from memsched.adam import fused_adamw_
 from memsched.chunks import Chunk, ChunkStore, param_shards
+from memsched.chunks.fingerprint import Fingerprinter
 from memsched.hyperparams import (  # noqa: F401 (re-exported: memsched.optimizer.check_hyperparameters etc.)
     adamw_default_keys,
     check_hyperparameters,
@@ -85,6 +86,12 @@ class HybridAdamW(torch.optim.Optimizer):
         self.overlap = False
         self.host_updates = HostUpdates(store.alloc.device)
         self.timeline = StepTimeline()
+        # early_d2h (set by the scheduler after warmup, one rank): a host chunk's gradients start their D2H in
+        # backward, as soon as they are complete; the step uses that copy if a fingerprint says the gradients
+        # did not change since (memsched.chunks.fingerprint), else copies again.
+        self.early_d2h = False
+        self._early: dict[int, torch.Tensor] = {}  # chunk index -> fingerprint of the gradients it copied
+        self._fingerprints = Fingerprinter()
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
 
@@ -102,6 +109,31 @@ class HybridAdamW(torch.optim.Optimizer):
         reductions, clipping) was queued."""
         with self.store.alloc.host_context():
             self.transfers.add_d2h(c.start_d2h(self.streams))
+
+    def grads_ready(self, c: Chunk) -> None:
+        """The store's observer: all of ``c``'s gradients are complete in this backward. With ``early_d2h``, a
+        host chunk's D2H starts now, overlapping the rest of backward (ZeRO-Offload's overlap, arXiv
+        2101.06840 section 4.2), and its gradients are fingerprinted so that the step can tell whether
+        anything wrote them after the copy (clipping, ``p.grad.mul_()``, another backward)."""
+        if not self.early_d2h or c.placement != HOST:
+            return
+        self.host_updates.wait([c.index])  # the worker no longer reads its host buffers
+        with self.store.alloc.host_context():  # the stand-in does not count the fingerprint's temporaries
+            self._early[c.index] = self._fingerprints.of(c.grad[c.lo:c.hi])
+        self._start_d2h(c)
+
+    def _early_copies_valid(self, host_chunks: list[Chunk], early: dict[int, torch.Tensor]) -> set[int]:
+        """Indices of the host chunks copied in backward whose gradients did not change since: their copy is
+        used. The fingerprints are compared now, after everything that may have written the gradients; the
+        host waits for that comparison (on CUDA, for backward to finish on the device), so that the copies
+        made again instead are ordered before anything that writes the gradients next (``zero_grad``)."""
+        chunks = [c for c in host_chunks if c.index in early]
+        if not chunks:
+            return set()
+        with self.store.alloc.host_context():
+            now = torch.stack([self._fingerprints.of(c.grad[c.lo:c.hi]) for c in chunks])
+            same = (now == torch.stack([early[c.index] for c in chunks])).all(dim=1).tolist()
+        return {c.index for c, ok in zip(chunks, same, strict=True) if ok}
 
     # ---- step ---------------------------------------------------------------------------------------------
     def _validate_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
@@ -186,6 +218,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.dp.before_update()  # gradient reductions are complete
         self._active = self.dp.agree_with_grad(self.store, with_grad)
         coefs, self._clip_coefs = self._clip_coefs, []
+        early, self._early = self._early, {}
         inv_scale = None
         if self.scaler is not None:
             inv_scale = self.scaler.inv_scale(self.store.alloc.device)  # before the scale updates
@@ -193,8 +226,10 @@ class HybridAdamW(torch.optim.Optimizer):
                 self.scaler.skipped_steps += 1
                 self._finish_step()
                 return loss
+        copied = self._early_copies_valid(host_chunks, early)
         for c in host_chunks:
-            self._start_d2h(c)
+            if c.index not in copied:  # not copied in backward, or written since
+                self._start_d2h(c)
         # Device chunks first (the device works while the CPU updates the host chunks).
         for gi, hp in enumerate(hps):
             self._update_device(gi, hp, [c for c in device_chunks if c.group == gi], inv_scale, coefs)
@@ -375,6 +410,7 @@ class HybridAdamW(torch.optim.Optimizer):
         parameters count as having no gradient: one that gets none in the next backward is not updated, as
         ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None."""
         self._clip_coefs = []
+        self._early = {}  # copies of gradients that are now zeroed: the next backward copies again
         # The gradient buffers may still be read by D2H copies of an overlapped step (CUDA): zero after them.
         self.streams.wait([c.d2h_event for c in self.store.chunks])
         self.store.zero_grad(set_to_none)

@@ -75,7 +75,7 @@ class Installed:
         """Wait for copies in flight, then remove everything (idempotent)."""
         try:
             if self.optimizer is not None:  # the overlapped update in flight finishes; no later step overlaps
-                self.optimizer.overlap = False
+                self.optimizer.overlap = self.optimizer.early_d2h = False
                 self.optimizer.timeline.stop()
                 self.optimizer.host_updates.close()
             if self.store is not None:

@@ -5,18 +5,30 @@ Works from parameter numels and element sizes only, so the model may live on the
 ``FakeTensorMode``. The bytes per chunk come from :func:`memsched.chunks.chunk_bytes`, the same arithmetic the
 chunks use, and the GPU margin follows PatrickStar (arXiv 2108.05818, section 5):
 ``margin = capacity - peak non-model data - resident model data``.
+
+:func:`machine_inputs` adds what ``attach`` knows of the machine and ``memsched plan`` does not: the host
+memory budget (:mod:`memsched.host_memory`) and the allocator fragmentation measured in warmup
+(:func:`measured_fragmentation_bytes`), agreed over the data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
+from memsched.host_memory import HostBudget, host_budget, local_world_size
 from memsched.hyperparams import hyperparameter_groups
-from policies.types import ChunkSpec, PlacementProblem
+from policies.types import HOST, ChunkSpec, PlacementProblem
+
+if TYPE_CHECKING:
+    from memsched.chunks import ChunkStore
+    from memsched.devices import DeviceSpec
+    from memsched.parallel import DataParallel
+    from tracer.timeline import MemoryTimeline
 
 
 def trainable_groups(model: torch.nn.Module,
@@ -56,6 +68,8 @@ def build_problem(
     host_capacity_bytes: int | None = None,
     align: int = 1,
     pinned: bool = False,
+    host_capacity_source: str | None = None,
+    fragmentation_bytes: int | None = None,
 ) -> tuple[PlacementProblem, ChunkLayout]:
     """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
 
@@ -72,12 +86,16 @@ def build_problem(
         param_groups: trainable parameters per param group (a chunk belongs to one group); default one group.
         compute_dtype: dtype of the compute parameters; default the parameters' dtype, or bfloat16 when
             ``master_weights`` is set and the parameters are float32.
-        host_capacity_bytes: pinned host memory available, bytes (``None`` = unknown).
+        host_capacity_bytes: host memory the host-placed chunks may take, bytes (``None`` = unknown); see
+            :func:`machine_inputs`.
         align: parameters start at multiples of ``align`` elements in their chunk (ZeRO:
             :data:`memsched.chunks.SHARD_ALIGN`).
         pinned: host-placed state lives in pinned memory (a CUDA device): each chunk's host bytes are those
             of its one pinned allocation as PyTorch's caching host allocator rounds it
             (:func:`memsched.chunks.pinned_bytes`), not the bytes of its tensors.
+        host_capacity_source: what sets ``host_capacity_bytes``, in words (named when a plan exceeds it).
+        fragmentation_bytes: allocator fragmentation measured in warmup, bytes (``None`` = not measured);
+            ``auto`` sizes its reserve from it.
 
     Returns:
         ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
@@ -110,5 +128,75 @@ def build_problem(
         chunks=tuple(specs),
         gpu_margin_mem_ratio=gpu_margin_mem_ratio,
         host_capacity_bytes=host_capacity_bytes,
+        host_capacity_source=host_capacity_source,
+        fragmentation_bytes=fragmentation_bytes,
     )
     return problem, layout
+
+
+def measured_fragmentation_bytes(timeline: MemoryTimeline | None, device: str | None = None) -> int | None:
+    """The caching allocator's fragmentation at the peak of non-model data of ``timeline`` on ``device``
+    (default: the traced device), bytes; ``None`` when the samples carry no CUDA figures (CPU, stand-in, a
+    fake trace) or there is no timeline.
+
+    It is ``reserved - peak_allocated`` of the sample that closes the interval holding the peak, at least 0:
+    ``reserved`` never shrinks by itself (only ``empty_cache`` or an out-of-memory retry release blocks), so
+    there it is at least what the allocator held at the peak, and ``peak_allocated`` is the most it had in
+    use, the peak itself. The sample's own ``allocated`` would not do: it is read after the interval, once the
+    peak's temporaries are freed, and would count reusable cached blocks as fragmentation. When the process
+    had a higher peak before the trace (the allocator's high-water mark is never reset), the figure is low;
+    ``auto`` never reserves less than its ``reserve_frac`` share of the capacity anyway.
+    """
+    if timeline is None:
+        return None
+    sample = timeline.peak_non_model_sample(device)
+    cuda = sample.cuda if sample is not None else None
+    if not cuda or cuda.get("reserved") is None or cuda.get("peak_allocated") is None:
+        return None
+    return max(0, int(cuda["reserved"]) - int(cuda["peak_allocated"]))
+
+
+_NO_BUDGET = 2**62  # "no host budget" in the integer reduction over ranks (larger than any real one)
+
+
+def _agree(dp: DataParallel, values: list[int], op: str, what: str) -> list[int]:
+    """``values`` reduced over the data-parallel ranks with ``op`` (``"min"``/``"max"``), so that every rank
+    plans the same problem (the plans are checked equal, and a rank refusing alone would leave the others
+    waiting in a collective). One rank: unchanged."""
+    comm = getattr(dp, "comm", None)  # ZeroEngine's communicator; the one-rank base class has none
+    if dp.world <= 1 or comm is None:
+        return values
+    return comm.reduce_ints(values, op, what=what)
+
+
+def machine_inputs(timeline: MemoryTimeline | None, device: DeviceSpec, store: ChunkStore,
+                   dp: DataParallel, *, budget: Callable[..., HostBudget] = host_budget) -> dict[str, Any]:
+    """The :func:`build_problem` arguments that come from this machine and this warmup:
+    ``host_capacity_bytes`` and ``host_capacity_source`` (:func:`memsched.host_memory.host_budget`; none on
+    the CPU device, where nothing is placed on the host) and ``fragmentation_bytes``
+    (:func:`measured_fragmentation_bytes`), agreed over the ranks: the smallest budget, the largest
+    fragmentation.
+
+    Args:
+        timeline: the warmup trace (``None``: no fragmentation figure).
+        device: the compute device; a stand-in's ``host=SIZE`` caps the budget.
+        store: the chunks; those on the host now count as available to the plan (moving them frees them).
+        dp: the data parallelism (its ranks agree; ranks on one machine share its available memory).
+        budget: the host-budget function (injectable for tests), called with :func:`host_budget`'s arguments.
+    """
+    b = None
+    if device.kind != "cpu":
+        pin = store.alloc.pin
+        held = sum(pinned_bytes(c.state_nbytes(), pinned=pin) for c in store.chunks if c.placement == HOST)
+        b = budget(pinned=pin, held_bytes=held, local_ranks=local_world_size() if dp.world > 1 else 1,
+                   stand_in_bytes=device.host_capacity_bytes)
+    frag = measured_fragmentation_bytes(timeline)
+    # One collective: the smallest budget and the largest fragmentation (negated, so "min" finds it). In the
+    # integers, _NO_BUDGET and +1 stand for "none" (every rank has the same kind of device, so all or none).
+    mine = [_NO_BUDGET if b is None else b.capacity_bytes, 1 if frag is None else -frag]
+    cap, neg_frag = _agree(dp, mine, "min", "agreeing on the host budget and the allocator fragmentation")
+    source = None
+    if b is not None:
+        source = b.source if cap == b.capacity_bytes else f"the smallest host budget over {dp.world} ranks"
+    return {"host_capacity_bytes": None if b is None else cap, "host_capacity_source": source,
+            "fragmentation_bytes": None if neg_frag > 0 else -neg_frag}

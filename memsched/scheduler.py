@@ -41,7 +41,7 @@ from memsched.first_use import first_use_order
 from memsched.optimizer import HybridAdamW
 from memsched.ownership import ATTACHED, Installed, claim, release, weak_method
 from memsched.parallel import DataParallel
-from memsched.planning import build_problem
+from memsched.planning import build_problem, machine_inputs
 from memsched.precision import LossScaler
 from memsched.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.step_timeline import StepTimeline
@@ -148,6 +148,7 @@ class Scheduler:
             transfers=self.transfers, scaler=self.scaler,
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names)
         self.optimizer.owner_thread = threading.get_ident()
+        self.store.on_grads_ready_cb = self.optimizer.grads_ready
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
@@ -215,6 +216,9 @@ class Scheduler:
         self.phase = Phase.PLANNED
         # Steady state: the step timeline starts, and with overlap=True host chunks update on the worker.
         self.optimizer.overlap = self.config.overlap
+        # Host chunks' gradients go D2H during backward (checked at the step) where that can overlap
+        # anything: on CUDA, or with the overlap worker. Not under ZeRO (the reduction comes first).
+        self.optimizer.early_d2h = self.dp.world == 1 and (self.streams.cuda or self.config.overlap)
         self.optimizer.timeline.overlap = self.config.overlap
         self.optimizer.timeline.start()
 
@@ -263,7 +267,8 @@ class Scheduler:
             gpu_margin_mem_ratio=self.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=self.store.layout.chunk_numel, param_groups=self.store.groups,
             compute_dtype=self.compute_dtype, align=self.store.align, pinned=self.store.alloc.pin,
-            world_size=self.dp.world if self.dp.sharded else 1)
+            world_size=self.dp.world if self.dp.sharded else 1,
+            **machine_inputs(self.timeline, self.device, self.store, self.dp))  # host budget, fragmentation
         assert layout == self.store.layout, "planning and chunks disagree on the layout"
         self.problem = problem
         if self.device.kind == "cpu":

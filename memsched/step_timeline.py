@@ -13,7 +13,8 @@ cost is a few clock reads per step, per host chunk and per wait:
   ``h2d`` (issuing, or on the CPU doing, the copy of its parameters).
 
 On CUDA these are host times: a copy or a kernel the GPU has not reached yet is not in them, only the host's
-waits for it. A span belongs to the step during which it started.
+waits for it. A span is recorded with the step that is open when it ends; the summary counts the part of
+each span inside the step's interval.
 
 The summary of a step: ``step_s``, its phases, ``cpu_update_s`` (all CPU-update spans), ``exposed_cpu_s``
 (what the training thread spent on the CPU update: its own updates when serial, its waits when overlapped),
@@ -72,12 +73,17 @@ class StepRecord:
                 out[s.name] = out.get(s.name, 0.0) + s.seconds
         return out
 
+    def _inside(self, s: Span) -> float:
+        """Seconds of ``s`` inside this step's interval (a worker span can start in one step and end, or be
+        recorded, in the next)."""
+        return max(0.0, min(self.end_s, s.end_s) - max(self.start_s, s.start_s))
+
     def summary(self) -> dict[str, Any]:
         """Step time, phases, CPU-update time, exposed CPU time, waits, the ideal step and the overlap
-        efficiency (see the module docstring); seconds."""
-        cpu = sum(s.seconds for s in self.spans if s.track == CPU_UPDATE)
-        waits = sum(s.seconds for s in self.spans if s.track == WAITS)
-        d2h_wait = sum(s.seconds for s in self.spans if s.track == CPU_UPDATE and s.name == "d2h wait")
+        efficiency (see the module docstring); seconds, each span counted for its part inside the step."""
+        cpu = sum(self._inside(s) for s in self.spans if s.track == CPU_UPDATE)
+        waits = sum(self._inside(s) for s in self.spans if s.track == WAITS)
+        d2h_wait = sum(self._inside(s) for s in self.spans if s.track == CPU_UPDATE and s.name == "d2h wait")
         exposed = waits if self.overlap else cpu
         ideal = max(self.step_s - exposed, cpu)
         return {

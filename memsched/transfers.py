@@ -73,10 +73,10 @@ class Streams:
         self.d2h = torch.cuda.Stream(device=device) if self.cuda else None
         self.h2d = torch.cuda.Stream(device=device) if self.cuda else None
 
-    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor):
-        """``dst.copy_(src)`` after the work queued so far on the current stream; returns a CUDA event or
-        ``None``."""
-        return self._copy(self.d2h, dst, src, src.device)
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None = None):
+        """``dst.copy_(src)`` after the work queued so far on the current stream (or after ``after``, an event
+        of :meth:`record`); returns a CUDA event or ``None``."""
+        return self._copy(self.d2h, dst, src, src.device, after)
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None = None):
         """``dst.copy_(src)`` (``src`` pinned host memory) ordered after the current stream's work, or after

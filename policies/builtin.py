@@ -201,18 +201,39 @@ def static_policy(
     return make_plan(p, _placement(len(chunks), k), budget_bytes=p.margin_bytes, reasons=reasons)
 
 
-def auto_reserve_bytes(capacity_bytes: int, reserve_frac: float, reserve_bytes: int) -> int:
-    """``auto``'s fragmentation reserve, bytes: ``max(ceil(reserve_frac x capacity), reserve_bytes)``."""
-    return max(math.ceil(Fraction(reserve_frac) * capacity_bytes), reserve_bytes)
+def auto_reserve_bytes(capacity_bytes: int, reserve_frac: float, reserve_bytes: int,
+                       fragmentation_bytes: int | None = None) -> int:
+    """``auto``'s fragmentation reserve, bytes:
+    ``max(ceil(reserve_frac x capacity), reserve_bytes, fragmentation_bytes or 0)``.
+
+    A measured fragmentation (CUDA: reserved - allocated at the warmup peak) can only raise the reserve: on an
+    H100 capped at 13 GiB, a reserve sized from the measurement alone (with a 1 % floor) let ``auto`` place
+    more chunks, and the next step ran out of memory allocating its logits (``bench/results/
+    gpu_step_time_early_d2h_nvidia-h100-80gb-hbm3.json``). One moment of warmup does not see everything the
+    allocator will need later (chunk moves, the step's temporaries).
+    """
+    return max(math.ceil(Fraction(reserve_frac) * capacity_bytes), reserve_bytes, fragmentation_bytes or 0)
+
+
+def _reserve_reason(p: PlacementProblem, reserve: int, reserve_frac: float, reserve_bytes: int) -> str:
+    """The plan's sentence on ``auto``'s reserve: where its size came from."""
+    base = (f"Fragmentation reserve {fb(reserve)} (the larger of reserve_frac {reserve_frac:g} x capacity "
+            f"and reserve_bytes {fb(reserve_bytes)}")
+    if p.fragmentation_bytes is None:
+        return base + ")."
+    return base + (f", and the allocator fragmentation measured in warmup, {fb(p.fragmentation_bytes)}: "
+                   "reserved - allocated at the peak).")
 
 
 def auto_budget_bytes(problem: PlacementProblem, reserve_frac: float, reserve_bytes: int) -> int:
-    """``auto``'s budget, bytes: ``floor(gpu_margin_mem_ratio x max(0, margin - reserve))``.
+    """``auto``'s budget, bytes: ``floor(gpu_margin_mem_ratio x max(0, margin - reserve))``, the reserve from
+    :func:`auto_reserve_bytes` (with ``problem.fragmentation_bytes`` when measured).
 
-    Non-decreasing in the ratio and in the capacity (the reserve grows by at most ``reserve_frac`` <= 1
-    byte per byte of capacity).
+    Non-decreasing in the ratio and in the capacity (the reserve grows by at most ``reserve_frac`` <= 1 byte
+    per byte of capacity), non-increasing in the measured fragmentation.
     """
-    reserve = auto_reserve_bytes(problem.capacity_bytes, reserve_frac, reserve_bytes)
+    reserve = auto_reserve_bytes(problem.capacity_bytes, reserve_frac, reserve_bytes,
+                                 problem.fragmentation_bytes)
     return math.floor(Fraction(problem.gpu_margin_mem_ratio) * max(0, problem.margin_bytes - reserve))
 
 
@@ -220,7 +241,8 @@ def auto_budget_bytes(problem: PlacementProblem, reserve_frac: float, reserve_by
     "auto",
     options={
         "reserve_frac": Option(
-            float, DEFAULT_RESERVE_FRAC, "fragmentation reserve as a share of the device capacity",
+            float, DEFAULT_RESERVE_FRAC,
+            "fragmentation reserve as a share of the device capacity, when fragmentation was not measured",
             min=0, max=1,
         ),
         "reserve_bytes": Option(
@@ -235,7 +257,9 @@ def auto_policy(
     """Place as much optimizer state on the device as the traced margin allows (PatrickStar, Gemini auto).
 
     ``margin = capacity - peak non-model - resident``;
-    ``reserve = max(reserve_frac x capacity, reserve_bytes)`` keeps slack for allocator fragmentation;
+    ``reserve = max(reserve_frac x capacity, reserve_bytes)`` keeps slack for allocator fragmentation; when
+    the problem carries a measured ``fragmentation_bytes`` (CUDA), it is a third lower bound of the reserve
+    (:func:`auto_reserve_bytes`);
     ``budget = gpu_margin_mem_ratio x max(0, margin - reserve)``. The longest first-use prefix of chunks
     whose ``device_bytes`` fit the budget goes to the device (nothing when the budget is 0, so ratio 0
     places like ``cpu``), the rest to the host.
@@ -244,13 +268,12 @@ def auto_policy(
         PlacementError: only from the common checks (margin < 0, host part over ``host_capacity_bytes``).
     """
     p, chunks = problem, problem.chunks
-    reserve = auto_reserve_bytes(p.capacity_bytes, reserve_frac, reserve_bytes)
+    reserve = auto_reserve_bytes(p.capacity_bytes, reserve_frac, reserve_bytes, p.fragmentation_bytes)
     budget = auto_budget_bytes(p, reserve_frac, reserve_bytes)
     k = _prefix_within(chunks, budget) if budget > 0 else 0
     reasons = [
         _margin_reason(p),
-        f"Fragmentation reserve {fb(reserve)} (the larger of reserve_frac {reserve_frac:g} x capacity and "
-        f"reserve_bytes {fb(reserve_bytes)}).",
+        _reserve_reason(p, reserve, reserve_frac, reserve_bytes),
         f"Budget {fb(budget)} = gpu_margin_mem_ratio {p.gpu_margin_mem_ratio:g} x max(0, margin - reserve).",
         _split_reason(chunks, k),
     ]

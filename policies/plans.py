@@ -65,11 +65,15 @@ def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> Non
             f"placement policy {name!r} put {format_bytes(dev)} of optimizer state on the device, more "
             f"than the GPU margin of {format_bytes(problem.margin_bytes)}; try 'auto' or 'cpu'"
         )
-    if problem.host_capacity_bytes is not None and host > problem.host_capacity_bytes:
+    cap = problem.host_capacity_bytes
+    if cap is not None and host > cap:
+        # Exact byte counts next to the rounded ones: the user compares them with free / ulimit output.
+        source = f" ({problem.host_capacity_source})" if problem.host_capacity_source else ""
         raise PlacementError(
             f"placement policy {name!r} needs {format_bytes(host)} of pinned host memory for "
-            f"{plan.placement.count(HOST)} chunks, but only {format_bytes(problem.host_capacity_bytes)} "
-            "is available; keep more chunks on the device or free host memory"
+            f"{plan.placement.count(HOST)} chunks ({host:,} bytes), but only {format_bytes(cap)} "
+            f"({cap:,} bytes) is available{source}; short by {host - cap:,} bytes. Keep more chunks on "
+            "the device (policy 'auto', a larger gpu_margin_mem_ratio) or free host memory"
         )
 
 

@@ -87,7 +87,13 @@ class PlacementProblem:
             buffers, gradient buffers, frozen parameters), bytes.
         chunks: the optimizer-state chunks, in first-use order.
         gpu_margin_mem_ratio: share of the GPU margin that policies may fill, in [0, 1].
-        host_capacity_bytes: CPU memory available for pinned buffers, bytes (``None`` = unknown / unlimited).
+        host_capacity_bytes: CPU memory available for the host-placed chunks (pinned on CUDA), bytes (``None``
+            = unknown / unlimited); ``Policy.plan`` refuses a plan whose host part exceeds it.
+        host_capacity_source: what sets ``host_capacity_bytes``, in words (``"available host memory"``,
+            ``"the locked-memory limit RLIMIT_MEMLOCK"``, ...); named in the error of a plan over it.
+        fragmentation_bytes: allocator fragmentation measured during warmup, bytes (on CUDA: the caching
+            allocator's reserved minus allocated bytes at the peak of non-model data); ``None`` = not measured
+            (the CPU and the stand-in have no caching allocator). ``auto`` sizes its reserve from it.
     """
 
     capacity_bytes: int
@@ -96,17 +102,24 @@ class PlacementProblem:
     chunks: tuple[ChunkSpec, ...]
     gpu_margin_mem_ratio: float = 0.8
     host_capacity_bytes: int | None = None
+    host_capacity_source: str | None = None
+    fragmentation_bytes: int | None = None
 
     def __post_init__(self) -> None:
         """Validate once, here, so that every policy (built-in or custom) sees a sane problem.
 
         Raises:
             ValueError: a size is negative or not a whole number of bytes, a chunk is not a
-                :class:`ChunkSpec`, or ``gpu_margin_mem_ratio`` is not a number in [0, 1] (NaN included).
+                :class:`ChunkSpec`, ``gpu_margin_mem_ratio`` is not a number in [0, 1] (NaN included), or
+                ``host_capacity_source`` is neither text nor ``None``.
         """
         for name in ("capacity_bytes", "peak_non_model_bytes", "resident_model_bytes"):
             _check_bytes(self, name, getattr(self, name))
         _check_bytes(self, "host_capacity_bytes", self.host_capacity_bytes, optional=True)
+        _check_bytes(self, "fragmentation_bytes", self.fragmentation_bytes, optional=True)
+        if self.host_capacity_source is not None and not isinstance(self.host_capacity_source, str):
+            raise ValueError(f"PlacementProblem.host_capacity_source must be text or None, got "
+                             f"{self.host_capacity_source!r}")
         if isinstance(self.chunks, (str, bytes)) or not hasattr(self.chunks, "__iter__"):
             raise ValueError(f"PlacementProblem.chunks must be a sequence of ChunkSpec, got {self.chunks!r}")
         chunks = tuple(self.chunks)  # accept any iterable; stored as a tuple so the problem stays hashable

@@ -232,3 +232,61 @@ def test_step_timeline_phases_add_up_and_export():
 def test_overlap_must_be_a_bool():
     with pytest.raises(ValueError, match="overlap must be True or False, got 'yes'"):
         memsched.attach(tiny_gpt(), overlap="yes", device="sim:64MiB")
+
+
+@pytest.mark.parametrize("write", [None, "clip", "data-mul", "accumulate"])
+def test_early_d2h_is_used_only_while_the_gradients_are_unchanged(write, monkeypatch):
+    """With overlap, host chunks' gradients go D2H during backward; a write after it (torch's clipping,
+    ``p.grad.data.mul_`` which moves no version counter, a second backward) is seen by the fingerprint and
+    the gradients are copied again at the step: bit-exact either way, and without a write nothing is copied
+    twice."""
+    from memsched.chunks import Chunk
+
+    copies = {"backward": 0, "step": 0}
+    where = {"now": "backward"}
+    original = Chunk.start_d2h
+
+    def counted(self, *a, **k):
+        copies[where["now"]] += 1
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(Chunk, "start_d2h", counted)
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(8)
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                         **PLACEMENTS["cpu"]) as sched:
+        for i in range(4):
+            micro = batches[2 * i:2 * i + 2] if write == "accumulate" else [batches[i]]
+            where["now"] = "backward"
+            for b in micro:
+                sched.backward(gpt_loss(model, b) / len(micro))
+            if write == "clip":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            elif write == "data-mul":
+                for p in model.parameters():
+                    p.grad.data.mul_(0.5)
+            where["now"] = "step"
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+
+            def loss_fn(m, _b, micro=micro):
+                for b in micro[:-1]:
+                    (gpt_loss(m, b) / len(micro)).backward()
+                if write == "data-mul":  # the halving happens after the last backward, as above
+                    loss = gpt_loss(m, micro[-1]) / len(micro)
+                    loss.backward()
+                    for p in m.parameters():
+                        p.grad.data.mul_(0.5)
+                    return torch.zeros((), requires_grad=True)  # nothing more to add
+                return gpt_loss(m, micro[-1]) / len(micro)
+
+            with paused(sched):
+                ref.step(None, loss_fn, CLIP if write == "clip" else None)
+        n_host = sum(c.placement == HOST for c in sched.store.chunks)
+    assert_same(model, ref, f"write={write}")
+    steady = 3  # steps after the warmup step
+    backward_copies = steady * n_host * (2 if write == "accumulate" else 1)
+    assert copies["backward"] == backward_copies
+    # The warmup step copies at the step; after it, only a write makes the step copy again.
+    assert copies["step"] == n_host * (1 + (steady if write in ("clip", "data-mul") else 0))

@@ -11,6 +11,7 @@ import torch
 
 from memsched.chunks import STEP_BYTES
 from memsched.cli import main
+from memsched.commands.argtypes import positive_int_list
 from memsched.commands.plan import (
     VERDICTS,
     fake_device,
@@ -224,6 +225,94 @@ def test_cli_argument_errors(capsys, argv: list[str]) -> None:
         main(["plan", "--model", "tiny", *argv])
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+# ---- several sizes at once ---------------------------------------------------------------------------------
+def test_positive_int_list() -> None:
+    import argparse
+
+    assert positive_int_list("512") == [512]
+    assert positive_int_list(" 512, 1024 ,2048") == [512, 1024, 2048]
+    for text, bad in [("512,1k", "got '1k' in '512,1k'"), ("0", "got '0' in '0'"), ("8,-1", "got '-1'"),
+                      ("8,,16", "got an empty item in '8,,16'"), ("", "got an empty item"),
+                      ("8,16,8", "got 8 twice in '8,16,8'")]:
+        with pytest.raises(argparse.ArgumentTypeError, match="list of distinct integers >= 1") as e:
+            positive_int_list(text)
+        assert bad in str(e.value)
+
+
+def test_cli_seq_len_sweep_json_has_every_size_and_the_largest_that_fits(capsys) -> None:
+    r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "32,64,128",
+                   "--capacity", "4MiB")
+    assert r["schema"] == "memsched.plan_sweep" and r["version"] == 1
+    assert r["over"] == "seq_len" and r["values"] == [32, 64, 128]
+    assert r["capacity_bytes"] == 4 * 2**20 and r["gpu"] is None
+    sizes = r["sizes"]
+    assert [s["seq_len"] for s in sizes] == [32, 64, 128]
+    peaks = [s["peak_non_model_bytes"] for s in sizes]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3  # longer sequences, more activations
+    for s in sizes:  # each size carries its own full single-size result
+        assert s["result"]["schema"] == "memsched.plan"
+        assert s["result"]["workload"]["seq_len"] == s["seq_len"]
+        assert s["result"]["workload"]["batch_size"] == 2
+        assert s["result"]["trace"]["peak_non_model_bytes"] == s["peak_non_model_bytes"]
+        assert set(s["verdicts"]) == {"auto", "cpu"}
+    status = [s["verdicts"]["auto"]["status"] for s in sizes]
+    assert status == ["fits", "offload", "does_not_fit"]  # 4 MiB was chosen to show all three
+    assert [s["verdicts"]["cpu"]["status"] for s in sizes] == ["offload", "offload", "does_not_fit"]
+    assert r["largest_fitting"] == {"auto": 64, "cpu": 64, "auto_all_on_device": 32}
+    # the sweep's figures are the single-size command's
+    single = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64",
+                        "--capacity", "4MiB")
+    assert single["schema"] == "memsched.plan" and single["trace"]["peak_non_model_bytes"] == peaks[1]
+    assert single["verdict"] == sizes[1]["verdicts"]["auto"]
+
+
+def test_cli_batch_size_sweep_table(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # one line per row: rich would wrap cells in 80 columns
+    argv = ["plan", "--model", "tiny", "--batch-size", "1,2,16", "--seq-len", "64", "--capacity", "4MiB",
+            "--policy", "static"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "batch size" in line)
+    for column in ("peak non-model data", "GPU margin", "auto", "cpu", "static"):
+        assert column in header
+    rows = {line.split()[1]: line for line in lines if line.split()[1:2] in (["1"], ["2"], ["16"])}
+    assert "fits, all on the device" in rows["1"] and "offloaded" in rows["2"]
+    assert rows["16"].count("does not fit, short") == 3
+    assert lines[-1] == "Largest batch size that fits 4.0 MiB: 2 with auto, 2 with cpu (auto keeps all " \
+                        "optimizer state on the device up to 1)"
+    out = "\n".join(lines)
+    assert "Verdict" not in out  # the single-size report is not repeated per size
+
+
+def test_cli_sweep_with_nothing_fitting_says_none(capsys) -> None:
+    r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "32,64",
+                   "--capacity", "64KiB")
+    assert r["largest_fitting"] == {"auto": None, "cpu": None, "auto_all_on_device": None}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seq-len", "32,64", "--batch-size", "1,2"],
+     "give several values to --seq-len or to --batch-size, not both"),
+    (["--seq-len", "32,4096"], "sequence length 4096 exceeds the 'tiny' model's block_size"),
+])
+def test_cli_sweep_errors_before_any_trace(capsys, argv: list[str], message: str) -> None:
+    assert main(["plan", "--model", "tiny", "--capacity", "1GiB", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--seq-len", "32,x"], "got 'x' in '32,x'"),
+    (["--batch-size", "4,4"], "got 4 twice in '4,4'"),
+])
+def test_cli_bad_size_list_names_the_value(capsys, argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "tiny", "--capacity", "1GiB", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and ("--seq-len" in err or "--batch-size" in err)
 
 
 def test_gpu_table() -> None:

@@ -28,7 +28,7 @@ from policies import (
     format_bytes,
     make_plan,
 )
-from policies.builtin import auto_budget_bytes
+from policies.builtin import auto_budget_bytes, auto_reserve_bytes
 
 GiB, MiB = 2**30, 2**20
 BUILTINS = ["auto", "cpu", "cuda", "static"]
@@ -295,6 +295,16 @@ def test_chunk_spec_rejects_negative_or_fractional_sizes() -> None:
         ChunkSpec(-1, 1, 1)
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"fragmentation_bytes": -1}, "fragmentation_bytes must be >= 0 bytes, got -1"),
+    ({"fragmentation_bytes": 2.5}, "fragmentation_bytes must be a whole number of bytes, got 2.5"),
+    ({"host_capacity_source": 7}, "host_capacity_source must be text or None, got 7"),
+])
+def test_problem_rejects_bad_machine_inputs(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PlacementProblem(16 * GiB, 0, 0, chunks_of(MiB), **kwargs)
+
+
 def test_problem_normalises_chunks_to_a_tuple() -> None:
     p = problem(chunks=list(chunks_of(1, 2, 3)), ratio=1)
     assert isinstance(p.chunks, tuple) and len(p.chunks) == 3
@@ -344,6 +354,19 @@ def test_cpu_places_everything_on_the_host_and_checks_host_capacity() -> None:
         policies.get("cpu").plan(problem(host=8 * GiB))
 
 
+def test_host_capacity_error_gives_exact_bytes_and_names_the_limit() -> None:
+    p = PlacementProblem(16 * GiB, 8 * GiB, 3 * GiB, chunks_of(*[512 * MiB] * 12), 0.8, 8 * GiB,
+                         host_capacity_source="the locked-memory limit RLIMIT_MEMLOCK (ulimit -l) of 8.0 GiB")
+    with pytest.raises(PlacementError) as e:
+        policies.get("cpu").plan(p)
+    msg = str(e.value)
+    assert "(12,884,901,888 bytes)" in msg and "(8,589,934,592 bytes) is available" in msg
+    assert "short by 4,294,967,296 bytes" in msg and "(the locked-memory limit RLIMIT_MEMLOCK" in msg
+    # auto's host part is what it cannot keep on the device: 5 GiB margin -> fewer host chunks, same check
+    plan = policies.get("auto").plan(p)
+    assert plan.host_bytes <= 8 * GiB
+
+
 def test_static_offloads_the_last_used_chunks_first() -> None:
     p = problem(chunks=chunks_of(*[512 * MiB] * 8))
     plan = policies.get("static", offload_optim_frac=0.25).plan(p)
@@ -389,6 +412,30 @@ def test_auto_worked_example() -> None:
     assert none.budget_bytes == 5 * GiB and none.device_bytes == 5 * GiB
 
 
+def test_auto_reserve_from_measured_fragmentation() -> None:
+    cap = 16 * GiB
+    blanket = math.ceil(Fraction(0.05) * cap)  # 819.2 MiB
+    # measured: a third lower bound; it can only raise the reserve
+    assert auto_reserve_bytes(cap, 0.05, 0, 300 * MiB) == blanket
+    assert auto_reserve_bytes(cap, 0.05, 0, 2 * GiB) == 2 * GiB
+    assert auto_reserve_bytes(cap, 0.05, 3 * GiB, 2 * GiB) == 3 * GiB  # reserve_bytes: the user's minimum
+    assert auto_reserve_bytes(cap, 0.05, 0, None) == blanket  # not measured
+
+    measured = PlacementProblem(cap, 8 * GiB, 3 * GiB, chunks_of(*[512 * MiB] * 12),
+                                fragmentation_bytes=2 * GiB)
+    plan = policies.get("auto").plan(measured)
+    assert plan.budget_bytes == math.floor(Fraction(0.8) * (5 * GiB - 2 * GiB))
+    text = " ".join(plan.reasons)
+    want = ("Fragmentation reserve 2.0 GiB (the larger of reserve_frac 0.05 x capacity and reserve_bytes "
+            "0 B, and the allocator fragmentation measured in warmup, 2.0 GiB: reserved - allocated at the "
+            "peak).")
+    assert want in text
+    # a large measured fragmentation keeps room free: fewer chunks than under the blanket 5 % reserve
+    assert plan.device_bytes < policies.get("auto").plan(problem()).device_bytes
+    small = PlacementProblem(cap, 8 * GiB, 3 * GiB, chunks_of(*[512 * MiB] * 12), fragmentation_bytes=MiB)
+    assert policies.get("auto").plan(small).device_bytes == policies.get("auto").plan(problem()).device_bytes
+
+
 def test_auto_budget_is_monotone_to_the_byte_beyond_float_precision() -> None:
     # near 2**62 a float holds 0.05 x capacity only to 32 bytes: float budgets could drop as capacity grows
     base = 2**62
@@ -432,7 +479,10 @@ def problems(draw, ratio=ratios) -> PlacementProblem:
     host = draw(st.sampled_from([None, None, "some"]))
     if host is not None:
         host = int(host_total * draw(st.floats(min_value=0, max_value=1.5)))
-    return PlacementProblem(capacity, peak, resident, chunks, draw(ratio), host)
+    frag = draw(st.sampled_from([None, None, "some"]))  # measured on CUDA only
+    if frag is not None:
+        frag = draw(st.integers(min_value=0, max_value=2**36))
+    return PlacementProblem(capacity, peak, resident, chunks, draw(ratio), host, fragmentation_bytes=frag)
 
 
 @st.composite
@@ -516,6 +566,26 @@ def test_auto_is_monotone_in_capacity(p: PlacementProblem, more: int, reserve_fr
     assert a.budget_bytes <= b.budget_bytes
     assert a.device_bytes <= b.device_bytes
     assert set(a.device_chunks) <= set(b.device_chunks)
+
+
+@given(problems(), st.integers(min_value=0, max_value=2**40), st.integers(min_value=0, max_value=2**36),
+       st.integers(min_value=0, max_value=2**36))
+@settings(max_examples=150, deadline=None)
+def test_auto_with_measured_fragmentation_is_monotone(p: PlacementProblem, more: int, frag: int,
+                                                      extra: int) -> None:
+    # more capacity never places less; more fragmentation never places more
+    assume(p.margin_bytes >= 0)
+
+    def plan(capacity: int, fragmentation: int) -> PlacementPlan:
+        return policies.get("auto").plan(PlacementProblem(
+            capacity, p.peak_non_model_bytes, p.resident_model_bytes, p.chunks, p.gpu_margin_mem_ratio,
+            fragmentation_bytes=fragmentation))
+
+    base, roomier, fragmented = plan(p.capacity_bytes, frag), plan(p.capacity_bytes + more, frag), \
+        plan(p.capacity_bytes, frag + extra)
+    assert base.budget_bytes <= roomier.budget_bytes and set(base.device_chunks) <= set(roomier.device_chunks)
+    assert fragmented.budget_bytes <= base.budget_bytes
+    assert set(fragmented.device_chunks) <= set(base.device_chunks)
 
 
 @given(problems(ratio=st.just(0.0)))

@@ -84,16 +84,22 @@ def test_pinned_host_buffers_streams_and_events():
             assert isinstance(c.h2d_event, torch.cuda.Event)  # the H2D of its updated parameters
         for c in dev:
             assert c.exp_avg.is_cuda and c.steps.is_cuda and c.master is None
-        # The step copies each host chunk's gradients D2H once, on the side stream, after clipping.
+        # Each host chunk's gradients go D2H on the side stream during backward; clipping writes them after
+        # that copy, so the step copies them again (the fingerprint differs): the clipped values are used.
         sched.backward(m(x).pow(2).mean())
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
         assert sched.streams.d2h is not None and sched.streams.h2d is not None
         numel = sum(c.numel for c in host)
         assert sched.transfers.last_h2d_bytes == numel * 4
         sched.optimizer.step()
-        assert sched.transfers.last_d2h_bytes == numel * 4
+        assert sched.transfers.last_d2h_bytes == 2 * numel * 4
         for c in host:
             assert torch.equal(c.host_grad, c.grad.cpu())  # the clipped gradients reached the host
+        # Without a write after backward, the copy made during backward is the one used.
+        sched.optimizer.zero_grad()
+        sched.backward(m(x).pow(2).mean())
+        sched.optimizer.step()
+        assert sched.transfers.last_d2h_bytes == numel * 4
 
 
 def test_bf16_on_cuda_keeps_fp32_masters():

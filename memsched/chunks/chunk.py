@@ -214,13 +214,14 @@ class Chunk:
         self.initial_master = None
 
     # -- H2D / D2H ------------------------------------------------------------------------------------------
-    def start_d2h(self, streams: Any) -> int:
+    def start_d2h(self, streams: Any, after: Any = None) -> int:
         """Copy the gradients of the shard to host memory after the work queued so far on the compute stream
-        (``staging`` in the compute dtype under mixed precision, else ``host_grad``); returns the bytes."""
+        (or after the CUDA event ``after``) (``staging`` in the compute dtype under mixed precision, else
+        ``host_grad``); returns the bytes."""
         dst = self.staging if self.staging is not None else self.host_grad
         self.wait_h2d()  # the previous step's H2D may still read ``staging``
         self.wait_d2h()
-        self.d2h_event = streams.copy_d2h(dst, self.grad[self.lo:self.hi])
+        self.d2h_event = streams.copy_d2h(dst, self.grad[self.lo:self.hi], after)
         return self.shard_numel * self.grad.element_size()
 
     def start_h2d(self, streams: Any, src: torch.Tensor, after: Any = None) -> int:

@@ -25,6 +25,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """A comma-separated list of distinct integers >= 1 (``"512,1024,2048"``); one value is a list of one.
+
+    The error names the bad item as well as the whole text, so ``--seq-len 512,1k,2048`` says which is wrong.
+    """
+    allowed = "a comma-separated list of distinct integers >= 1 (e.g. 512,1024,2048)"
+    values: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            value = int(item)
+        except ValueError:
+            value = 0
+        if value < 1:
+            what = "an empty item" if not item else repr(item)
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {what} in {text!r}")
+        if value in values:
+            raise argparse.ArgumentTypeError(f"expected {allowed}, got {value} twice in {text!r}")
+        values.append(value)
+    return values
+
+
 def ratio(text: str) -> float:
     """A finite number in [0, 1] (e.g. ``gpu_margin_mem_ratio``; :func:`policies.types.check_ratio`)."""
     value = _number(text, float, "a number in [0, 1]")

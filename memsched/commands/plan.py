@@ -2,6 +2,10 @@
 
 The prediction is :mod:`memsched.prediction` (a trace under ``FakeTensorMode``), the verdicts
 :mod:`memsched.capacity`; this module parses the arguments and renders.
+
+``--seq-len 512,1024,2048`` (or ``--batch-size 4,8``) traces each size and prints, per size, the peak
+non-model data and the verdicts of ``auto`` and ``cpu``, then the largest size that fits with each
+(:func:`memsched.capacity.sweep_dict`). One size prints exactly what it always did.
 """
 
 from __future__ import annotations
@@ -19,14 +23,17 @@ from rich.table import Table
 import policies
 from memsched.capacity import (  # noqa: F401 (re-exported for the command's users)
     SCHEMA,
+    SWEEP_POLICIES,
+    SWEEP_SCHEMA,
     VERDICTS,
     VERSION,
     CapacityPlan,
     plan_for_capacity,
     result_dict,
+    sweep_dict,
     verdict,
 )
-from memsched.commands.argtypes import positive_int, ratio
+from memsched.commands.argtypes import positive_int_list, ratio
 from memsched.gpus import get_gpu, gpu_names
 from memsched.models import sizes
 from memsched.prediction import (  # noqa: F401 (re-exported for the command's users)
@@ -70,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "allocated), then show peak non-model data, model data by category, each placement policy's plan "
             "for the device size, and a verdict: fits / fits only with offload / does not fit.", 79),
         epilog="examples: memsched plan --model 1.3b --batch-size 8 --seq-len 1024 --capacity 24GiB\n"
+               "          memsched plan --model 1.3b --seq-len 512,1024,2048 --gpu a100-40gb\n"
                "          memsched plan examples/trace_target.py:build --gpu a100-40gb --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -77,11 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="file.py:function or module:function returning (model, loss_fn) for a device "
                         "(see memsched trace); or use --model")
     p.add_argument("--model", metavar="SIZE", help=f"the built-in GPT at this size: {', '.join(sizes())}")
-    p.add_argument("--batch-size", type=positive_int, default=None,
-                   help=f"batch size for --model (default {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--seq-len", type=positive_int, default=None,
+    p.add_argument("--batch-size", type=positive_int_list, default=None, metavar="N[,N...]",
+                   help=f"batch size for --model (default {DEFAULT_BATCH_SIZE}); several, comma-separated, "
+                        "plan each and say the largest that fits")
+    p.add_argument("--seq-len", type=positive_int_list, default=None, metavar="N[,N...]",
                    help=f"sequence length for --model (default {DEFAULT_SEQ_LEN}, at most the model's "
-                        "block size)")
+                        "block size); several, comma-separated, plan each and say the largest that fits")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="compute dtype (bf16/fp16 add an fp32 master copy to the optimizer state); default: "
                         "fp32 for --model, the model's own dtype for a TARGET")
@@ -121,28 +130,48 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown policy {args.policy!r}: known policies are {', '.join(policies.names())}")
     capacity, gpu = _capacity(args)
     dtype = DTYPES[args.dtype] if args.dtype else None
+    over: str | None = None  # the swept key when several sizes are given
     if args.model is not None:
-        batch = args.batch_size or DEFAULT_BATCH_SIZE
-        seq = args.seq_len or DEFAULT_SEQ_LEN
-        build: str | WorkloadFn = gpt_workload(args.model, batch, seq)
-        what: dict[str, Any] = {"model": args.model, "batch_size": batch, "seq_len": seq}
+        batches = args.batch_size or [DEFAULT_BATCH_SIZE]
+        seqs = args.seq_len or [DEFAULT_SEQ_LEN]
+        if len(batches) > 1 and len(seqs) > 1:
+            raise ValueError(f"give several values to --seq-len or to --batch-size, not both (got "
+                             f"--batch-size {','.join(map(str, batches))} and --seq-len "
+                             f"{','.join(map(str, seqs))}): the largest size that fits is defined along one")
+        over = "batch_size" if len(batches) > 1 else "seq_len" if len(seqs) > 1 else None
+        # Every workload is made (and checked: block size) before the first, possibly long, trace.
+        runs: list[tuple[str | WorkloadFn, dict[str, Any]]] = [
+            (gpt_workload(args.model, b, s), {"model": args.model, "batch_size": b, "seq_len": s})
+            for b in batches for s in seqs]
     else:
         if args.batch_size is not None or args.seq_len is not None:
             raise ValueError("--batch-size and --seq-len apply to --model only; a TARGET's loss_fn makes "
                              "its own batch")
-        build, what = args.target, {"target": args.target}
+        runs = [(args.target, {"target": args.target})]
 
     console = Console(stderr=args.json)
-    with console.status("tracing one training step with fake tensors ...") if not args.json else \
-            contextlib.nullcontext():
-        prediction = trace_step(build, dtype=dtype or (torch.float32 if args.model else None),
-                                attention=args.attention)
-    cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
-    result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)
+    entries: list[tuple[int, dict[str, Any], CapacityPlan]] = []
+    for build, what in runs:
+        label = f" ({over} {what[over]})" if over else ""
+        with console.status(f"tracing one training step with fake tensors{label} ...") if not args.json else \
+                contextlib.nullcontext():
+            prediction = trace_step(build, dtype=dtype or (torch.float32 if args.model else None),
+                                    attention=args.attention)
+        cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)
+        entries.append((what[over] if over else 0, result, cplan))
+    if over is None:
+        result = entries[0][1]
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            render(result, console)
+        return 0
+    sweep = sweep_dict(over, entries)
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps(sweep, indent=2))
     else:
-        render(result, console)
+        render_sweep(sweep, console)
     return 0
 
 
@@ -206,3 +235,48 @@ def render(result: dict[str, Any], console: Console) -> None:
     v = result["verdict"]
     style = {"fits": "bold green", "offload": "bold yellow", "does_not_fit": "bold red"}[v["status"]]
     console.print(f"[{style}]Verdict ({v['policy']}):[/{style}] {v['message']}")
+
+
+def _status_text(v: dict[str, Any]) -> str:
+    """A policy's :func:`verdict` in a sweep's cell."""
+    status = v["status"]
+    if status == "fits":
+        return "[green]fits[/green], all on the device"
+    if status == "offload":
+        return f"[yellow]fits[/yellow], {format_bytes(v['offloaded_bytes'])} offloaded"
+    short = f", short {format_bytes(v['short_bytes'])}" if v["short_bytes"] else ""
+    return f"[red]does not fit[/red]{short}"
+
+
+def render_sweep(sweep: dict[str, Any], console: Console) -> None:
+    """Print a :func:`memsched.capacity.sweep_dict`: one row per size, then the largest that fits."""
+    over, fb = sweep["over"], format_bytes
+    name = over.replace("_", " ")
+    w = sweep["sizes"][0]["result"]["workload"]
+    fixed = "seq" if over == "batch_size" else "batch"
+    fixed_value = w["seq_len"] if over == "batch_size" else w["batch_size"]
+    cap = fb(sweep["capacity_bytes"]) + (f" ({sweep['gpu']})" if sweep["gpu"] else "")
+    table = Table(title=f"GPT {w['model']} ({w['parameters']:,} parameters, {w['dtype']}), {fixed} "
+                        f"{fixed_value}, on {cap}, gpu_margin_mem_ratio {sweep['gpu_margin_mem_ratio']:g}",
+                  title_justify="left")
+    table.add_column(name, justify="right")
+    table.add_column("peak non-model data", justify="right")
+    table.add_column("GPU margin", justify="right")
+    shown = list(sweep["sizes"][0]["verdicts"])
+    for policy in shown:
+        table.add_column(policy)
+    for size in sweep["sizes"]:
+        cells = [_status_text(size["verdicts"][policy]) for policy in shown]
+        table.add_row(str(size[over]), fb(size["peak_non_model_bytes"]), fb(size["margin_bytes"]), *cells)
+    console.print(table)
+    largest = sweep["largest_fitting"]
+
+    def say(value: int | None) -> str:
+        return "none" if value is None else str(value)
+
+    line = f"Largest {name} that fits {cap}: {say(largest['auto'])} with auto, {say(largest['cpu'])} with cpu"
+    if largest["auto_all_on_device"] is not None:
+        line += f" (auto keeps all optimizer state on the device up to {largest['auto_all_on_device']})"
+    elif largest["auto"] is not None:
+        line += " (auto offloads optimizer state at every size that fits)"
+    console.print(f"[bold]{line}[/bold]")

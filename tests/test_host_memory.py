@@ -1,0 +1,255 @@
+"""The plan's machine inputs: the host memory budget (memsched.host_memory, the stand-in's ``host=SIZE``, the
+check at the end of warmup) and the allocator fragmentation measured from CUDA samples (memsched.planning)."""
+
+from __future__ import annotations
+
+import resource
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import memsched
+import policies
+from memsched.devices import parse_device
+from memsched.host_memory import host_budget, local_world_size, memlock_limit_bytes
+from memsched.parallel import DataParallel
+from memsched.planning import machine_inputs, measured_fragmentation_bytes
+from policies.types import DEVICE, HOST
+from tracer.timeline import MemoryTimeline, Sample
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+# ---- host_budget: every source injected --------------------------------------------------------------------
+def test_budget_is_available_memory_plus_what_memsched_holds() -> None:
+    b = host_budget(pinned=False, held_bytes=3 * MiB, read_available=lambda: 10 * GiB)
+    assert b.capacity_bytes == 10 * GiB + 3 * MiB
+    assert "available host memory: 10.0 GiB free" in b.source and "3.0 MiB memsched already holds" in b.source
+
+
+def test_ranks_on_one_machine_share_its_available_memory() -> None:
+    b = host_budget(pinned=False, local_ranks=4, read_available=lambda: 10 * GiB + 3)
+    assert b.capacity_bytes == (10 * GiB + 3) // 4
+    assert "shared by 4 ranks" in b.source
+    assert local_world_size({"LOCAL_WORLD_SIZE": "8"}) == 8
+    assert local_world_size({}) == local_world_size({"LOCAL_WORLD_SIZE": "zero"}) == 1
+    assert local_world_size({"LOCAL_WORLD_SIZE": "0"}) == 1
+
+
+def test_locked_memory_limit_binds_only_for_pinned_memory_it_applies_to() -> None:
+    small_lock = {"read_available": lambda: 10 * GiB, "read_memlock": lambda: 64 * KiB}
+    b = host_budget(pinned=True, memlock_applies=True, **small_lock)
+    assert b.capacity_bytes == 64 * KiB and "RLIMIT_MEMLOCK" in b.source and "64.0 KiB" in b.source
+    # Unpinned memory (CPU, stand-in) is never locked; the default follows the measurement (not charged).
+    assert host_budget(pinned=False, memlock_applies=True, **small_lock).capacity_bytes == 10 * GiB
+    assert host_budget(pinned=True, **small_lock).capacity_bytes == 10 * GiB
+    # RLIM_INFINITY reads as None: no limit.
+    unlimited = host_budget(pinned=True, memlock_applies=True, read_available=lambda: 10 * GiB,
+                            read_memlock=lambda: None)
+    assert unlimited.capacity_bytes == 10 * GiB and "available host memory" in unlimited.source
+
+
+def test_memlock_reader_maps_rlim_infinity_to_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    inf = resource.RLIM_INFINITY
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (inf, inf))
+    assert memlock_limit_bytes() is None
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (8 * MiB, inf))
+    assert memlock_limit_bytes() == 8 * MiB  # the soft limit is the one enforced
+
+
+def test_stand_in_host_memory_caps_the_budget() -> None:
+    b = host_budget(pinned=False, stand_in_bytes=5 * MiB, read_available=lambda: 10 * GiB)
+    assert b.capacity_bytes == 5 * MiB and "host=5.0 MiB in the device string" in b.source
+    roomy = host_budget(pinned=False, stand_in_bytes=20 * GiB, read_available=lambda: 10 * GiB)
+    assert roomy.capacity_bytes == 10 * GiB  # the real machine still binds
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"held_bytes": -1}, "held_bytes must be a whole number of bytes >= 0, got -1"),
+    ({"local_ranks": 0}, "local_ranks must be an integer >= 1, got 0"),
+    ({"stand_in_bytes": 1.5}, "stand_in_bytes must be a whole number of bytes >= 0 or None, got 1.5"),
+    ({"read_available": lambda: -5}, "the available host memory must be a whole number of bytes >= 0"),
+])
+def test_budget_rejects_bad_numbers(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        host_budget(pinned=False, **{"read_available": lambda: GiB, **kwargs})
+
+
+def test_budget_reads_the_machine_by_default() -> None:
+    b = host_budget(pinned=False)
+    assert 0 < b.capacity_bytes and "psutil.virtual_memory().available" in b.source
+
+
+# ---- the stand-in's host=SIZE ------------------------------------------------------------------------------
+def test_stand_in_device_string_takes_a_host_size() -> None:
+    spec = parse_device("sim:8GiB,host=2GiB")
+    assert (spec.kind, spec.capacity_bytes, spec.host_capacity_bytes) == ("sim", 8 * GiB, 2 * GiB)
+    assert parse_device("sim:8GiB").host_capacity_bytes is None
+
+
+@pytest.mark.parametrize(("device", "match"), [
+    ("sim:8GiB,gpu=1", r"takes only 'host=SIZE'.*got 'gpu=1'"),
+    ("sim:8GiB,", r"takes only 'host=SIZE'.*got ''"),
+    ("sim:8GiB,host=", r"lacks a size for the host memory"),
+    ("sim:8GiB,host=0", r"the host memory \(host=SIZE\) must be > 0 bytes"),
+    ("sim:8GiB,host=lots", r"cannot parse size 'lots'"),
+])
+def test_stand_in_host_size_errors_name_the_value(device: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_device(device)
+
+
+# ---- the check at the end of warmup ------------------------------------------------------------------------
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+
+def _warmup(sched: memsched.Scheduler) -> None:
+    sched.backward(sched.model(torch.randn(4, 64)).sum())
+    sched.optimizer.step()
+
+
+def test_plan_over_the_stand_in_host_memory_fails_with_the_numbers_before_moving_anything() -> None:
+    with memsched.attach(_mlp(), policy="cpu", device="sim:64MiB,host=8KiB", chunk_numel=64 * 65) as sched:
+        with pytest.raises(policies.PlacementError) as e:
+            _warmup(sched)
+        need = sum(c.host_bytes for c in sched.problem.chunks)
+        msg = str(e.value)
+        assert f"({need:,} bytes)" in msg and "only 8.0 KiB (8,192 bytes) is available" in msg
+        assert "the stand-in's host memory, host=8.0 KiB" in msg and f"short by {need - 8192:,} bytes" in msg
+        assert sched.plan is None and sched.plan_error is not None
+        assert sched.transfers.chunk_moves_bytes == 0  # refused before any chunk moved
+        assert [c.placement for c in sched.store.chunks] == [HOST, HOST]
+
+
+def test_plan_within_the_host_memory_is_applied_and_says_where_the_budget_comes_from() -> None:
+    with memsched.attach(_mlp(), policy="cpu", device="sim:64MiB,host=1MiB", chunk_numel=64 * 65) as sched:
+        _warmup(sched)
+        p = sched.problem
+        assert p.host_capacity_bytes == MiB and "host=1.0 MiB" in p.host_capacity_source
+        assert sched.plan.placement == (HOST, HOST) and sched.plan.host_bytes <= MiB
+    # auto keeps these chunks on the device: its host part (0 B) fits even 8 KiB
+    with memsched.attach(_mlp(), policy="auto", device="sim:64MiB,host=8KiB", chunk_numel=64 * 65) as sched:
+        _warmup(sched)
+        assert sched.plan.placement == (DEVICE, DEVICE) and sched.plan.host_bytes == 0
+
+
+def test_without_host_size_the_real_machine_sets_the_budget() -> None:
+    with memsched.attach(_mlp(), policy="cpu", device="sim:64MiB", chunk_numel=64 * 65) as sched:
+        _warmup(sched)
+        p = sched.problem
+        assert p.host_capacity_bytes >= sum(c.host_bytes for c in p.chunks)  # what memsched holds counts
+        assert "available host memory" in p.host_capacity_source
+        assert "memsched already holds on the host" in p.host_capacity_source
+        assert p.fragmentation_bytes is None  # the stand-in has no caching allocator
+    with memsched.attach(_mlp(), device="cpu") as sched:
+        _warmup(sched)
+        assert sched.problem.host_capacity_bytes is None  # nothing is ever placed on the host
+
+
+# ---- measured fragmentation --------------------------------------------------------------------------------
+def _sample(i: int, peak_non_model: int, cuda: dict | None, device: str = "cuda:0") -> Sample:
+    return Sample(t_ns=i, step=0, phase="backward", module=f"m{i}", event="post", device=device,
+                  bytes={"activation": peak_non_model}, peak_bytes=peak_non_model,
+                  peak_non_model_bytes=peak_non_model, cuda=cuda)
+
+
+def _cuda(allocated: int, peak_allocated: int, reserved: int) -> dict:
+    return {"allocated": allocated, "peak_allocated": peak_allocated, "reserved": reserved, "nvml_used": None}
+
+
+def _cuda_timeline() -> MemoryTimeline:
+    return MemoryTimeline(samples=[
+        _sample(0, 10 * MiB, _cuda(40 * MiB, 60 * MiB, 64 * MiB)),
+        # the peak: read after its temporaries were freed (allocated 50 MiB), 96 MiB reserved, 90 MiB at most
+        _sample(1, 30 * MiB, _cuda(50 * MiB, 90 * MiB, 96 * MiB)),
+        _sample(2, 20 * MiB, _cuda(45 * MiB, 90 * MiB, 128 * MiB)),
+    ], meta={"device": "cuda:0"})
+
+
+def test_fragmentation_is_reserved_minus_peak_allocated_at_the_non_model_peak() -> None:
+    assert measured_fragmentation_bytes(_cuda_timeline()) == 6 * MiB  # not 46 MiB (allocated), not 128 MiB
+    # an earlier, higher high-water mark cannot make it negative
+    low = MemoryTimeline(samples=[_sample(0, MiB, _cuda(MiB, 200 * MiB, 100 * MiB))],
+                         meta={"device": "cuda:0"})
+    assert measured_fragmentation_bytes(low) == 0
+
+
+def test_no_cuda_figures_means_not_measured() -> None:
+    cpu = MemoryTimeline(samples=[_sample(0, MiB, None, device="cpu")], meta={"device": "cpu"})
+    assert measured_fragmentation_bytes(cpu) is None
+    assert measured_fragmentation_bytes(None) is None
+    assert measured_fragmentation_bytes(MemoryTimeline(meta={"device": "cuda:0"})) is None
+    partial = {"allocated": 1, "peak_allocated": None, "reserved": 5, "nvml_used": None}
+    assert measured_fragmentation_bytes(MemoryTimeline(samples=[_sample(0, 1, partial)])) is None
+
+
+def test_machine_inputs_carry_fragmentation_and_budget_into_the_auto_plan() -> None:
+    store = SimpleNamespace(alloc=SimpleNamespace(pin=True), chunks=[])
+    seen = {}
+
+    def budget(**kwargs):
+        seen.update(kwargs)
+        return host_budget(read_available=lambda: 4 * GiB, **kwargs)
+
+    inputs = machine_inputs(_cuda_timeline(), parse_device("sim:1GiB,host=2GiB"), store, DataParallel(),
+                            budget=budget)
+    assert seen == {"pinned": True, "held_bytes": 0, "local_ranks": 1, "stand_in_bytes": 2 * GiB}
+    assert inputs == {"host_capacity_bytes": 2 * GiB,
+                      "host_capacity_source": "the stand-in's host memory, host=2.0 GiB in the device string",
+                      "fragmentation_bytes": 6 * MiB}
+    chunks = tuple(policies.ChunkSpec(i, 64 * MiB, 128 * MiB) for i in range(8))
+    problem = policies.PlacementProblem(4 * GiB, GiB, GiB, chunks, 0.8, **inputs)
+    plan = policies.get("auto").plan(problem)
+    # reserve = max(5 % of 4 GiB, 6 MiB measured): the measurement is shown, and can only raise the reserve
+    assert any("measured in warmup, 6.0 MiB" in r and "Fragmentation reserve 204.8 MiB" in r
+               for r in plan.reasons)
+
+
+# ---- data parallel: every rank plans with the smallest budget ----------------------------------------------
+def _host_budget_rank(rank: int, world: int) -> dict:
+    host = "1GiB" if rank == 0 else "8KiB"  # only rank 1's host memory is too small for the cpu plan
+    with memsched.attach(_mlp(), policy="cpu", device=f"sim:64MiB,host={host}", zero_stage=1) as sched:
+        try:
+            _warmup(sched)
+            error = None
+        except policies.PlacementError as e:
+            error = str(e)
+        return {"error": error, "cap": sched.problem.host_capacity_bytes,
+                "source": sched.problem.host_capacity_source}
+
+
+def test_machine_inputs_take_the_largest_fragmentation_over_ranks() -> None:
+    # Another rank, simulated: its budget is 1 GiB and it measured 20 MiB of fragmentation (this one 6 MiB).
+    other = [GiB, -20 * MiB]
+    seen = []
+
+    def reduce_ints(values, op, *, what):
+        seen.append((list(values), op))
+        return [min(a, b) for a, b in zip(values, other, strict=True)]
+
+    dp = SimpleNamespace(world=2, comm=SimpleNamespace(reduce_ints=reduce_ints))
+    store = SimpleNamespace(alloc=SimpleNamespace(pin=False), chunks=[])
+    inputs = machine_inputs(_cuda_timeline(), parse_device("sim:1GiB,host=2GiB"), store, dp,
+                            budget=lambda **kw: host_budget(read_available=lambda: 4 * GiB, **kw))
+    assert seen == [([2 * GiB, -6 * MiB], "min")]  # one collective for both figures
+    assert inputs == {"host_capacity_bytes": GiB, "fragmentation_bytes": 20 * MiB,
+                      "host_capacity_source": "the smallest host budget over 2 ranks"}
+    other[:] = [4 * GiB, 1]  # neither rank measured fragmentation; this rank has the smaller budget
+    inputs = machine_inputs(None, parse_device("sim:1GiB,host=2GiB"), store, dp,
+                            budget=lambda **kw: host_budget(read_available=lambda: 4 * GiB, **kw))
+    assert inputs["host_capacity_bytes"] == 2 * GiB and "host=2.0 GiB" in inputs["host_capacity_source"]
+    assert inputs["fragmentation_bytes"] is None
+
+
+def test_ranks_agree_on_the_smallest_host_budget_and_refuse_together() -> None:
+    from tests._dist_utils import run_ranks
+
+    # A rank refusing alone would leave the other waiting in the plan's collective until the timeout.
+    r0, r1 = run_ranks(_host_budget_rank, 2, timeout=120)
+    assert r0["cap"] == r1["cap"] == 8 * KiB
+    assert r0["source"] == "the smallest host budget over 2 ranks" and "host=8.0 KiB" in r1["source"]
+    assert r0["error"] and r1["error"] and "only 8.0 KiB (8,192 bytes) is available" in r0["error"]
