@@ -86,9 +86,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self.overlap = False
         self.host_updates = HostUpdates(store.alloc.device)
         self.timeline = StepTimeline()
-        # early_d2h (set by the scheduler after warmup, one rank): a host chunk's gradients start their D2H in
-        # backward, as soon as they are complete; the step uses that copy if a fingerprint says the gradients
-        # did not change since (memsched.chunks.fingerprint), else copies again.
+        # early_d2h (set by the scheduler after warmup, one rank, CUDA): a host chunk's gradients start their
+        # D2H in backward, as soon as they are complete; the step uses that copy if a fingerprint says the
+        # gradients did not change since (memsched.chunks.fingerprint), else copies again.
         self.early_d2h = False
         self._early: dict[int, torch.Tensor] = {}  # chunk index -> fingerprint of the gradients it copied
         self._fingerprints = Fingerprinter()

@@ -216,9 +216,10 @@ class Scheduler:
         self.phase = Phase.PLANNED
         # Steady state: the step timeline starts, and with overlap=True host chunks update on the worker.
         self.optimizer.overlap = self.config.overlap
-        # Host chunks' gradients go D2H during backward (checked at the step) where that can overlap
-        # anything: on CUDA, or with the overlap worker. Not under ZeRO (the reduction comes first).
-        self.optimizer.early_d2h = self.dp.world == 1 and (self.streams.cuda or self.config.overlap)
+        # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
+        # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
+        # (the reduction comes first).
+        self.optimizer.early_d2h = self.dp.world == 1 and self.streams.cuda
         self.optimizer.timeline.overlap = self.config.overlap
         self.optimizer.timeline.start()
 

@@ -236,7 +236,7 @@ def test_overlap_must_be_a_bool():
 
 @pytest.mark.parametrize("write", [None, "clip", "data-mul", "accumulate"])
 def test_early_d2h_is_used_only_while_the_gradients_are_unchanged(write, monkeypatch):
-    """With overlap, host chunks' gradients go D2H during backward; a write after it (torch's clipping,
+    """With early D2H, host chunks' gradients go D2H during backward; a write after it (torch's clipping,
     ``p.grad.data.mul_`` which moves no version counter, a second backward) is seen by the fingerprint and
     the gradients are copied again at the step: bit-exact either way, and without a write nothing is copied
     twice."""
@@ -269,6 +269,7 @@ def test_early_d2h_is_used_only_while_the_gradients_are_unchanged(write, monkeyp
             where["now"] = "step"
             sched.optimizer.step()
             sched.optimizer.zero_grad()
+            sched.optimizer.early_d2h = True  # on by itself on CUDA only (here copies are synchronous)
 
             def loss_fn(m, _b, micro=micro):
                 for b in micro[:-1]:
