@@ -64,6 +64,7 @@ class SchedulerConfig:
     compute_dtype: torch.dtype
     chunk_numel: int | None
     overlap: bool = False
+    replan: str = "auto"
 
 
 def _check_warmup(n: Any) -> int:
@@ -112,7 +113,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
                 process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-                chunk_build: str = "auto", overlap: bool = False) -> SchedulerConfig:
+                chunk_build: str = "auto", overlap: bool = False, replan: str = "auto") -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
 
     Raises:
@@ -144,5 +145,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                             check_build_mode(chunk_build))
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    if replan not in ("auto", "off"):
+        raise ValueError(f"replan must be 'auto' or 'off', got {replan!r}")
     return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel,
-                           overlap)
+                           overlap, replan)

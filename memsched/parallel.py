@@ -96,6 +96,11 @@ class DataParallel:
         """The capacity and peak non-model data every rank plans with, bytes."""
         return capacity_bytes, peak_non_model_bytes
 
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of ``values`` over the ranks (elastic placement: every rank re-plans at the
+        same step to the same plan). One rank: ``values``."""
+        return values
+
     def check_same(self, what: str, value: Any) -> None:
         """Raise when ``value`` (a layout, a plan) differs between ranks. One rank: it cannot."""
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import sys
 import threading
 import warnings
 import weakref
@@ -37,6 +38,7 @@ import policies
 from memsched.chunks import Allocator, ChunkStore
 from memsched.config import SchedulerConfig, make_config
 from memsched.devices import DeviceSpec
+from memsched.elastic import Elastic, PeakProbe, PlanChange
 from memsched.first_use import first_use_order
 from memsched.optimizer import HybridAdamW
 from memsched.ownership import ATTACHED, Installed, claim, release, weak_method
@@ -48,6 +50,7 @@ from memsched.step_timeline import StepTimeline
 from memsched.transfers import Streams, TransferStats
 from memsched.waits import H2DWaits
 from policies.types import DEVICE, HOST, PlacementPlan
+from tracer.hook_handles import Detachable
 
 
 class Phase(enum.Enum):
@@ -74,7 +77,8 @@ class Scheduler:
     force; ``None`` until there is one), ``problem`` (the :class:`policies.PlacementProblem` it solved;
     ``None`` until warmup ends), ``timeline`` (the warmup trace; ``None`` until warmup ends), ``device``
     (:class:`memsched.devices.DeviceSpec`), ``sim`` (the stand-in device or ``None``), ``store`` (the chunks),
-    ``dp`` (the data parallelism: :class:`memsched.parallel.DataParallel`, one rank or ZeRO).
+    ``dp`` (the data parallelism: :class:`memsched.parallel.DataParallel`, one rank or ZeRO), ``plan_history``
+    (:class:`memsched.elastic.PlanChange` list, oldest first: the end-of-warmup plan, then each re-plan).
     """
 
     def __init__(self, model: torch.nn.Module, config: SchedulerConfig) -> None:
@@ -162,12 +166,35 @@ class Scheduler:
         # is garbage-collected: nothing it installed outlives it.
         self._finalizer = weakref.finalize(self, inst.remove)
         self.waits.install(())
+        self.plan_history: list[PlanChange] = []
+        self.elastic: Elastic | None = None
+        if config.replan == "auto" and self.device.kind != "cpu":
+            self._install_elastic()
         try:
             self._start_tracer()
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
             self.close()
             raise
         ATTACHED.add(model)
+
+    def _install_elastic(self) -> None:
+        """The re-planning hooks on the model (:mod:`memsched.elastic`): its forward pre-hook plans for the
+        inputs, its always-called forward hook notices an out-of-memory error."""
+        elastic = self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max,
+                                         PeakProbe(self.device.torch_device, self.sim))
+
+        def before(_m: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            elastic.before_forward(args, kwargs)
+
+        def after(_m: torch.nn.Module, _args: Any, output: Any) -> None:
+            # On failure torch calls always-called hooks inside its ``except`` with no output; a forward that
+            # succeeds inside the user's own ``except`` (the retry) has an output.
+            if output is None and isinstance(sys.exc_info()[1], OUT_OF_MEMORY):
+                elastic.on_oom()
+
+        self._handles.append(self.model.register_forward_pre_hook(Detachable(before), prepend=True,
+                                                                  with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(Detachable(after), always_call=True))
 
     @property
     def zero(self) -> Any:
@@ -208,6 +235,8 @@ class Scheduler:
     def _after_step(self) -> None:
         self.steps += 1
         self.optimizer.timeline.step_end(self.steps)
+        if self.elastic is not None:
+            self.elastic.after_step()
         if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
             return
         self._stop_tracer()
@@ -258,20 +287,10 @@ class Scheduler:
         except OUT_OF_MEMORY as e:  # the store put the old packing back, values and state intact
             warnings.warn(f"memsched: re-packing the chunks in first-use order ran out of memory ({e}); the "
                           "chunks keep their registration-order packing", RuntimeWarning, stacklevel=3)
-        order = [p for g in self.store.groups for p in g]  # the packing in force
         self.optimizer.record_param_versions()
         self.waits.install(self.traced_modules())
-        peak, capacity = self.peak_non_model_bytes(), self.device.capacity_bytes
-        capacity, peak = self.dp.agree_margin_inputs(capacity, peak)  # the smallest margin over the ranks
-        problem, layout = build_problem(
-            self.model, peak, capacity,
-            gpu_margin_mem_ratio=self.gpu_margin_mem_ratio, param_order=order,
-            chunk_numel=self.store.layout.chunk_numel, param_groups=self.store.groups,
-            compute_dtype=self.compute_dtype, align=self.store.align, pinned=self.store.alloc.pin,
-            world_size=self.dp.world if self.dp.sharded else 1,
-            **machine_inputs(self.timeline, self.device, self.store, self.dp))  # host budget, fragmentation
-        assert layout == self.store.layout, "planning and chunks disagree on the layout"
-        self.problem = problem
+        problem = self.problem = self._problem(self.peak_non_model_bytes())
+        layout = self.store.layout
         if self.device.kind == "cpu":
             self.plan = policies.make_plan(
                 problem, [DEVICE] * layout.n_chunks, budget_bytes=max(0, problem.margin_bytes),
@@ -287,6 +306,39 @@ class Scheduler:
                 f"{e} (the warmup step itself completed; the optimizer state stays on the host)") from e
         self.dp.check_same("placement plan", tuple(plan.placement))  # or the collectives would not match
         self._apply(plan)
+        self.plan_history.append(PlanChange(self.steps, "end of warmup", plan, problem.peak_non_model_bytes,
+                                            self.transfers.chunk_moves_bytes))
+        if self.elastic is not None:
+            self.elastic.start(problem.peak_non_model_bytes)
+
+    def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:
+        """The placement problem of the chunks in force for a peak non-model data (bytes)."""
+        order = [p for g in self.store.groups for p in g]  # the packing in force
+        capacity, peak = self.dp.agree_margin_inputs(self.device.capacity_bytes, peak_non_model_bytes)
+        problem, layout = build_problem(
+            self.model, peak, capacity,
+            gpu_margin_mem_ratio=self.gpu_margin_mem_ratio, param_order=order,
+            chunk_numel=self.store.layout.chunk_numel, param_groups=self.store.groups,
+            compute_dtype=self.compute_dtype, align=self.store.align, pinned=self.store.alloc.pin,
+            world_size=self.dp.world if self.dp.sharded else 1,
+            **machine_inputs(self.timeline, self.device, self.store, self.dp))  # host budget, fragmentation
+        assert layout == self.store.layout, "planning and chunks disagree on the layout"
+        return problem
+
+    def _replan(self, peak: int | None, reason: str) -> None:
+        """Elastic placement (:mod:`memsched.elastic`): make the plan for ``peak`` non-model bytes (``None``:
+        every chunk on the host) and move the chunks, before the forward that needs it."""
+        self.optimizer.wait_updates("re-plan")  # no chunk moves under an overlapped update
+        problem = self._problem(peak if peak is not None else self.problem.peak_non_model_bytes)
+        plan = (policies.get("cpu").plan(problem) if peak is None else self.policy.plan(problem))
+        self.dp.check_same("placement plan", tuple(plan.placement))
+        if self.plan is not None and plan.placement == self.plan.placement:
+            return
+        before = self.transfers.chunk_moves_bytes
+        self._apply(plan)
+        self.problem = problem
+        self.plan_history.append(PlanChange(self.steps, reason, plan, peak,
+                                            self.transfers.chunk_moves_bytes - before))
 
     def _apply(self, plan: PlacementPlan) -> None:
         """Move chunks per ``plan``; on failure (e.g. the stand-in runs out) move back and re-raise."""
@@ -325,7 +377,12 @@ class Scheduler:
         """``loss.backward()``; under fp16 the loss is multiplied by the dynamic loss scale first."""
         if self.scaler is not None:
             loss = self.scaler.scale_loss(loss)
-        loss.backward(**kwargs)
+        try:
+            loss.backward(**kwargs)
+        except OUT_OF_MEMORY:
+            if self.elastic is not None:
+                self.elastic.on_oom()  # nothing was updated; the next step makes room (memsched.elastic)
+            raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the trainable parameters to a total norm of ``max_norm``, exactly as
@@ -387,7 +444,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
            dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-           chunk_build: str = "auto", overlap: bool = False) -> Scheduler:
+           chunk_build: str = "auto", overlap: bool = False, replan: str = "auto") -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -418,6 +475,9 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         overlap: after warmup, ``optimizer.step()`` returns once the device chunks are updated; the host
             chunks are updated on a CPU worker thread while the next forward runs, each module waiting only
             for its own chunks (:mod:`memsched.overlap`). Bit-identical to the serial step.
+        replan: ``"auto"`` (default): after warmup the plan follows the inputs' shapes and out-of-memory
+            errors, re-planned before the forward that needs it (:mod:`memsched.elastic`; the changes are in
+            ``sched.plan_history``); ``"off"``: the warmup plan stays. Nothing to plan on ``device="cpu"``.
 
     Returns:
         the :class:`Scheduler`; train with ``sched.backward(loss); sched.optimizer.step();
@@ -439,4 +499,4 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, params=params,
         policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage,
         process_group=process_group, fetch=fetch, dist_timeout=dist_timeout, chunk_build=chunk_build,
-        overlap=overlap))
+        overlap=overlap, replan=replan))

@@ -50,10 +50,10 @@ def test_warmup_traces_then_plans_and_removes_the_tracer():
         assert sched.plan is not None and not sched.in_warmup
         assert sched.timeline.meta["optimizer_steps"] == 2
         assert sched.peak_non_model_bytes() > 0
-        # No tracing cost after warmup: the tracer's module and optimizer hooks are gone (the root keeps the
-        # step timeline's forward pre-hook and always-called forward hook), and the only dispatch mode left
-        # is the stand-in's accountant.
-        assert hook_counts(m) == [hooks_before[0] + 3, *hooks_before[1:]]
+        # No tracing cost after warmup: the tracer's module and optimizer hooks are gone (the root keeps a
+        # forward pre-hook and an always-called forward hook each for the step timeline and for elastic
+        # placement), and the only dispatch mode left is the stand-in's accountant.
+        assert hook_counts(m) == [hooks_before[0] + 6, *hooks_before[1:]]
         opt = sched.optimizer
         assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
         n_samples = len(sched.timeline.samples)

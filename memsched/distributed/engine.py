@@ -348,6 +348,10 @@ class ZeroEngine(DataParallel):
         )
         return cap, -neg_peak
 
+    def agree_max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of ``values`` over the ranks (one small all-reduce)."""
+        return self.comm.reduce_ints(values, "max", what="agreeing on the inputs' peak (elastic placement)")
+
     def reduce_found_inf(self, found: torch.Tensor) -> torch.Tensor:
         """fp16: a step is skipped on every rank when any rank saw inf/NaN (a CPU float tensor ``[1]``)."""
         t = found.to(self.comm.device)

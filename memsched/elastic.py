@@ -1,0 +1,209 @@
+"""Elastic placement: the plan follows the training's shapes (``memsched.attach(..., replan="auto")``).
+
+The plan made at the end of warmup fits the warmup batch. Real training changes shape (collators pad to the
+longest sequence, curricula grow it, the last batch is smaller), and ColossalAI Gemini's ``auto`` policy is
+known to run out of memory there (its issues #2246, #3155). After warmup, memsched watches every step:
+
+* **Measure.** Each step's peak non-model data is measured on the device, cheaply: the stand-in's peak counter
+  or the CUDA caching allocator's peak (``torch.cuda.max_memory_allocated``), from the model's forward to
+  ``optimizer.step()``, minus what was allocated when the forward began (the model data). It is remembered
+  per *input signature* (the shapes of the forward's tensor inputs).
+* **Before the forward that needs it.** The model's forward pre-hook sees each step's inputs. A signature
+  whose peak was measured is planned for exactly (chunks move to the host if the plan in force does not leave
+  it room). A signature that *exceeds* everything seen (some input has a dimension larger than the largest
+  seen at that position, or a new input) has no measurement: the step runs conservatively with every chunk on
+  the host (the ``cpu`` placement, the most room a plan can give), its peak is measured, and the plan is made
+  from the measurement at the end of the step. A signature within what was seen needs nothing.
+* **Out of memory that slips through.** An out-of-memory error raised in the forward or in
+  :meth:`memsched.Scheduler.backward` leaves parameters and optimizer state untouched (the step never ran) and
+  makes the next step conservative, as above. The loop users write::
+
+      try:
+          train_step(batch)
+      except torch.OutOfMemoryError:
+          optimizer.zero_grad(); train_step(batch)   # memsched re-planned with room
+
+* **Shrinking back.** When the steps of the last ``shrink_after`` steps all measured less than the peak the
+  plan was made for, the plan is remade for the largest of them (chunks move back to the device); the window
+  keeps a rare long batch from causing a move on every step.
+
+Every change is a :class:`PlanChange` in ``sched.plan_history`` (the first is the plan made at the end of
+warmup), with the bytes it moved (also in ``sched.transfers["chunk_moves_bytes"]``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from policies.types import PlacementPlan
+
+Signature = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class PlanChange:
+    """One plan in force from ``step`` (the optimizer step count when it was made) on.
+
+    ``reason``: why it was made; ``plan``: the :class:`policies.PlacementPlan`;
+    ``predicted_peak_non_model_bytes``: the peak non-model data it was made for, bytes (``None`` for a
+    conservative all-host step, made before the peak is known); ``moved_bytes``: optimizer state it moved.
+    """
+
+    step: int
+    reason: str
+    plan: PlacementPlan
+    predicted_peak_non_model_bytes: int | None
+    moved_bytes: int = 0
+
+
+def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Signature:
+    """The shapes of the tensors among a forward's inputs, in ``tree_flatten`` order."""
+    leaves, _ = tree_flatten((tuple(args), kwargs))
+    return tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def exceeds(sig: Signature, seen: Sequence[Signature]) -> bool:
+    """True when ``sig`` is not covered by ``seen``: no seen signature has the same number of inputs with the
+    same ranks and every dimension at least as large. Larger batches, longer sequences and larger images all
+    exceed; the last, smaller batch of an epoch does not."""
+    return not any(
+        len(s) == len(sig) and all(len(a) == len(b) and all(x <= y for x, y in zip(a, b, strict=True))
+                                   for a, b in zip(sig, s, strict=True))
+        for s in seen
+    )
+
+
+class PeakProbe:
+    """The device's peak allocated bytes between :meth:`begin` and :meth:`read`, minus what was allocated at
+    :meth:`begin`: the step's non-model data, bytes. ``sim``: the stand-in (its peak counter); otherwise the
+    CUDA caching allocator of ``device``."""
+
+    def __init__(self, device: torch.device, sim: Any = None) -> None:
+        self.device, self.sim = device, sim
+        self.base: int | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.sim is not None or self.device.type == "cuda"
+
+    def begin(self) -> None:
+        if self.sim is not None:
+            self.base = self.sim.live_bytes()
+            self.sim.peak_bytes = self.base
+        elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+
+    def read(self) -> int | None:
+        """The peak non-model bytes since :meth:`begin` (``None`` when not begun)."""
+        if self.base is None:
+            return None
+        peak = self.sim.peak_bytes if self.sim is not None else torch.cuda.max_memory_allocated(self.device)
+        out, self.base = max(0, int(peak) - self.base), None
+        return out
+
+
+class Elastic:
+    """The re-planning of one scheduler (see the module docstring).
+
+    During warmup it only measures (:meth:`start` begins the re-planning, with the peak the warmup plan was
+    made for).
+
+    Args:
+        replan: ``f(peak_non_model_bytes or None, reason)``: make and apply a plan (``None``: the conservative
+            all-host plan) and record it in the plan history when it differs from the plan in force.
+        agree: ``f([ints]) -> [ints]``: element-wise maximum over the data-parallel ranks (identity with one).
+        probe: the peak measurement.
+        shrink_after: steps below the planned peak before the plan is remade smaller (>= 1).
+
+    Raises:
+        ValueError: ``shrink_after`` is not an integer >= 1.
+    """
+
+    def __init__(self, replan: Callable[[int | None, str], None], agree: Callable[[list[int]], list[int]],
+                 probe: PeakProbe, shrink_after: int = 50) -> None:
+        if isinstance(shrink_after, bool) or not isinstance(shrink_after, int) or shrink_after < 1:
+            raise ValueError(f"shrink_after must be an integer >= 1 step, got {shrink_after!r}")
+        self.replan, self.agree, self.probe = replan, agree, probe
+        self.active = False  # re-planning on (after warmup); before, steps are only measured
+        self.planned_peak: int | None = None
+        self.seen: list[Signature] = []
+        self.measured: dict[Signature, int] = {}
+        self.recent: deque[int] = deque(maxlen=shrink_after)
+        self.oom = False
+        self._sig: Signature | None = None  # the signature of the step in progress (its first forward)
+
+    def start(self, planned_peak: int) -> int:
+        """Re-planning begins; ``planned_peak``: the peak non-model data the warmup plan was made for (the
+        tracer's). Returns the peak the plan in force stands for: the larger of it and what the warmup steps'
+        own measurement gave (the two count the same bytes, up to the step's temporaries)."""
+        self.active = True
+        self.planned_peak = max([planned_peak, *self.measured.values()])
+        return self.planned_peak
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+    def before_forward(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """The model's forward pre-hook: plan for this step's inputs before they run."""
+        if self._sig is not None:  # a later forward of the same step (gradient accumulation)
+            return
+        if not torch.is_grad_enabled():  # evaluation: no step follows; training shapes decide the plan
+            return
+        sig = signature(args, kwargs)
+        self._sig = sig
+        if not self.active:  # warmup: measured only
+            if sig not in self.seen:
+                self.seen.append(sig)
+            self.probe.begin()
+            return
+        new = exceeds(sig, self.seen) and sig not in self.measured
+        flags = self.agree([int(new), int(self.oom), self.measured.get(sig, 0)])  # every rank, one plan
+        new, oom, known = bool(flags[0]), bool(flags[1]), flags[2]
+        self.oom = False
+        if sig not in self.seen:
+            self.seen.append(sig)
+        if new or oom:
+            why = ("out of memory in the last step" if oom else
+                   f"inputs {_shapes(sig)} exceed the largest seen; their peak is not known yet")
+            self.replan(None, f"{why}: every chunk on the host for this step, which is measured")
+            self.planned_peak = None
+        elif self.planned_peak is not None and known > self.planned_peak:
+            self._replan_for(known, f"inputs {_shapes(sig)} were measured at a larger peak")
+        self.probe.begin()
+
+    def on_oom(self) -> None:
+        """An out-of-memory error escaped the forward or ``sched.backward``: the next step makes room."""
+        self.oom = True
+        self._sig = None
+        self.probe.base = None
+
+    def after_step(self) -> None:
+        """End of a step (after ``optimizer.step()``): record its measured peak, finish a conservative step,
+        shrink back after a long enough run of smaller steps."""
+        sig, self._sig = self._sig, None
+        peak = self.probe.read()
+        if sig is None or peak is None:
+            return
+        (peak,) = self.agree([peak])
+        self.measured[sig] = max(peak, self.measured.get(sig, 0))
+        if not self.active:
+            return
+        self.recent.append(peak)
+        if self.planned_peak is None:  # the conservative step: plan from what it measured
+            self._replan_for(max(self.recent), f"measured peak of inputs {_shapes(sig)}")
+        elif len(self.recent) == self.recent.maxlen and max(self.recent) < self.planned_peak:
+            self._replan_for(max(self.recent),
+                             f"the last {self.recent.maxlen} steps stayed below the planned peak")
+
+    def _replan_for(self, peak: int, reason: str) -> None:
+        self.replan(peak, reason)
+        self.planned_peak = peak
+
+
+def _shapes(sig: Signature) -> str:
+    return ", ".join("x".join(map(str, s)) or "scalar" for s in sig) or "(no tensors)"

@@ -1,0 +1,230 @@
+"""Elastic placement (replan="auto"): the plan follows the inputs' shapes and out-of-memory errors, on the
+stand-in device, bit for bit against torch.optim.AdamW(fused=True) on the same batches."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memsched
+from memsched.elastic import exceeds, signature
+from memsched.models.gpt import GPT, GPTConfig, lm_loss
+from memsched.simdevice import SimOutOfMemoryError
+from policies.types import DEVICE, HOST
+from tests._dist_utils import run_ranks
+
+LR, WD = 1e-3, 0.1
+CAP = "56MiB"  # sequence 32 leaves room for every chunk on the device; 128 only with some offloaded
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256))
+
+
+def lm_batch(batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (batch, seq + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def train(model, batches, loss_fn, **attach_kw):
+    """memsched and torch side by side; returns the scheduler (closed), the reference and per-step
+    placements taken right before each step's forward ran (from the history)."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    with memsched.attach(model, device=f"sim:{CAP}", lr=LR, weight_decay=WD, chunk_numel=65536,
+                         **attach_kw) as sched:
+        for b in batches:
+            sched.backward(loss_fn(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with sched.sim.paused():
+                loss_fn(ref, b).backward()
+                opt.step()
+                opt.zero_grad()
+    return sched, ref
+
+
+def assert_equal(model, ref):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+def test_signature_and_exceeds():
+    x, y = torch.zeros(8, 32), torch.zeros(8, 32, 3)
+    sig = signature((x,), {"y": y, "n": 3})
+    assert sig == ((8, 32), (8, 32, 3))
+    assert not exceeds(((4, 32), (4, 32, 3)), [sig])  # the last, smaller batch of an epoch
+    assert exceeds(((8, 64), (8, 64, 3)), [sig])  # a longer sequence
+    assert exceeds(((16, 32), (16, 32, 3)), [sig])  # a bigger batch
+    assert exceeds(((8, 32),), [sig])  # another input set
+    assert not exceeds(((8, 32), (8, 32, 3)), [((4, 64), (4, 64, 3)), sig])
+
+
+@pytest.mark.parametrize("grow", ["seq", "batch"])
+def test_longer_inputs_replan_before_the_forward_and_stay_exact(grow):
+    sizes = [32, 32, 64, 64, 128, 128, 32, 32]
+    if grow == "seq":  # batch 8 at these sequence lengths
+        batches = [lm_batch(8, s, i) for i, s in enumerate(sizes)]
+    else:  # the same tokens per step as batch 8, 8, 16, 16, 32, 32, 8, 8 at sequence 32
+        batches = [lm_batch(s // 4, 32, i) for i, s in enumerate(sizes)]
+    model = gpt()
+    sched, ref = train(model, batches, lambda m, b: lm_loss(m, *b))
+    assert_equal(model, ref)
+    history = sched.plan_history
+    assert history[0].reason == "end of warmup" and set(history[0].plan.placement) == {DEVICE}
+    # The first input of the largest size was run with every chunk on the host, then planned from its
+    # measured peak, which keeps some optimizer state on the host: no out-of-memory error on the way.
+    largest = [h for h in history if "exceed" in h.reason and (("8x128" if grow == "seq" else "32x32")
+                                                              in h.reason)]
+    assert largest and set(largest[0].plan.placement) == {HOST} and largest[0].moved_bytes > 0
+    final = history[-1]
+    assert final.predicted_peak_non_model_bytes is not None and HOST in final.plan.placement
+    assert DEVICE in final.plan.placement
+    assert sched.transfers["chunk_moves_bytes"] == sum(h.moved_bytes for h in history)
+
+
+def test_replan_off_runs_out_of_memory_where_auto_does_not():
+    batches = [lm_batch(8, s, i) for i, s in enumerate([32, 32, 128])]
+    with pytest.raises(SimOutOfMemoryError):
+        train(gpt(), batches, lambda m, b: lm_loss(m, *b), replan="off")
+
+
+class EncoderDecoder(nn.Module):
+    """Several inputs: source and target token sequences of different lengths."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 64)
+        self.t = nn.Transformer(64, 4, 2, 2, 256, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, src, tgt):
+        return self.out(self.t(self.emb(src), self.emb(tgt)))
+
+
+def test_encoder_decoder_with_two_inputs():
+    def batch(s, t, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, 64, (8, s), generator=g), torch.randint(0, 64, (8, t + 1), generator=g)
+
+    def loss_fn(m, b):
+        src, tgt = b
+        logits = m(src, tgt[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, 64), tgt[:, 1:].reshape(-1))
+
+    shapes = [(16, 8), (16, 8), (64, 8), (64, 8), (64, 64), (16, 8)]
+    batches = [batch(s, t, i) for i, (s, t) in enumerate(shapes)]
+    model = EncoderDecoder()
+    sched, ref = train(model, batches, loss_fn)
+    assert_equal(model, ref)
+    reasons = [h.reason for h in sched.plan_history]
+    assert any("8x64, 8x8 exceed" in r for r in reasons) and any("8x64, 8x64 exceed" in r for r in reasons)
+
+
+class Spiky(nn.Module):
+    """A model whose forward (or backward) allocates a large temporary when told to: an out-of-memory error
+    that no shape check sees coming. 1M parameters: 16 MiB of model data with the optimizer state."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(1024, 1024), nn.Linear(1024, 1)
+        self.spike = None  # None, "forward" or "backward"
+
+    def forward(self, x):
+        if self.spike == "forward":
+            _spike()
+        h = self.a(x)
+        if self.spike == "backward":
+            h = _Spike.apply(h)
+        return self.b(torch.relu(h)).sum()
+
+
+def _spike() -> None:
+    torch.empty(13 * 2**20, dtype=torch.uint8)  # 13 MiB: fits only with the optimizer state on the host
+
+
+class _Spike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _spike()
+        return g
+
+
+def _spiky_run(where: str | None, replan: str = "auto"):
+    """Six steps on a 28 MiB stand-in (one chunk); step 3 (and its retry) allocates the spike in ``where``.
+    The loop is the one memsched documents: on an out-of-memory error, zero_grad and run the step again."""
+    xs = [torch.randn(16, 1024, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    model = Spiky()
+    errors = 0
+    with memsched.attach(model, device="sim:28MiB", lr=LR, weight_decay=WD, chunk_numel=1_050_625,
+                         replan=replan) as sched:
+        for i, x in enumerate(xs):
+            model.spike = where if i == 3 else None
+            try:
+                sched.backward(model(x))
+                sched.optimizer.step()
+            except torch.OutOfMemoryError:
+                errors += 1
+                sched.optimizer.zero_grad()
+                sched.backward(model(x))
+                sched.optimizer.step()
+            sched.optimizer.zero_grad()
+    return model, errors, sched
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_retry_loop_loses_nothing(where):
+    """The retry runs with every chunk on the host (the failed step changed nothing), is measured, and the
+    next plan leaves room for it: the run equals one that never saw the error, bit for bit."""
+    clean, errors, sched = _spiky_run(None)
+    assert errors == 0 and set(sched.plan_history[0].plan.placement) == {DEVICE}
+    hit, errors, sched = _spiky_run(where)
+    assert errors == 1
+    oom = [h for h in sched.plan_history if h.reason.startswith("out of memory")]
+    assert oom and set(oom[0].plan.placement) == {HOST}
+    assert HOST in sched.plan_history[-1].plan.placement  # planned from the measured spike
+    assert_equal(hit, clean)
+
+
+def test_out_of_memory_retry_fails_again_without_replanning():
+    with pytest.raises(torch.OutOfMemoryError):
+        _spiky_run("forward", replan="off")
+
+
+def test_replan_must_be_auto_or_off():
+    with pytest.raises(ValueError, match="replan must be 'auto' or 'off', got 'on'"):
+        memsched.attach(gpt(), device=f"sim:{CAP}", replan="on")
+
+
+def _rank(rank: int, world: int) -> dict:
+    model = gpt()
+    seqs = [32, 32, 64, 32]
+    with memsched.attach(model, device=f"sim:{CAP}", lr=LR, weight_decay=WD, chunk_numel=65536) as sched:
+        for i, s in enumerate(seqs):
+            seq = s if rank == world - 1 else 32  # only the last rank gets the longer sequence
+            sched.backward(lm_loss(model, *lm_batch(8, seq, 10 * i + rank)))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        return {"history": [(h.step, h.plan.placement) for h in sched.plan_history],
+                "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_replan_together(world):
+    results = run_ranks(_rank, world, timeout=180)
+    histories = [r["history"] for r in results]
+    assert all(h == histories[0] for h in histories) and len(histories[0]) > 1
+    for r in results[1:]:
+        assert all(torch.equal(p, q) for p, q in zip(r["params"], results[0]["params"], strict=True))
