@@ -1,4 +1,5 @@
-"""``memsched.attach``: trace during warmup, plan once, then train with the hybrid optimizer.
+"""``memsched.attach``: trace during warmup, plan, then train with the hybrid optimizer (re-planning as the
+inputs' shapes change: :mod:`memsched.elastic`).
 
 The life of a :class:`Scheduler` (PatrickStar's warmup-then-schedule, arXiv 2108.05818 section 5; ColossalAI
 Gemini's warmup phase):
@@ -12,6 +13,8 @@ Gemini's warmup phase):
    the chunks move to their planned side. If the policy finds no plan (:class:`policies.PlacementError`, with
    the numbers), that error is raised from that ``step()``, whose update is nonetheless complete; the state
    stays on the host and training can go on.
+4. steady state: with ``replan="auto"`` each step's inputs may re-plan before their forward
+   (:mod:`memsched.elastic`); with ``overlap=True`` host chunks update on a worker (:mod:`memsched.overlap`).
 
 Devices (see :mod:`memsched.devices`): ``device=None`` picks CUDA when present, else the CPU. On the CPU, host
 and device memory are one: every chunk is device-resident from the start, no copies are made, and the plan is
