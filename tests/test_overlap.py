@@ -45,6 +45,13 @@ def slow_worker(monkeypatch):
     return calls
 
 
+def plain_steps(sched, model, batches) -> None:
+    for b in batches:
+        sched.backward(gpt_loss(model, b))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+
+
 def paused(sched):
     return sched.sim.paused() if sched.sim is not None else contextlib.nullcontext()
 
@@ -174,10 +181,7 @@ def test_user_write_after_step_is_kept(slow_worker):
     model = tiny_gpt()
     with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
                          **PLACEMENTS["cpu"]) as sched:
-        for b in gpt_batches(2):
-            sched.backward(gpt_loss(model, b))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
+        plain_steps(sched, model, gpt_batches(2))
         with paused(sched):
             zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
         model.load_state_dict(zeros)
@@ -210,10 +214,7 @@ def test_step_timeline_phases_add_up_and_export():
     model = tiny_gpt()
     with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
                          **PLACEMENTS["static"]) as sched:
-        for b in gpt_batches(5):
-            sched.backward(gpt_loss(model, b))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
+        plain_steps(sched, model, gpt_batches(5))
         tl = sched.step_timeline
         assert len(tl.records) == 4  # the warmup step is not recorded
         for r in tl.records:
