@@ -61,6 +61,12 @@ class PlanChange:
     predicted_peak_non_model_bytes: int | None
     moved_bytes: int = 0
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: the fields, with the plan's placement only (``"device"``/``"host"`` per chunk)."""
+        return {"step": self.step, "reason": self.reason, "placement": list(self.plan.placement),
+                "predicted_peak_non_model_bytes": self.predicted_peak_non_model_bytes,
+                "moved_bytes": self.moved_bytes}
+
 
 def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Signature:
     """The shapes of the tensors among a forward's inputs, in ``tree_flatten`` order."""

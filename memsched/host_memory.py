@@ -132,3 +132,20 @@ def host_budget(*, pinned: bool, held_bytes: int = 0, local_ranks: int = 1,
                                        "string"))
     cap, source = min(limits, key=lambda limit: limit[0])
     return HostBudget(cap, source)
+
+
+def check_initial_host_state(need_bytes: int, budget: HostBudget) -> None:
+    """At attach, on CUDA, all optimizer state is pinned on the host until warmup ends: refuse before pinning
+    it when ``budget`` cannot hold ``need_bytes`` (bytes, pinned sizes). On the stand-in nothing is pinned and
+    the plan's own check comes first.
+
+    Raises:
+        policies.PlacementError: the bytes needed and the budget, with the limit that sets it.
+    """
+    from policies import PlacementError
+
+    if need_bytes > budget.capacity_bytes:
+        raise PlacementError(
+            f"memsched.attach: the optimizer state starts in pinned host memory until warmup ends and needs "
+            f"{need_bytes} bytes ({fb(need_bytes)}); the host budget is {budget.capacity_bytes} bytes "
+            f"({fb(budget.capacity_bytes)}): {budget.source}. Nothing was pinned")

@@ -69,6 +69,7 @@ def report_renderables(
     top: int = 10,
     rows: int = TIMELINE_ROWS,
     step_summary: Mapping[str, Any] | None = None,
+    plan_history: Sequence[Any] | None = None,
 ) -> list[RenderableType]:
     """The report's sections as rich renderables, for :func:`render_report` or to embed elsewhere.
 
@@ -82,6 +83,8 @@ def report_renderables(
             sample with the most live bytes.
         step_summary: the mean step of the step timeline
             (:meth:`memsched.step_timeline.StepTimeline.mean_summary`), shown as a step-time table.
+        plan_history: the plans in force since warmup (:class:`memsched.elastic.PlanChange`), shown when
+            there was more than one.
 
     Raises:
         ValueError: ``top`` or ``rows`` is not an integer >= 1, or ``transfers`` lacks a key / holds a
@@ -98,6 +101,10 @@ def report_renderables(
         out.append(plan_panel(plan))
     if transfers is not None:
         out.append(transfer_table(transfers))
+    if plan_history is not None and len(plan_history) > 1:
+        from memsched.history_report import plan_history_table
+
+        out.append(plan_history_table(plan_history))
     if step_summary is not None:
         from memsched.step_report import step_table
 
@@ -113,13 +120,15 @@ def render_report(
     top: int = 10,
     console: Console | None = None,
     step_summary: Mapping[str, Any] | None = None,
+    plan_history: Sequence[Any] | None = None,
 ) -> None:
     """Print the report (see :func:`report_renderables`) to ``console`` (default: a new stdout console).
 
     Raises:
         ValueError: as :func:`report_renderables`.
     """
-    parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top, step_summary=step_summary)
+    parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top, step_summary=step_summary,
+                               plan_history=plan_history)
     console = console or Console()
     for part in parts:
         console.print(part)

@@ -38,11 +38,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import policies
-from memsched.chunks import Allocator, ChunkStore
+from memsched.chunks import Allocator, ChunkStore, chunk_bytes, pinned_bytes
 from memsched.config import SchedulerConfig, make_config
 from memsched.devices import DeviceSpec
 from memsched.elastic import Elastic, PeakProbe, PlanChange
 from memsched.first_use import first_use_order
+from memsched.host_memory import check_initial_host_state, host_budget
 from memsched.optimizer import HybridAdamW
 from memsched.ownership import ATTACHED, Installed, claim, release, weak_method
 from memsched.parallel import DataParallel
@@ -141,6 +142,8 @@ class Scheduler:
             initial = DEVICE if self.device.kind == "cpu" else HOST
             self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
             self.dp.shard(self.store)  # each chunk's own shard
+            if initial == HOST and alloc.pin:  # pinned now, before any plan checks the host budget
+                self._check_host_room(alloc)
             for c in self.store.chunks:
                 c.init_state(initial, alloc)
         except BaseException:
@@ -179,6 +182,15 @@ class Scheduler:
             self.close()
             raise
         ATTACHED.add(model)
+
+    def _check_host_room(self, alloc: Allocator) -> None:
+        """All optimizer state starts pinned on the host until the plan: refuse before pinning it when the
+        host budget cannot hold it (:func:`memsched.host_memory.check_initial_host_state`)."""
+        sizes = [chunk_bytes(c.numel, compute_dtype=self.compute_dtype, shard_numel=c.hi - c.lo,
+                             n_params=len(c.params)) for c in self.store.chunks]
+        need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin) for b in sizes)
+        check_initial_host_state(need, host_budget(pinned=alloc.pin,
+                                                   stand_in_bytes=self.device.host_capacity_bytes))
 
     def _install_elastic(self) -> None:
         """The re-planning hooks on the model (:mod:`memsched.elastic`): its forward pre-hook plans for the
@@ -418,6 +430,7 @@ class Scheduler:
         if self.timeline is None:
             raise ValueError("no timeline yet: the report is available after the warmup steps")
         kwargs.setdefault("step_summary", self.step_timeline.mean_summary())
+        kwargs.setdefault("plan_history", self.plan_history)
         return render_report(self.timeline, plan=self.plan, transfers=self.transfers.as_dict(), **kwargs)
 
     def close(self) -> None:

@@ -228,3 +228,20 @@ def test_ranks_replan_together(world):
     assert all(h == histories[0] for h in histories) and len(histories[0]) > 1
     for r in results[1:]:
         assert all(torch.equal(p, q) for p, q in zip(r["params"], results[0]["params"], strict=True))
+
+
+def test_report_and_json_show_the_plan_history():
+    import io
+    import json
+
+    from rich.console import Console
+
+    batches = [lm_batch(8, s, i) for i, s in enumerate([32, 32, 128, 128])]
+    sched, _ = train(gpt(), batches, lambda m, b: lm_loss(m, *b))
+    out = io.StringIO()
+    sched.report(console=Console(file=out, width=160))
+    text = out.getvalue()
+    assert f"Plan history ({len(sched.plan_history)} plans)" in text and "8x128 exceed" in text
+    rows = json.loads(json.dumps([h.to_dict() for h in sched.plan_history]))
+    assert rows[0]["reason"] == "end of warmup" and rows[1]["predicted_peak_non_model_bytes"] is None
+    assert sum(r["moved_bytes"] for r in rows) == sched.transfers["chunk_moves_bytes"]

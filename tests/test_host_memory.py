@@ -253,3 +253,15 @@ def test_ranks_agree_on_the_smallest_host_budget_and_refuse_together() -> None:
     assert r0["cap"] == r1["cap"] == 8 * KiB
     assert r0["source"] == "the smallest host budget over 2 ranks" and "host=8.0 KiB" in r1["source"]
     assert r0["error"] and r1["error"] and "only 8.0 KiB (8,192 bytes) is available" in r0["error"]
+
+
+def test_initial_host_state_over_the_budget_is_refused_with_the_numbers():
+    """On CUDA all optimizer state is pinned at attach, before any plan: the scheduler checks it first
+    (memsched.host_memory.check_initial_host_state; the CUDA path itself needs a GPU)."""
+    from memsched.host_memory import check_initial_host_state
+
+    budget = host_budget(pinned=True, read_available=lambda: 3 * GiB)
+    check_initial_host_state(3 * GiB, budget)  # fits: nothing raised
+    want = r"needs 4294967296 bytes \(4\.0 GiB\); the host budget is 3221225472 bytes \(3\.0 GiB\): available"
+    with pytest.raises(policies.PlacementError, match=want):
+        check_initial_host_state(4 * GiB, budget)

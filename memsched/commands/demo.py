@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     step_summary = sched.step_timeline.mean_summary()
     summary["step_timeline"] = step_summary
     render_report(sched.timeline, plan=sched.plan, transfers=sched.transfers.as_dict(), console=console,
-                  step_summary=step_summary)
+                  step_summary=step_summary, plan_history=sched.plan_history)
     losses = summary["losses"]
     console.print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out loss {val_before:.3f} -> "
                   f"{summary['val_loss_after']:.3f} (nats per byte)")
@@ -252,7 +252,8 @@ def _train(args: argparse.Namespace, model: torch.nn.Module, corpus: TextCorpus,
 
 def _plan_dict(sched: memsched.Scheduler) -> dict[str, Any]:
     problem = getattr(sched, "problem", None)
-    out: dict[str, Any] = {"plan": sched.plan.to_dict() if sched.plan is not None else None}
+    out: dict[str, Any] = {"plan": sched.plan.to_dict() if sched.plan is not None else None,
+                           "history": [h.to_dict() for h in sched.plan_history]}
     if problem is not None:
         out["problem"] = {"capacity_bytes": problem.capacity_bytes,
                           "peak_non_model_bytes": problem.peak_non_model_bytes,
