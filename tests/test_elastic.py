@@ -245,3 +245,35 @@ def test_report_and_json_show_the_plan_history():
     rows = json.loads(json.dumps([h.to_dict() for h in sched.plan_history]))
     assert rows[0]["reason"] == "end of warmup" and rows[1]["predicted_peak_non_model_bytes"] is None
     assert sum(r["moved_bytes"] for r in rows) == sched.transfers["chunk_moves_bytes"]
+
+
+def test_shrinks_back_after_a_run_of_smaller_steps():
+    """After the longest inputs, a window of shorter steps (here 3 instead of 50) lets chunks move back to the
+    device: bit-exact, the moves counted, and no move while the window is still filling (hysteresis)."""
+    from collections import deque
+
+    model = gpt()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    seqs = [32, 128, 128, 32, 32, 32, 32]
+    on_device = []
+    with memsched.attach(model, device=f"sim:{CAP}", lr=LR, weight_decay=WD, chunk_numel=65536) as sched:
+        sched.elastic.recent = deque(maxlen=3)
+        for i, s in enumerate(seqs):
+            b = lm_batch(8, s, i)
+            sched.backward(lm_loss(model, *b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            on_device.append(sum(c.placement == DEVICE for c in sched.store.chunks))
+            with sched.sim.paused():
+                lm_loss(ref, *b).backward()
+                opt.step()
+                opt.zero_grad()
+        history = sched.plan_history
+    assert_equal(model, ref)
+    shrink = [h for h in history if "stayed below" in h.reason]
+    # steps 2-3 (sequence 128) fill the window; 4-6 (32) replace them: the plan shrinks at the end of step 6
+    assert len(shrink) == 1 and shrink[0].step == 6 and shrink[0].moved_bytes > 0
+    n = len(sched.store.chunks)
+    assert on_device[0] == n and on_device[1] < n and on_device[1:5] == [on_device[1]] * 4
+    assert on_device[5:] == [n, n]

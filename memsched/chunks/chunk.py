@@ -154,6 +154,7 @@ class Chunk:
         if placement == self.placement:
             return 0
         self.wait_h2d()
+        self.wait_d2h()  # a gradient copy into the host buffers being replaced (e.g. of a skipped step)
         new = self._alloc_state(placement, alloc)
         ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
         with torch.no_grad(), ctx:
