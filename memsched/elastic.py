@@ -33,7 +33,7 @@ warmup), with the bytes it moved (also in ``sched.transfers["chunk_moves_bytes"]
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten
 from policies.types import PlacementPlan
 
 Signature = tuple[tuple[int, ...], ...]
+MEASURED_KEPT = 4096  # signatures whose measured peak is remembered (least recently seen dropped first)
 
 
 @dataclass(frozen=True)
@@ -74,15 +75,26 @@ def signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Signature:
     return tuple(tuple(t.shape) for t in leaves if isinstance(t, torch.Tensor))
 
 
+def covers(big: Signature, small: Signature) -> bool:
+    """``big`` has the same number of inputs as ``small``, with the same ranks, and every dimension at least
+    as large."""
+    return len(big) == len(small) and all(len(a) == len(b) and all(x <= y for x, y in zip(a, b, strict=True))
+                                          for a, b in zip(small, big, strict=True))
+
+
 def exceeds(sig: Signature, seen: Sequence[Signature]) -> bool:
-    """True when ``sig`` is not covered by ``seen``: no seen signature has the same number of inputs with the
-    same ranks and every dimension at least as large. Larger batches, longer sequences and larger images all
-    exceed; the last, smaller batch of an epoch does not."""
-    return not any(
-        len(s) == len(sig) and all(len(a) == len(b) and all(x <= y for x, y in zip(a, b, strict=True))
-                                   for a, b in zip(sig, s, strict=True))
-        for s in seen
-    )
+    """True when no signature in ``seen`` covers ``sig``. Larger batches, longer sequences and larger images
+    all exceed; the last, smaller batch of an epoch does not."""
+    return not any(covers(s, sig) for s in seen)
+
+
+def add_maximal(seen: list[Signature], sig: Signature) -> None:
+    """Add ``sig`` to ``seen`` unless covered, dropping what it covers: ``seen`` stays the few largest
+    signatures, so the check stays cheap when every batch has its own shape."""
+    if not exceeds(sig, seen):
+        return
+    seen[:] = [s for s in seen if not covers(sig, s)]
+    seen.append(sig)
 
 
 class PeakProbe:
@@ -139,8 +151,8 @@ class Elastic:
         self.replan, self.agree, self.probe = replan, agree, probe
         self.active = False  # re-planning on (after warmup); before, steps are only measured
         self.planned_peak: int | None = None
-        self.seen: list[Signature] = []
-        self.measured: dict[Signature, int] = {}
+        self.seen: list[Signature] = []  # the maximal signatures seen (add_maximal)
+        self.measured: OrderedDict[Signature, int] = OrderedDict()  # the last MEASURED_KEPT signatures
         self.recent: deque[int] = deque(maxlen=shrink_after)
         self.oom = False
         self._sig: Signature | None = None  # the signature of the step in progress (its first forward)
@@ -163,16 +175,14 @@ class Elastic:
         sig = signature(args, kwargs)
         self._sig = sig
         if not self.active:  # warmup: measured only
-            if sig not in self.seen:
-                self.seen.append(sig)
+            add_maximal(self.seen, sig)
             self.probe.begin()
             return
         new = exceeds(sig, self.seen) and sig not in self.measured
         flags = self.agree([int(new), int(self.oom), self.measured.get(sig, 0)])  # every rank, one plan
         new, oom, known = bool(flags[0]), bool(flags[1]), flags[2]
         self.oom = False
-        if sig not in self.seen:
-            self.seen.append(sig)
+        add_maximal(self.seen, sig)
         if new or oom:
             why = ("out of memory in the last step" if oom else
                    f"inputs {_shapes(sig)} exceed the largest seen; their peak is not known yet")
@@ -197,6 +207,9 @@ class Elastic:
             return
         (peak,) = self.agree([peak])
         self.measured[sig] = max(peak, self.measured.get(sig, 0))
+        self.measured.move_to_end(sig)
+        if len(self.measured) > MEASURED_KEPT:  # every batch may have its own shape: keep memory bounded
+            self.measured.popitem(last=False)
         if not self.active:
             return
         self.recent.append(peak)

@@ -277,3 +277,16 @@ def test_shrinks_back_after_a_run_of_smaller_steps():
     n = len(sched.store.chunks)
     assert on_device[0] == n and on_device[1] < n and on_device[1:5] == [on_device[1]] * 4
     assert on_device[5:] == [n, n]
+
+
+def test_seen_signatures_stay_the_maximal_few():
+    from memsched.elastic import add_maximal
+
+    seen: list = []
+    for seq in [32, 16, 64, 48, 128, 8]:  # every batch its own length
+        add_maximal(seen, ((8, seq),))
+    assert seen == [((8, 128),)]
+    add_maximal(seen, ((16, 64),))  # a larger batch of shorter sequences: neither covers the other
+    assert seen == [((8, 128),), ((16, 64),)]
+    add_maximal(seen, ((16, 128),))
+    assert seen == [((16, 128),)]
