@@ -134,6 +134,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "overlap_exposed_cpu_s": over["exposed_cpu_s"],
         "runs": out,
     }
+    # The cost model (memsched.cost_model) against the measured steps: from the warmup step alone, and with
+    # the steady-state forward and backward of the serial run.
+    for name, run in runs.items():
+        sched = run["sched"]
+        host = sum(c.hi - c.lo for c in sched.store.chunks if c.placement == "host")
+        costs = sched.warmup_costs
+        steady = costs.with_steady_phases(runs["serial"]["sched"].step_timeline.mean_summary())
+        measured = out[name]["step"]["median_s"]
+        result[f"{name}_predicted"] = {
+            "from_warmup_s": costs.predict(host, name == "overlap")["step_s"],
+            "from_steady_phases_s": steady.predict(host, name == "overlap")["step_s"],
+            "measured_s": measured}
     path = write_result(args.name, result)
     trace = path.with_suffix(".perfetto.json")
     osched = runs["overlap"]["sched"]

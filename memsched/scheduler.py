@@ -26,6 +26,7 @@ accounting is active from attach until :meth:`Scheduler.close` (or the end of ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import sys
 import threading
@@ -40,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import policies
 from memsched.chunks import Allocator, ChunkStore, chunk_bytes, pinned_bytes
 from memsched.config import SchedulerConfig, make_config
+from memsched.cost_model import WarmupCosts
 from memsched.devices import DeviceSpec
 from memsched.elastic import Elastic, PeakProbe, PlanChange
 from memsched.first_use import first_use_order
@@ -173,6 +175,9 @@ class Scheduler:
         self._finalizer = weakref.finalize(self, inst.remove)
         self.waits.install(())
         self.plan_history: list[PlanChange] = []
+        self.warmup_costs: WarmupCosts | None = None  # measured in the last warmup step (memsched.cost_model)
+        self.predicted_step: dict[str, Any] | None = None  # the modelled step of the plan in force
+        self.optimizer.timeline.start()  # warmup steps are recorded too: the cost model reads the last one
         self.elastic: Elastic | None = None
         if config.replan == "auto" and self.device.kind != "cpu":
             self._install_elastic()
@@ -255,6 +260,11 @@ class Scheduler:
         if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
             return
         self._stop_tracer()
+        timeline = self.optimizer.timeline
+        if timeline.records:  # the last warmup step: every chunk updated on the host (memsched.cost_model)
+            host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
+            self.warmup_costs = WarmupCosts.from_record(timeline.records[-1], host)
+            timeline.records.clear()
         self.phase = Phase.PLAN_FAILED  # until the plan is applied
         self._make_plan()
         self.phase = Phase.PLANNED
@@ -320,11 +330,23 @@ class Scheduler:
             raise policies.PlacementError(
                 f"{e} (the warmup step itself completed; the optimizer state stays on the host)") from e
         self.dp.check_same("placement plan", tuple(plan.placement))  # or the collectives would not match
+        plan = self._with_predicted_step(plan)
         self._apply(plan)
         self.plan_history.append(PlanChange(self.steps, "end of warmup", plan, problem.peak_non_model_bytes,
                                             self.transfers.chunk_moves_bytes))
         if self.elastic is not None:
             self.elastic.start(problem.peak_non_model_bytes)
+
+    def _with_predicted_step(self, plan: PlacementPlan) -> PlacementPlan:
+        """``plan`` with its predicted step among its reasons (:mod:`memsched.cost_model`); the prediction is
+        ``self.predicted_step``."""
+        if self.warmup_costs is None:
+            return plan
+        host = [c for c, where in zip(self.store.chunks, plan.placement, strict=True) if where == HOST]
+        elements = sum(c.hi - c.lo for c in host)
+        self.predicted_step = self.warmup_costs.predict(elements, self.config.overlap)
+        text = self.warmup_costs.reason(elements, len(host), self.config.overlap)
+        return dataclasses.replace(plan, reasons=(*plan.reasons, text))
 
     def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:
         """The placement problem of the chunks in force for a peak non-model data (bytes)."""
