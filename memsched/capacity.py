@@ -3,7 +3,7 @@ placement policy, and say whether it fits, fits only with offload, or does not f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,9 @@ class CapacityPlan:
             buffers, padding included), ``optimizer_state`` (every chunk's device-side state), ``other``
             (frozen parameters and buffers); all bytes.
         plans: policy name -> :class:`PlacementPlan`, or the error message when the policy found no plan.
+        padding: the chunks' padding (the elements past the last parameter of each chunk, allocated but
+            holding no parameter): ``numel`` (elements) and the bytes it adds to ``parameter``, ``gradient``
+            and ``optimizer_state`` of ``model_data``.
     """
 
     problem: PlacementProblem
@@ -39,6 +42,7 @@ class CapacityPlan:
     n_chunks: int
     model_data: dict[str, int]
     plans: dict[str, PlacementPlan | str]
+    padding: dict[str, int] = field(default_factory=dict)
 
 
 def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin_mem_ratio: float = 0.8,
@@ -64,6 +68,10 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
         "optimizer_state": sum(c.device_bytes for c in problem.chunks),
         "other": resident_extra_bytes(model, trainable_groups(model)),
     }
+    # The same arithmetic over the padding elements alone (no parameters, so no step counts).
+    pad = chunk_bytes(layout.waste_numel, compute_dtype=dtype, master_weights=master, n_params=0)
+    padding = {"numel": layout.waste_numel, "parameter": pad.compute_bytes, "gradient": pad.grad_bytes,
+               "optimizer_state": pad.device_state_bytes}
     plans: dict[str, PlacementPlan | str] = {}
     for name in policy_names if policy_names is not None else policies.names():
         policy = policies.get(name)  # unknown name: UnknownPolicyError (a ValueError) listing the known ones
@@ -72,7 +80,7 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
         except policies.PlacementError as e:
             plans[name] = str(e)
     return CapacityPlan(problem=problem, chunk_numel=layout.chunk_numel, n_chunks=layout.n_chunks,
-                        model_data=model_data, plans=plans)
+                        model_data=model_data, plans=plans, padding=padding)
 
 
 def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
@@ -129,7 +137,9 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
     Keys: ``schema`` (``"memsched.plan"``), ``version`` (1); ``workload`` (``what`` plus ``parameters``:
     trainable parameter count, ``dtype``); ``trace``: ``device``, ``fake``, ``attention``,
     ``peak_non_model_bytes``, ``peak_module``, ``peak_phase``, ``elapsed_s``; ``model_data``: bytes by
-    category (see :class:`CapacityPlan`) plus ``resident_bytes``; ``chunks``: ``numel`` and ``count``;
+    category (see :class:`CapacityPlan`; chunk padding included) plus ``resident_bytes``; ``chunks``:
+    ``numel`` and ``count``, and ``padding``: the padding's ``numel`` and its bytes in ``parameter``,
+    ``gradient`` and ``optimizer_state`` (subtract them from ``model_data`` for the parameters' own bytes);
     ``capacity_bytes``, ``gpu`` (table name or ``None``), ``gpu_margin_mem_ratio``, ``margin_bytes``;
     ``plans``: policy name -> :meth:`PlacementPlan.to_dict` or ``{"error": message}``; ``verdict``: see
     :func:`verdict`. Sizes in bytes.
@@ -146,7 +156,7 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
                   "peak_module": peak.module if peak else None, "peak_phase": peak.phase if peak else None,
                   "elapsed_s": round(prediction.elapsed_s, 3)},
         "model_data": {**cplan.model_data, "resident_bytes": p.resident_model_bytes},
-        "chunks": {"numel": cplan.chunk_numel, "count": cplan.n_chunks},
+        "chunks": {"numel": cplan.chunk_numel, "count": cplan.n_chunks, "padding": dict(cplan.padding)},
         "capacity_bytes": p.capacity_bytes,
         "gpu": gpu,
         "gpu_margin_mem_ratio": p.gpu_margin_mem_ratio,

@@ -1,19 +1,28 @@
 """The ``memsched`` command line: one sub-command a module under :mod:`memsched.commands`.
 
-Each command module exposes ``register(subparsers)``, which adds its parser and sets ``func`` to a callable
-taking the parsed ``argparse.Namespace`` and returning an exit code.
+The parsers are in :mod:`memsched.commands.parsers`, which imports neither torch nor rich, so ``memsched
+--help`` answers in a fraction of a second. Each command module exposes ``run(args)``, taking the parsed
+``argparse.Namespace`` and returning an exit code; it is imported only when its command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
 from collections.abc import Sequence
 
+from memsched.commands.parsers import PARSERS
+
 # Sub-command modules, in the order ``memsched --help`` lists them.
-COMMANDS = ("demo", "trace", "report", "plan", "policies")
+COMMANDS = tuple(PARSERS)
+
+
+def run_command(name: str, args: argparse.Namespace) -> int | None:
+    """Import ``memsched.commands.<name>`` (torch and all) and run it."""
+    return importlib.import_module(f"memsched.commands.{name}").run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,8 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Memory-tracing offload scheduler for PyTorch training.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
-        importlib.import_module(f"memsched.commands.{name}").register(sub)
+    for name, add_parser in PARSERS.items():
+        add_parser(sub).set_defaults(func=functools.partial(run_command, name))
     return parser
 
 

@@ -5,6 +5,10 @@ allocator figures), the modules keeping the most activations for backward, the t
 category, the placement plan and the H2D/D2H volumes. The model / non-model data split and the GPU margin
 follow PatrickStar (arXiv 2108.05818) and ColossalAI Gemini. Sizes are formatted with
 :func:`policies.units.format_bytes` (MiB/GiB = 2**20/2**30 bytes).
+
+One "peak total" (:func:`peak_total`) is used everywhere: the summary's figure, the timeline's full width and
+the figure of the timeline row that holds it. Without colour (a log, CI, ``NO_COLOR``) categories are told
+apart by letters (:data:`CATEGORY_SYMBOLS`), and the plan's chunk strip by filled and hollow squares.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from memsched.console import make_console, plain
 from policies.types import PlacementPlan
 from policies.units import format_bytes
 from tracer.categories import ALL_CATEGORIES, MODEL_DATA
@@ -34,12 +39,26 @@ CATEGORY_COLORS: dict[str, str] = {
     "temporary": "#edc949",
     "other": "#bab0ab",
 }
+# One letter per category, for output without colour: the bars are drawn with them and the legends name them.
+CATEGORY_SYMBOLS: dict[str, str] = {
+    "parameter": "P",
+    "buffer": "B",
+    "gradient": "G",
+    "optimizer_state": "S",
+    "activation": "A",
+    "temporary": "T",
+    "other": "X",
+}
 # Model data first (the bottom of each stacked bar), then non-model data.
 CATEGORY_ORDER: tuple[str, ...] = tuple(c.value for c in ALL_CATEGORIES if c in MODEL_DATA) + tuple(
     c.value for c in ALL_CATEGORIES if c not in MODEL_DATA
 )
 TIMELINE_ROWS = 40
 _BAR = "█"
+_ABOVE = "░"  # the part of a bar between the live bytes at its sample and the highest point of its bucket
+_PEAK_NON_MODEL = "◀"
+_PEAK_TOTAL = "▲"
+_DEVICE_CHUNK, _HOST_CHUNK = "■", "□"
 _TRANSFERS_EXPECTED = "{'h2d_bytes': int, 'd2h_bytes': int, 'steps': int}"
 _PHASE_ABBREV = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "oth"}
 
@@ -61,6 +80,20 @@ def traced_steps(timeline: MemoryTimeline) -> int:
     return len(timeline.steps())
 
 
+def high_water(sample: Sample) -> int:
+    """The most bytes live at once in the interval ``sample`` closes, all categories (``peak_bytes`` covers
+    the ops between the hooks; the live bytes at the hook are part of the interval too)."""
+    return max(sample.peak_bytes, sample.total_bytes)
+
+
+def peak_total(timeline: MemoryTimeline) -> tuple[int, Sample | None]:
+    """The report's one "peak total": the most bytes of all categories live at once on the traced device,
+    between hooks included (bytes), and the sample closing the interval that holds it (``None`` without
+    samples). The summary shows it, the timeline is scaled to it, and its row shows it."""
+    top = max(timeline.for_device(), key=high_water, default=None)
+    return (high_water(top) if top is not None else 0), top
+
+
 def report_renderables(
     timeline: MemoryTimeline,
     *,
@@ -80,7 +113,8 @@ def report_renderables(
             ``steps`` training steps; the report shows them per step.
         top: how many modules the per-module table lists (>= 1).
         rows: at most this many timeline bars (>= 1); samples are bucketed, each bar shows the bucket's
-            sample with the most live bytes.
+            sample with the most live bytes and, beyond it, the bucket's highest point (see
+            :func:`timeline_bars`).
         step_summary: the mean step of the step timeline
             (:meth:`memsched.step_timeline.StepTimeline.mean_summary`), shown as a step-time table.
         plan_history: the plans in force since warmup (:class:`memsched.elastic.PlanChange`), shown when
@@ -129,7 +163,7 @@ def render_report(
     """
     parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top, step_summary=step_summary,
                                plan_history=plan_history)
-    console = console or Console()
+    console = console or make_console()
     for part in parts:
         console.print(part)
 
@@ -159,8 +193,14 @@ def summary_panel(timeline: MemoryTimeline) -> Panel:
         where.append(f"  at {peak.phase} {peak.event} of {module_label(peak.module)} (step {peak.step})")
     grid.add_row("peak non-model data", where)
     model = timeline.model_data_bytes()
-    grid.add_row("model data (largest)", _category_text({k: v for k, v in model.items()}))
-    grid.add_row("peak total", format_bytes(timeline.peak_bytes()))
+    grid.add_row("model data (largest)",
+                 CategoryLegend([(c, f"{c} {format_bytes(v)}") for c, v in model.items()]))
+    total, top = peak_total(timeline)
+    where = Text(format_bytes(total))
+    if top is not None:
+        where.append(f"  at {top.phase} {top.event} of {module_label(top.module)} (step {top.step}); "
+                     "all categories, between hooks included")
+    grid.add_row("peak total", where)
     capacity = meta.get("capacity_bytes")
     if isinstance(capacity, int) and capacity > 0:
         grid.add_row("device capacity", format_bytes(capacity))
@@ -201,72 +241,102 @@ def summary_panel(timeline: MemoryTimeline) -> Panel:
 
 
 def module_table(timeline: MemoryTimeline, *, top: int = 10) -> Table:
-    """Top ``top`` modules by activation bytes kept for backward (ties keep first-call order)."""
+    """Top ``top`` modules by activation bytes one call keeps for backward (ties keep first-call order).
+
+    Every byte figure is per call (the module's largest call, submodules included), so a parent's figure
+    covers its children's calls; ``calls`` is per traced step. The headers and the caption say so.
+    """
     _check_positive_int("top", top)
     stats = sorted(timeline.module_stats(), key=lambda m: m.activation_bytes, reverse=True)
+    steps = max(1, traced_steps(timeline))  # a trace with no finished step still ran its forwards once
     table = Table(
-        title=f"Modules: top {min(top, len(stats))} of {len(stats)} by activations kept for backward",
+        title=f"Modules: top {min(top, len(stats))} of {len(stats)} by activations kept for backward, per "
+              "call",
         title_justify="left",
         box=box.SIMPLE_HEAD,
         expand=False,
     )
-    table.add_column("module", overflow="fold", ratio=1)
-    table.add_column("calls", justify="right", no_wrap=True)
-    table.add_column("activations kept", justify="right", no_wrap=True)
-    table.add_column("forward peak", justify="right", no_wrap=True)
-    table.add_column("backward peak", justify="right", no_wrap=True)
+    table.add_column("module", overflow="fold", ratio=1, min_width=12)
+    # Two-line headers: the unit (per step, per call) stays in the header even at 80 columns.
+    table.add_column("calls\nper step", justify="right", no_wrap=True)
+    table.add_column("activations kept\nper call", justify="right", no_wrap=True)
+    table.add_column("forward peak\nper call", justify="right", no_wrap=True)
+    table.add_column("backward peak\nper call", justify="right", no_wrap=True)
     for m in stats[:top]:
         table.add_row(
             module_label(m.name),
-            str(m.calls),
+            _per_step(m.calls, steps),
             format_bytes(m.activation_bytes),
             format_bytes(m.forward_peak_bytes),
             format_bytes(m.backward_peak_bytes),
         )
     if not stats:
         table.caption = "no module forward hooks were sampled"
-    elif len(stats) > top:
-        table.caption = f"... and {len(stats) - top} more modules (raise --top to see them)"
+        return table
+    caption = (f"calls: forward calls per step, over {steps} traced step{'s' if steps != 1 else ''}; "
+               "per call: the module's largest call, its submodules included; peaks: of non-model data while "
+               "the call ran")
+    if len(stats) > top:
+        caption += f"\n... and {len(stats) - top} more modules (raise --top to see them)"
+    table.caption = caption
+    table.caption_justify = "left"
     return table
 
 
 def timeline_bars(timeline: MemoryTimeline, *, rows: int = TIMELINE_ROWS) -> Group:
-    """Live bytes per category over the trace as stacked bars: a legend and one bar per bucket of samples."""
+    """Live bytes per category over the trace as stacked bars: a legend and one bar per bucket of samples.
+
+    Each bar shows its sample's live bytes by category, then ``░`` up to the highest point of its bucket
+    (between hooks included), whose size is printed on the right. The full width is :func:`peak_total`,
+    reached by the row marked ``▲``; ``◀`` marks the non-model peak.
+    """
     _check_positive_int("rows", rows)
     samples = timeline.for_device()
     present = [c for c in CATEGORY_ORDER if any(s.bytes.get(c, 0) for s in samples)]
-    legend = Text("Timeline (live bytes, stacked)  ", style="bold")
-    for c in present or CATEGORY_ORDER:
-        legend.append("■ ", style=CATEGORY_COLORS[c])
-        legend.append(f"{c}  ")
+    legend = CategoryLegend([(c, c) for c in present or CATEGORY_ORDER],
+                            prefix=Text("Timeline (live bytes, stacked)  ", style="bold"), key_extra=True)
     if not samples:
         return Group(legend, Text("no samples", style="yellow"))
-    scale = max(s.total_bytes for s in samples) or 1
+    total, top = peak_total(timeline)
+    scale = total or 1
     peak = _non_model_peak(timeline)
     t0 = samples[0].t_ns
     table = Table.grid(padding=(0, 1), expand=True)
     table.add_column(justify="right", no_wrap=True)  # time
     table.add_column(no_wrap=True, overflow="ellipsis", max_width=30)  # step / phase / module
     table.add_column(ratio=1)  # the bar takes the rest of the line
-    table.add_column(justify="right", no_wrap=True)  # total
-    table.add_column(no_wrap=True, width=1)  # the non-model peak marker
+    table.add_column(justify="right", no_wrap=True)  # the bucket's highest point
+    table.add_column(no_wrap=True, width=2)  # the peak markers
     for bucket in _buckets(samples, rows):
         has_peak = peak is not None and any(x is peak for x in bucket)
-        # The fullest sample stands for its bucket, except in the bucket of the non-model peak.
-        s = peak if has_peak and peak is not None else max(bucket, key=lambda x: x.total_bytes)
+        has_top = any(x is top for x in bucket)
+        # The non-model peak's sample stands for its bucket, then the peak total's, else the fullest sample.
+        if has_peak and peak is not None:
+            s = peak
+        elif has_top and top is not None:
+            s = top
+        else:
+            s = max(bucket, key=lambda x: x.total_bytes)
         label = Text(
             f"s{s.step} {_PHASE_ABBREV.get(s.phase, s.phase)} {module_label(s.module)}",
             style="bold red" if has_peak else "",
         )
+        marks = Text()
+        if has_peak:
+            marks.append(_PEAK_NON_MODEL, style="bold red")
+        if has_top:
+            marks.append(_PEAK_TOTAL, style="bold")
+        high = max(high_water(x) for x in bucket)
         table.add_row(
             f"{(s.t_ns - t0) / 1e6:.1f} ms",
             label,
-            StackedBar(s.bytes, scale),
-            format_bytes(s.total_bytes),
-            Text("◀", style="bold red") if has_peak else "",
+            StackedBar(s.bytes, scale, high_bytes=high),
+            format_bytes(high),
+            marks,
         )
-    note = Text(f"full width = {format_bytes(scale)}; ", style="dim")
-    note.append("◀", style="bold red")
+    note = Text(f"full width = peak total {format_bytes(total)} ({_PEAK_TOTAL}); each bar: live bytes at its "
+                f"sample, {_ABOVE} up to its bucket's highest point (printed on the right); ", style="dim")
+    note.append(_PEAK_NON_MODEL, style="bold red")
     note.append(" marks the non-model peak; other bars show the fullest sample of their bucket", style="dim")
     return Group(legend, table, note)
 
@@ -283,10 +353,11 @@ def plan_panel(plan: PlacementPlan) -> Panel:
     grid.add_row("on device", f"{_chunks(len(dev))}, {format_bytes(plan.device_bytes)} of optimizer states")
     grid.add_row("on host", f"{_chunks(len(host))}, {format_bytes(plan.host_bytes)} of pinned memory")
     strip = Text()
-    for p in plan.placement:
-        strip.append("■", style="green" if p == "device" else "blue")
+    for p in plan.placement:  # a filled or hollow square, so the strip reads without colour too
+        on_device = p == "device"
+        strip.append(_DEVICE_CHUNK if on_device else _HOST_CHUNK, style="green" if on_device else "blue")
     if plan.placement:
-        strip.append("  (green: device, blue: host, in first-use order)", style="dim")
+        strip.append(f"  ({_DEVICE_CHUNK} device, {_HOST_CHUNK} host; in first-use order)", style="dim")
         grid.add_row("chunks", strip)
     if plan.options:
         grid.add_row("options", ", ".join(f"{k}={v}" for k, v in plan.options.items()))
@@ -333,20 +404,24 @@ def transfer_table(transfers: Mapping[str, int]) -> Table:
 
 # ---- shards ----------------------------------------------------------------------------------------------
 class StackedBar:
-    """One horizontal bar, one coloured run per category, scaled so that ``scale`` bytes fill the width.
+    """One horizontal bar, one coloured run per category, scaled so that ``scale`` bytes fill the width; then,
+    when ``high_bytes`` is given, ``░`` up to it (the highest point between samples).
 
-    A rich renderable: it takes whatever width its table column gives it.
+    A rich renderable: it takes whatever width its table column gives it. Without colour each category's run
+    is drawn with its letter (:data:`CATEGORY_SYMBOLS`).
     """
 
-    def __init__(self, by_category: Mapping[str, int], scale: int) -> None:
+    def __init__(self, by_category: Mapping[str, int], scale: int, *, high_bytes: int = 0) -> None:
         self.by_category = by_category
         self.scale = max(1, scale)
+        self.high_bytes = high_bytes
 
     def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
         return Measurement(8, options.max_width)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         width = options.max_width
+        letters = plain(console)
         text = Text(no_wrap=True, overflow="crop")
         cum, drawn = 0, 0
         for c in CATEGORY_ORDER:
@@ -354,9 +429,45 @@ class StackedBar:
             # Round cumulative edges, not each run, so runs never add up to more than the bar.
             edge = min(width, round(cum / self.scale * width))
             if edge > drawn:
-                text.append(_BAR * (edge - drawn), style=CATEGORY_COLORS[c])
+                key = CATEGORY_SYMBOLS[c] if letters else _BAR
+                text.append(key * (edge - drawn), style=CATEGORY_COLORS[c])
                 drawn = edge
+        edge = min(width, round(self.high_bytes / self.scale * width))
+        if edge > drawn:
+            text.append(_ABOVE * (edge - drawn), style="dim")
         yield text
+
+
+class CategoryLegend:
+    """Category keys and labels on one line: ``■ parameter`` in the category's colour, or ``P parameter``
+    without colour, where the bars are drawn with the letters (``key_extra``: then also ``░ peak``).
+
+    A rich renderable, because which key to show depends on the console it is printed to.
+    """
+
+    def __init__(self, items: Sequence[tuple[str, str]], *, prefix: Text | None = None,
+                 key_extra: bool = False) -> None:
+        self.items = list(items)
+        self.prefix = prefix
+        self.key_extra = key_extra
+
+    def text(self, console: Console) -> Text:
+        letters = plain(console)
+        text = self.prefix.copy() if self.prefix is not None else Text()
+        for i, (c, label) in enumerate(self.items):
+            if i:
+                text.append("  ")
+            text.append(CATEGORY_SYMBOLS[c] if letters else "■", style=CATEGORY_COLORS[c])
+            text.append(f" {label}")
+        if self.key_extra:
+            text.append(f"  {_ABOVE} peak")
+        return text
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options, self.text(console))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.text(console)
 
 
 def _non_model_peak(timeline: MemoryTimeline) -> Sample | None:
@@ -369,14 +480,10 @@ def _chunks(n: int) -> str:
     return f"{n} chunk" if n == 1 else f"{n} chunks"
 
 
-def _category_text(values: Mapping[str, int]) -> Text:
-    text = Text()
-    for i, c in enumerate(c for c in CATEGORY_ORDER if c in values):
-        if i:
-            text.append("  ")
-        text.append("■ ", style=CATEGORY_COLORS[c])
-        text.append(f"{c} {format_bytes(values[c])}")
-    return text
+def _per_step(count: int, steps: int) -> str:
+    """``count`` over ``steps`` (>= 1) traced steps, as a whole number when it is one."""
+    per = count / steps
+    return str(int(per)) if per == int(per) else f"{per:.1f}"
 
 
 def _buckets(samples: Sequence[Sample], rows: int) -> list[Sequence[Sample]]:

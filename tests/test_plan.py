@@ -22,6 +22,7 @@ from memsched.commands.plan import (
 )
 from memsched.gpus import get_gpu, gpu_names
 from memsched.models import build_gpt
+from policies.units import format_bytes
 
 TARGET_SRC = textwrap.dedent("""
     import torch
@@ -98,6 +99,24 @@ def test_model_data_follows_adamw_arithmetic(tiny_prediction) -> None:
     assert md["optimizer_state"] == 8 * padded + STEP_BYTES * n_tensors
     assert cp.problem.resident_model_bytes == md["parameter"] + md["gradient"] + md["other"]
     assert cp.problem.peak_non_model_bytes == tiny_prediction.peak_non_model_bytes
+
+
+def test_chunk_padding_is_reported_apart_from_the_parameters(tiny_prediction, capsys) -> None:
+    cp = plan_for_capacity(tiny_prediction, 2**30)
+    own = sum(p.numel() for p in tiny_prediction.model.parameters() if p.requires_grad)  # ties counted once
+    pad = cp.n_chunks * cp.chunk_numel - own
+    assert pad > 0
+    assert cp.padding == {"numel": pad, "parameter": 4 * pad, "gradient": 4 * pad, "optimizer_state": 8 * pad}
+    # The CLI: parameters without the padding, the padding on its own row, and both in the JSON.
+    argv = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--capacity", "1GiB"]
+    r = _plan_json(capsys, *argv)
+    assert r["chunks"]["padding"] == cp.padding
+    assert main(["plan", *argv]) == 0
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in capsys.readouterr().out.splitlines() if line.count("│") >= 3}
+    assert rows["parameters"] == rows["gradients"] == format_bytes(4 * own)
+    assert rows["optimizer states (AdamW)"] == format_bytes(cp.model_data["optimizer_state"] - 8 * pad)
+    assert rows["chunk padding"] == format_bytes(16 * pad)
 
 
 def test_bf16_adds_the_fp32_master_and_keeps_ties() -> None:

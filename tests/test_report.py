@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from rich.console import Console
 
 from memsched.report import (
     CATEGORY_COLORS,
+    CATEGORY_SYMBOLS,
     StackedBar,
     module_label,
     render_report,
@@ -146,8 +149,20 @@ def test_module_table_sorted_by_activations_and_limited_by_top():
     names = [r[0] for r in rows]
     assert names[:5] == ["(root)", "encoder", "encoder.layer0", "encoder.layer1", "head"]
     layer1 = rows[names.index("encoder.layer1")]
-    assert layer1[1] == "4"  # two calls per step, two steps
-    assert " ".join(layer1[2:4]) == format_bytes(2 * MiB)
+    assert layer1[1] == "2"  # two calls per step (four over the two traced steps)
+    assert " ".join(layer1[2:4]) == format_bytes(2 * MiB)  # per call
+    encoder = rows[names.index("encoder")]
+    assert " ".join(encoder[2:4]) == format_bytes(7 * MiB)  # one call: layer0's 3 MiB + layer1's 2 x 2 MiB
+
+
+def test_module_table_says_per_step_and_per_call_in_its_headers():
+    console = record(120)
+    render_report(make_timeline(), console=console)
+    text = console.export_text()
+    header = text[text.index("Modules:") : text.index("(root)")]
+    assert "calls" in header and "per step" in header
+    assert header.count("per call") == 4  # the title and the three byte columns
+    assert "over 2 traced steps" in text
 
 
 @pytest.mark.parametrize("width", [80, 120])
@@ -322,3 +337,64 @@ def test_saved_timelines_load_back_with_every_kind_of_sample(tmp_path):
     for tl in (cuda, make_timeline()):
         tl.save(tmp_path / "t.json")
         assert MemoryTimeline.load(tmp_path / "t.json").to_dict() == tl.to_dict()
+
+
+# ---- one peak total; output without colour ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt_trace() -> MemoryTimeline:
+    """Two real AdamW steps of the tiny GPT traced on the CPU."""
+    import torch
+
+    from memsched.models import build_gpt, lm_loss
+    from tracer import MemoryTracer
+
+    torch.manual_seed(0)
+    model = build_gpt("tiny")
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 256, (4, 64))
+    with MemoryTracer(model, optimizer=opt) as tracer:
+        for _ in range(2):
+            lm_loss(model, x, x).backward()
+            opt.step()
+            opt.zero_grad()
+    return tracer.timeline
+
+
+def test_the_three_peak_totals_agree_on_a_real_trace(gpt_trace: MemoryTimeline):
+    samples = gpt_trace.for_device()
+    peak = max(s.peak_bytes for s in samples)
+    # Between hooks the trace goes higher than at any hook: the figures can only agree by definition.
+    assert peak > max(s.total_bytes for s in samples)
+    console = record(120)
+    render_report(gpt_trace, console=console)
+    text = console.export_text()
+    summary = next(line for line in text.splitlines() if "peak total" in line)
+    width = text[text.index("full width = peak total ") :].split()[5:7]
+    rows = [line for line in text.splitlines() if " ms " in line]
+    top = [r for r in rows if "▲" in r]
+    assert len(top) == 1
+    figure = top[0].split("▲")[0].split()[-2:]  # the size printed on the right of the row
+    assert summary.split()[3:5] == width == figure == format_bytes(peak).split()
+
+
+def test_report_without_colour_has_no_ansi_and_says_it_in_words():
+    console = Console(file=io.StringIO(), force_terminal=False, width=100)
+    plan = PlacementPlan("greedy", (DEVICE, HOST, HOST), 4 * MiB, 8 * MiB, 5 * MiB, 4 * MiB, ("why",))
+    render_report(make_timeline(), plan=plan, console=console)
+    text = console.file.getvalue()
+    assert "\x1b" not in text
+    bars = [line for line in text.splitlines() if " ms " in line]
+    legend = " ".join(text[text.index("Timeline (live bytes") : text.index(bars[0])].split())
+    for c in ("parameter", "buffer", "gradient", "optimizer_state", "activation"):  # those it holds
+        assert f"{CATEGORY_SYMBOLS[c]} {c}" in legend  # each category's letter, next to its name
+    assert "P parameter 8.0 MiB" in text  # the summary's model data uses the same keys
+    assert any("PPPP" in b and "AAA" in b for b in bars)  # the bars are drawn with the letters
+    strip = next(line for line in text.splitlines() if "chunks" in line and "first-use order" in line)
+    assert "■□□" in strip and "■ device" in strip and "□ host" in strip
+
+
+def test_a_colour_terminal_keeps_solid_bars_and_swatches():
+    console = Console(file=io.StringIO(), force_terminal=True, color_system="truecolor", width=100)
+    render_report(make_timeline(), console=console)
+    text = console.file.getvalue()
+    assert "\x1b[" in text and "█" in text and "PPPP" not in text

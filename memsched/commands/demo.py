@@ -21,11 +21,12 @@ from rich.console import Console
 
 import memsched
 import policies
-from memsched.commands.argtypes import positive_float, positive_int, ratio
+from memsched.commands import parsers
+from memsched.console import make_console
 from memsched.data import TextCorpus, batches, load_stdlib_corpus
 from memsched.devices import ALLOWED as DEVICE_FORMS
 from memsched.devices import parse_device
-from memsched.models import config_for, lm_loss, sizes
+from memsched.models import config_for, lm_loss
 from memsched.models.gpt import build_gpt
 from memsched.planning import build_problem
 from memsched.progress import StepStats, TrainingProgress
@@ -33,12 +34,13 @@ from policies.types import check_ratio
 from policies.units import format_bytes
 from tracer.timeline import atomic_write_text
 
-DEFAULT_SIZE = "demo"
-DEFAULT_STEPS = 20
-DEFAULT_BATCH_SIZE = 8
-DEFAULT_SEQ_LEN = 256
-DEFAULT_LR = 1e-3
-DEFAULT_OUT = "memsched-out/demo"
+# The defaults live with the parser (memsched.commands.parsers), which --help reads without torch.
+DEFAULT_SIZE = parsers.DEMO_SIZE
+DEFAULT_STEPS = parsers.DEMO_STEPS
+DEFAULT_BATCH_SIZE = parsers.DEMO_BATCH_SIZE
+DEFAULT_SEQ_LEN = parsers.DEMO_SEQ_LEN
+DEFAULT_LR = parsers.DEMO_LR
+DEFAULT_OUT = parsers.DEMO_OUT
 EVAL_BATCHES = 4
 # torch.OutOfMemoryError exists from torch 2.5; torch 2.4 has the same class under torch.cuda.
 _OOM: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
@@ -91,49 +93,6 @@ def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_
     return total / n_batches
 
 
-# ---- argument types --------------------------------------------------------------------------------------
-
-
-
-
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="train a GPT on the Python standard library's sources under memsched (trace, plan, offload)",
-        description="Train the built-in GPT on byte-level text (this Python's standard library sources; no "
-                    "download) with memsched: the first step is traced, a placement policy splits the "
-                    "optimizer state between the device and pinned CPU memory, and training goes on with the "
-                    "hybrid AdamW. Without a GPU a stand-in device (sim:SIZE) is sized so that the optimizer "
-                    "state does not all fit. Prints a progress bar, the memory report and the plan, and "
-                    "writes the exports.",
-    )
-    p.add_argument("--size", default=DEFAULT_SIZE,
-                   help=f"GPT size (default {DEFAULT_SIZE}): {', '.join(sizes())}")
-    p.add_argument("--policy", default="auto", help="placement policy (default auto; see memsched policies)")
-    p.add_argument("--gpu-margin-mem-ratio", type=ratio, default=0.8, metavar="R",
-                   help="share of the GPU margin the policy may fill, in [0, 1] (default 0.8)")
-    p.add_argument("--device", default=None,
-                   help="cuda, cuda:N, cpu, sim:SIZE (e.g. sim:64MiB) or sim (sized automatically); default: "
-                        "cuda when available, else an automatically sized stand-in")
-    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
-                   help=f"training steps (default {DEFAULT_STEPS})")
-    p.add_argument("--batch-size", type=positive_int, default=DEFAULT_BATCH_SIZE,
-                   help=f"sequences per step (default {DEFAULT_BATCH_SIZE})")
-    p.add_argument("--seq-len", type=positive_int, default=DEFAULT_SEQ_LEN,
-                   help=f"tokens (bytes) per sequence (default {DEFAULT_SEQ_LEN})")
-    p.add_argument("--lr", type=positive_float, default=DEFAULT_LR,
-                   help=f"AdamW learning rate (default {DEFAULT_LR:g})")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the batches")
-    p.add_argument("--overlap", action="store_true",
-                   help="update offloaded chunks on a CPU thread while the next forward runs (attach(overlap="
-                        "True)); the report's step-time table shows the exposed CPU time")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help=f"output folder for the exports (default {DEFAULT_OUT})")
-    p.set_defaults(func=run)
-
-
 def _choose_device(args: argparse.Namespace) -> str:
     """The device string for attach; validates ``--device`` (ValueError naming it and the allowed forms)."""
     text = args.device
@@ -163,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} exists and is not a folder")
 
-    console = Console()
+    console = make_console()
     device = _choose_device(args)
     corpus = load_stdlib_corpus()
     torch.manual_seed(args.seed)

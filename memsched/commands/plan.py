@@ -1,7 +1,8 @@
 """`memsched plan`: predict one training step's memory without a GPU, then plan placement for a device size.
 
 The prediction is :mod:`memsched.prediction` (a trace under ``FakeTensorMode``), the verdicts
-:mod:`memsched.capacity`; this module parses the arguments and renders.
+:mod:`memsched.capacity`, the parser :func:`memsched.commands.parsers.add_plan`; this module runs and
+renders.
 
 ``--seq-len 512,1024,2048`` (or ``--batch-size 4,8``) traces each size and prints, per size, the peak
 non-model data and the verdicts of ``auto`` and ``cpu``, then the largest size that fits with each
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import textwrap
 from typing import Any
 
 import torch
@@ -33,7 +33,8 @@ from memsched.capacity import (  # noqa: F401 (re-exported for the command's use
     sweep_dict,
     verdict,
 )
-from memsched.commands.argtypes import positive_int_list, ratio
+from memsched.commands import parsers
+from memsched.console import make_console
 from memsched.gpus import get_gpu, gpu_names
 from memsched.models import sizes
 from memsched.prediction import (  # noqa: F401 (re-exported for the command's users)
@@ -46,65 +47,12 @@ from memsched.prediction import (  # noqa: F401 (re-exported for the command's u
     gpt_workload,
     trace_step,
 )
-from policies.units import format_bytes, parse_bytes
+from policies.units import format_bytes
 
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_BATCH_SIZE = 8
-DEFAULT_SEQ_LEN = 1024
-
-
-# ---- CLI -------------------------------------------------------------------------------------------------
-
-
-
-
-def _size(text: str) -> int:
-    try:
-        value = parse_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"capacity must be > 0 bytes, got {text!r}")
-    return value
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "plan",
-        help="predict a training step's memory with fake tensors (no GPU needed) and plan placement",
-        description=textwrap.fill(
-            "Build the model and run forward + backward of one batch under FakeTensorMode (no memory is "
-            "allocated), then show peak non-model data, model data by category, each placement policy's plan "
-            "for the device size, and a verdict: fits / fits only with offload / does not fit.", 79),
-        epilog="examples: memsched plan --model 1.3b --batch-size 8 --seq-len 1024 --capacity 24GiB\n"
-               "          memsched plan --model 1.3b --seq-len 512,1024,2048 --gpu a100-40gb\n"
-               "          memsched plan examples/trace_target.py:build --gpu a100-40gb --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("target", nargs="?", metavar="TARGET",
-                   help="file.py:function or module:function returning (model, loss_fn) for a device "
-                        "(see memsched trace); or use --model")
-    p.add_argument("--model", metavar="SIZE", help=f"the built-in GPT at this size: {', '.join(sizes())}")
-    p.add_argument("--batch-size", type=positive_int_list, default=None, metavar="N[,N...]",
-                   help=f"batch size for --model (default {DEFAULT_BATCH_SIZE}); several, comma-separated, "
-                        "plan each and say the largest that fits")
-    p.add_argument("--seq-len", type=positive_int_list, default=None, metavar="N[,N...]",
-                   help=f"sequence length for --model (default {DEFAULT_SEQ_LEN}, at most the model's "
-                        "block size); several, comma-separated, plan each and say the largest that fits")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="compute dtype (bf16/fp16 add an fp32 master copy to the optimizer state); default: "
-                        "fp32 for --model, the model's own dtype for a TARGET")
-    cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity", type=_size, metavar="SIZE", help="device capacity, e.g. 24GiB")
-    cap.add_argument("--gpu", metavar="NAME", help=f"a named GPU: {', '.join(gpu_names())}")
-    p.add_argument("--gpu-margin-mem-ratio", type=ratio, default=0.8, metavar="R",
-                   help="share of the GPU margin policies may fill, in [0, 1] (default 0.8)")
-    p.add_argument("--policy", default="auto", help="policy the verdict uses (default auto)")
-    p.add_argument("--attention", choices=ATTENTION, default="default",
-                   help="attention kernel of the trace: torch's default for the device, or math (keeps the "
-                        "[batch, heads, seq, seq] attention matrix)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON (see result_dict)")
-    p.set_defaults(func=run)
+# The parser (memsched.commands.parsers) names the dtypes and the defaults without importing torch.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, dt) for name, dt in parsers.DTYPE_NAMES.items()}
+DEFAULT_BATCH_SIZE = parsers.PLAN_BATCH_SIZE
+DEFAULT_SEQ_LEN = parsers.PLAN_SEQ_LEN
 
 
 def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
@@ -149,12 +97,14 @@ def run(args: argparse.Namespace) -> int:
                              "its own batch")
         runs = [(args.target, {"target": args.target})]
 
-    console = Console(stderr=args.json)
+    console = make_console(stderr=args.json)
     entries: list[tuple[int, dict[str, Any], CapacityPlan]] = []
     for build, what in runs:
         label = f" ({over} {what[over]})" if over else ""
-        with console.status(f"tracing one training step with fake tensors{label} ...") if not args.json else \
-                contextlib.nullcontext():
+        if not args.json and not console.is_terminal:  # a log: rich's spinner would print nothing
+            console.print(f"tracing one training step with fake tensors{label} ...", highlight=False)
+        with console.status(f"tracing one training step with fake tensors{label} ...") \
+                if not args.json and console.is_terminal else contextlib.nullcontext():
             prediction = trace_step(build, dtype=dtype or (torch.float32 if args.model else None),
                                     attention=args.attention)
         cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
@@ -198,15 +148,24 @@ def render(result: dict[str, Any], console: Console) -> None:
     console.print(head)
 
     chunks = result["chunks"]
-    data = Table(title=f"Model data ({chunks['count']} chunks of {chunks['numel']:,} elements)",
+    # The chunks' padding is allocated with the parameters, gradients and optimizer states but holds no
+    # parameter: its own row, so a small model's parameter bytes are its parameters'.
+    pad = chunks.get("padding") or {"numel": 0, "parameter": 0, "gradient": 0, "optimizer_state": 0}
+    elements = chunks["count"] * chunks["numel"]
+    share = f", {100 * pad['numel'] / elements:.1f} % padding" if elements else ""
+    data = Table(title=f"Model data ({chunks['count']} chunks of {chunks['numel']:,} elements{share})",
                  title_justify="left")
     data.add_column("category")
     data.add_column("bytes", justify="right")
     data.add_column("where")
-    data.add_row("parameters", fb(md["parameter"]), "device (resident)")
-    data.add_row("gradients", fb(md["gradient"]), "device (resident)")
+    data.add_row("parameters", fb(md["parameter"] - pad["parameter"]), "device (resident)")
+    data.add_row("gradients", fb(md["gradient"] - pad["gradient"]), "device (resident)")
     data.add_row("buffers + frozen parameters", fb(md["other"]), "device (resident)")
-    data.add_row("optimizer states (AdamW)", fb(md["optimizer_state"]), "placed by the policy")
+    data.add_row("optimizer states (AdamW)", fb(md["optimizer_state"] - pad["optimizer_state"]),
+                 "placed by the policy")
+    data.add_row("chunk padding", fb(pad["parameter"] + pad["gradient"] + pad["optimizer_state"]),
+                 f"{pad['numel']:,} elements: {fb(pad['parameter'] + pad['gradient'])} resident, "
+                 f"{fb(pad['optimizer_state'])} placed")
     console.print(data)
 
     cap = fb(result["capacity_bytes"]) + (f" ({result['gpu']})" if result["gpu"] else "")

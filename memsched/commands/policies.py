@@ -12,17 +12,6 @@ import json
 import policies
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "policies",
-        help="list the placement policies and their options",
-        description="List the registered placement policies, one line each, with their options.",
-    )
-    p.add_argument("--verbose", "-v", action="store_true", help="also print each option's help")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead")
-    p.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
     infos = policies.describe()
     if args.json:

@@ -1,8 +1,9 @@
 """`memsched report FILE.json`: re-render a saved timeline and, on request, re-export it.
 
-Also holds the export options, their checks (before any work) and the "where did it go" printing shared with
-``memsched trace``. Exports replace existing files of the same name (atomically); a path that is a folder, or
-lies under a file, is refused before the work starts.
+Also holds the checks of the export options (before any work; the options themselves are in
+:mod:`memsched.commands.parsers`) and the "where did it go" printing shared with ``memsched trace``. Exports
+replace existing files of the same name (atomically); a path that is a folder, or lies under a file, is
+refused before the work starts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from memsched import exports
-from memsched.commands.argtypes import positive_int
+from memsched.console import make_console
 from memsched.report import render_report
 from tracer.timeline import MemoryTimeline
 
@@ -73,22 +74,6 @@ def check_exports(
         seen[key] = what
 
 
-def add_export_options(p: argparse.ArgumentParser, *, with_json: bool) -> None:
-    """The per-file export options (``--perfetto F`` ...) of ``trace`` and ``report``."""
-    if with_json:
-        p.add_argument("--json", metavar="FILE", help="timeline JSON path (default: OUT/trace.json)")
-    p.add_argument(
-        "--perfetto", metavar="FILE", help="Chrome/Perfetto trace-event JSON (open in ui.perfetto.dev)"
-    )
-    p.add_argument(
-        "--memory-viz",
-        dest="memory_viz",
-        metavar="FILE",
-        help="pickled PyTorch memory snapshot (open in pytorch.org/memory_viz)",
-    )
-    p.add_argument("--png", metavar="FILE", help="stacked-area plot by category (needs 'memsched[plot]')")
-
-
 def write_exports(
     timeline: MemoryTimeline,
     *,
@@ -118,19 +103,6 @@ def write_exports(
     return status
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "report",
-        help="re-render a saved timeline (memsched trace's JSON) and optionally re-export it",
-        description="Print the memory report of a timeline saved by `memsched trace` (its .json file); "
-        "--perfetto/--memory-viz/--png also write those exports.",
-    )
-    p.add_argument("file", metavar="FILE.json", help="timeline JSON written by `memsched trace`")
-    p.add_argument("--top", type=positive_int, default=10, help="modules to list (default: 10)")
-    add_export_options(p, with_json=False)
-    p.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         timeline = MemoryTimeline.load(args.file)  # its ValueErrors name the file and the problem
@@ -139,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {kind: getattr(args, opt) for opt, kind in EXPORT_OPTIONS.items()}
     kinds = [kind for kind, path in overrides.items() if path is not None]
     check_exports(Path(args.file).parent, overrides, kinds)  # before the report is rendered
-    console = Console()
+    console = make_console()
     render_report(timeline, top=args.top, console=console)
     if not kinds:
         return 0
