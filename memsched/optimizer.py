@@ -36,14 +36,15 @@ from memsched.hyperparams import (  # noqa: F401 (re-exported: memsched.optimize
     hyperparameter_groups,
     indexed_param_groups,
 )
+from memsched.optimizer_overlap import OverlapMixin
 from memsched.overlap import HostUpdates
 from memsched.precision import LossScaler
-from memsched.step_timeline import CPU_UPDATE, WAITS, StepTimeline
+from memsched.step_timeline import CPU_UPDATE, StepTimeline
 from memsched.transfers import Streams, TransferStats
 from policies.types import DEVICE, HOST
 
 
-class HybridAdamW(torch.optim.Optimizer):
+class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
     """AdamW whose state lives in chunks placed on the device or the host (see the module docstring).
 
     ``param_groups`` mirror the user's groups (``lr``, ``betas``, ``eps``, ``weight_decay`` per group, read at
@@ -110,32 +111,6 @@ class HybridAdamW(torch.optim.Optimizer):
         with self.store.alloc.host_context():
             self.transfers.add_d2h(c.start_d2h(self.streams))
 
-    def grads_ready(self, c: Chunk) -> None:
-        """The store's observer: all of ``c``'s gradients are complete in this backward. With ``early_d2h``, a
-        host chunk's D2H starts now, overlapping the rest of backward (ZeRO-Offload's overlap, arXiv
-        2101.06840 section 4.2), and its gradients are fingerprinted so that the step can tell whether
-        anything wrote them after the copy (clipping, ``p.grad.mul_()``, another backward)."""
-        if not self.early_d2h or c.placement != HOST:
-            return
-        self.host_updates.wait([c.index])  # the worker no longer reads its host buffers
-        with self.store.alloc.host_context():  # the stand-in does not count the fingerprint's temporaries
-            self._early[c.index] = self._fingerprints.of(c.grad[c.lo:c.hi])
-        self._start_d2h(c)
-
-    def _early_copies_valid(self, host_chunks: list[Chunk], early: dict[int, torch.Tensor]) -> set[int]:
-        """Indices of the host chunks copied in backward whose gradients did not change since: their copy is
-        used. The fingerprints are compared now, after everything that may have written the gradients; the
-        host waits for that comparison (on CUDA, for backward to finish on the device), so that the copies
-        made again instead are ordered before anything that writes the gradients next (``zero_grad``)."""
-        chunks = [c for c in host_chunks if c.index in early]
-        if not chunks:
-            return set()
-        with self.store.alloc.host_context():
-            now = torch.stack([self._fingerprints.of(c.grad[c.lo:c.hi]) for c in chunks])
-            same = (now == torch.stack([early[c.index] for c in chunks])).all(dim=1).tolist()
-        return {c.index for c, ok in zip(chunks, same, strict=True) if ok}
-
-    # ---- step ---------------------------------------------------------------------------------------------
     def _validate_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """Gradients that are not (or no longer) the chunk views: ``(param, tensor or None)`` to fix up."""
         fixes = []
@@ -246,38 +221,6 @@ class HybridAdamW(torch.optim.Optimizer):
                     self.store.after_update(c)
         self._finish_step()
         return loss
-
-    def _submit_host(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
-                     inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
-        """Hand the host chunks to the worker (:mod:`memsched.overlap`), in chunk (first-use) order. Their
-        H2D copies wait for the work queued so far (this step's backward), not for the next forward."""
-        after = self.streams.record()
-        by_index = {c.index: c for c in host_chunks}
-
-        def update(i: int) -> None:
-            c = by_index[i]
-            self._update_host(c, hps[c.group], inv_scale, coefs, after=after)
-
-        def follow_up(i: int) -> None:  # on the training thread: collectives, version bookkeeping
-            c = by_index[i]
-            self.store.after_update(c)
-            self.dp.end_step()  # its fetch (ZeRO all-gather) completes before the forward reads the chunk
-            for p in c.params:  # the H2D copy moved their version counters
-                self._param_versions[id(p)] = p._version
-
-        self.host_updates.submit(sorted(by_index), update, follow_up)
-
-    def wait_updates(self, what: str = "synchronize()") -> None:
-        """Block until the last step's overlapped CPU update is done and followed up (nothing pending without
-        ``overlap=True``); the time blocked is a span of the step timeline named after ``what``.
-
-        Raises:
-            memsched.overlap.OverlapError: the overlapped update failed.
-        """
-        t0 = time.perf_counter()
-        blocked = self.host_updates.wait_all()
-        if blocked > 0:
-            self.timeline.span(WAITS, f"{what} <- all chunks", t0, time.perf_counter())
 
     def _finish_step(self) -> None:
         self.record_param_versions()
