@@ -70,6 +70,7 @@ class Installed:
         self.optimizer: Any = None
         self.sim: Any = None
         self.tracer: Any = None
+        self.eager: Any = None  # memsched.compile_stance.EagerDuringWarmup
 
     def remove(self) -> None:
         """Wait for copies in flight, then remove everything (idempotent)."""
@@ -86,6 +87,8 @@ class Installed:
             if tracer is not None:
                 tracer.__exit__(None, None, None)
         finally:
+            if self.eager is not None:
+                self.eager.stop()
             for h in self.handles:
                 h.remove()
             self.handles.clear()

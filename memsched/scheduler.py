@@ -37,6 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import policies
 from memsched.chunks import Allocator, ChunkStore
+from memsched.compile_stance import EagerDuringWarmup
 from memsched.config import SchedulerConfig, make_config
 from memsched.cost_model import WarmupCosts
 from memsched.devices import DeviceSpec
@@ -176,6 +177,8 @@ class Scheduler(PlanningMixin):
         self.elastic: Elastic | None = None
         if config.replan == "auto" and self.device.kind != "cpu":
             self._install_elastic()
+        self._eager = self._installed.eager = EagerDuringWarmup()  # torch.compile: eager while tracing
+        self._eager.start()
         try:
             self._start_tracer()
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
@@ -227,6 +230,7 @@ class Scheduler(PlanningMixin):
         if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
             return
         self._stop_tracer()
+        self._eager.stop()  # compiled code compiles from the next call on
         timeline = self.optimizer.timeline
         if timeline.records:  # the last warmup step: every chunk updated on the host (memsched.cost_model)
             host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
