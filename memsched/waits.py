@@ -9,7 +9,9 @@ for all chunks too. Anything else that reads or writes parameters outside a forw
 on a submodule, ``nn.init`` under ``no_grad``) calls :meth:`H2DWaits.synchronize` (``sched.synchronize()``)
 first.
 
-The root module's forward hooks also mark the forward phase of the step timeline
+Before each forward, gradients set to None since the last step (``model.zero_grad()``) go back into their
+chunk views (:meth:`memsched.chunks.ChunkStore.bind_dropped_grads`). The root module's forward hooks also mark
+the forward phase of the step timeline
 (:mod:`memsched.step_timeline`), and with data parallelism finish the follow-ups of the overlapped update
 (ZeRO all-gathers) before backward, so every rank issues its collectives in the same order.
 """
@@ -50,6 +52,8 @@ class H2DWaits:
         self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
         end = Detachable(lambda *_a: self._forward_end())
         self._handles.append(self.model.register_forward_hook(end, always_call=True))
+        bind = Detachable(lambda *_a: self._bind_dropped_grads())
+        self._handles.append(self.model.register_forward_pre_hook(bind))
         if not self.needed:
             return
         store = self.store
@@ -82,6 +86,13 @@ class H2DWaits:
             chunks = self.store.chunks
             self.streams.wait([chunks[i].h2d_event for i in indices])
         return wait
+
+    def _bind_dropped_grads(self) -> None:
+        """Gradients set to None since the last step go back into their chunk views (after any D2H copy that
+        still reads the buffers)."""
+        if any(p.grad is None for p in self.store.params()):
+            self.streams.wait([c.d2h_event for c in self.store.chunks])
+            self.store.bind_dropped_grads()
 
     def _forward_end(self) -> None:
         if self.drain_after_forward and self.updates.pending:

@@ -82,3 +82,51 @@ def test_parameters_without_gradients_match_torch_adamw(placement, zero_grad):
     # and memsched's state dict loads into torch's AdamW and back
     ropt2 = torch.optim.AdamW(copy.deepcopy(ref).parameters(), lr=LR, weight_decay=WD, fused=True)
     ropt2.load_state_dict(sd)
+
+
+def test_model_zero_grad_keeps_gradients_in_the_chunks(monkeypatch):
+    """``model.zero_grad()`` (set_to_none, as Hugging Face Trainer does) drops the ``.grad`` views; the next
+    forward binds them again, so backward accumulates into the chunks (no separate gradient to copy back),
+    and parameters that get no gradient are not updated, as with torch.optim.AdamW."""
+    import copy
+
+    import memsched
+    from memsched.chunks import ChunkStore
+
+    copies = []
+    original = ChunkStore.rebind_grad
+
+    def counted(self, p, c=None):
+        if p.grad is not None and p.grad.data_ptr() != self.grad_view(p, c).data_ptr():
+            copies.append(p.shape)
+        return original(self, p, c)
+
+    monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
+
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = torch.nn.Linear(16, 16)
+            self.a, self.b = torch.nn.Linear(16, 1), torch.nn.Linear(16, 1)
+
+        def forward(self, x, head):
+            return (self.a if head == "a" else self.b)(torch.relu(self.body(x))).sum()
+
+    model = TwoHeads()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    with memsched.attach(model, device="sim:16MiB", lr=1e-2, weight_decay=0.1) as sched:
+        for i, x in enumerate(xs):
+            head = "a" if i % 3 else "b"  # head b only every third step
+            model.zero_grad(set_to_none=True)
+            sched.backward(model(x, head))
+            sched.optimizer.step()
+            with sched.sim.paused():
+                ref.zero_grad(set_to_none=True)
+                ref(x, head).backward()
+                opt.step()
+    assert copies == []  # every gradient was accumulated in its chunk view
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)

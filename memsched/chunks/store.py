@@ -278,6 +278,19 @@ class ChunkStore:
                 view.copy_(g)
             p.grad = view
 
+    def bind_dropped_grads(self) -> None:
+        """Before a forward: parameters whose ``.grad`` was set to None (``model.zero_grad()``, Hugging Face
+        Trainer) get their zeroed chunk view back, so backward accumulates into the chunk instead of
+        allocating a gradient that :meth:`rebind_grad` then copies. They count as having no gradient until
+        backward gives them one (``torch.optim.AdamW`` does not update them)."""
+        with torch.no_grad():
+            for p in self.params():
+                if p.grad is None:
+                    view = self.grad_view(p)
+                    view.zero_()
+                    p.grad = view
+                    self.with_grad.discard(id(p))
+
     def on_grads_ready(self, chunk: Chunk) -> None:
         """All of ``chunk``'s gradients are complete in this backward (a reduce-scatter goes there)."""
         self.dp.grads_ready(chunk)
