@@ -90,7 +90,9 @@ class H2DWaits:
     def _bind_dropped_grads(self) -> None:
         """Gradients set to None since the last step go back into their chunk views (after any D2H copy that
         still reads the buffers)."""
-        if any(p.grad is None for p in self.store.params()):
+        with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
+            dropped = any(p.grad is None for p in self.store.params())
+        if dropped:
             self.streams.wait([c.d2h_event for c in self.store.chunks])
             self.store.bind_dropped_grads()
 
