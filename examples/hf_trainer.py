@@ -1,0 +1,39 @@
+"""Hugging Face Trainer with memsched: pass memsched's optimizer to the Trainer, keep everything else.
+
+    pip install -e ".[hf]"
+    python examples/hf_trainer.py
+
+The Trainer's gradient accumulation, ``max_grad_norm`` and LR scheduler work unchanged; its
+``model.zero_grad()`` is followed (memsched binds the gradients back into its chunks before each forward).
+The run equals the same Trainer with ``torch.optim.AdamW(fused=True)`` bit for bit
+(``tests/test_hf_trainer.py``). On a machine without a GPU it uses the stand-in device.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+import memsched
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2))
+    tokens = torch.randint(0, 256, (64, 32))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    device = "cuda" if torch.cuda.is_available() else "sim:64MiB"
+    with memsched.attach(model, device=device, lr=1e-3, weight_decay=0.1) as sched:
+        args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=8,
+                                 gradient_accumulation_steps=2, max_steps=8, learning_rate=1e-3,
+                                 weight_decay=0.1, max_grad_norm=1.0,
+                                 logging_steps=2, report_to=[], save_strategy="no",
+                                 use_cpu=not torch.cuda.is_available())
+        Trainer(model=model, args=args, train_dataset=data, optimizers=(sched.optimizer, None)).train()
+        sched.report()
+
+
+if __name__ == "__main__":
+    main()

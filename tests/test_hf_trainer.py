@@ -1,0 +1,71 @@
+"""Hugging Face Trainer with memsched's optimizer (``optimizers=(sched.optimizer, None)``): gradient
+accumulation, ``max_grad_norm`` and the Trainer's LR scheduler, bit for bit against the same Trainer with
+``torch.optim.AdamW(fused=True)``, with host-resident chunks, and gradients kept in the chunk views although
+the Trainer sets them to None (``model.zero_grad()``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import memsched
+from memsched.chunks import ChunkStore
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def _trainer_run(base, data, tmp_path, use_memsched: bool, monkeypatch):
+    from transformers import Trainer, TrainingArguments
+
+    model = copy.deepcopy(base)
+    args = TrainingArguments(str(tmp_path / ("m" if use_memsched else "t")), per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, weight_decay=0.1,
+                             max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0)
+    copies = []
+    sched = None
+    if use_memsched:
+        original = ChunkStore.rebind_grad
+
+        def counted(self, p, c=None):
+            if p.grad is not None and p.grad.data_ptr() != self.grad_view(p, c).data_ptr():
+                copies.append(tuple(p.shape))
+            return original(self, p, c)
+
+        monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
+        sched = memsched.attach(model, device="sim:64MiB", lr=1e-3, weight_decay=0.1, chunk_numel=16384,
+                                policy="static", policy_options={"offload_optim_frac": 0.5})
+        opt = sched.optimizer
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    places = None
+    if sched is not None:
+        places = {c.placement for c in sched.store.chunks}
+        sched.close()
+    return losses, model, copies, places
+
+
+def test_trainer_with_memsched_equals_fused_adamw(tmp_path, monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    base = GPT2LMHeadModel(cfg)  # tied input/output embeddings
+    tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    ref_losses, ref, _, _ = _trainer_run(base, data, tmp_path, False, monkeypatch)
+    losses, model, copies, places = _trainer_run(base, data, tmp_path, True, monkeypatch)
+    assert places == {"device", "host"}
+    assert len(losses) == 4 and losses == ref_losses
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert copies == []  # the Trainer's model.zero_grad() did not make backward allocate new gradients
