@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from memsched.console import make_console, plain
+from memsched.plan_report import plan_panel, transfer_table
 from policies.types import PlacementPlan
 from policies.units import format_bytes
 from tracer.categories import ALL_CATEGORIES, MODEL_DATA
@@ -58,8 +59,6 @@ _BAR = "█"
 _ABOVE = "░"  # the part of a bar between the live bytes at its sample and the highest point of its bucket
 _PEAK_NON_MODEL = "◀"
 _PEAK_TOTAL = "▲"
-_DEVICE_CHUNK, _HOST_CHUNK = "■", "□"
-_TRANSFERS_EXPECTED = "{'h2d_bytes': int, 'd2h_bytes': int, 'steps': int}"
 _PHASE_ABBREV = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "oth"}
 
 
@@ -341,67 +340,6 @@ def timeline_bars(timeline: MemoryTimeline, *, rows: int = TIMELINE_ROWS) -> Gro
     return Group(legend, table, note)
 
 
-def plan_panel(plan: PlacementPlan) -> Panel:
-    """Policy, GPU margin, budget, chunks on device vs host (with bytes) and the policy's reasons."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold", no_wrap=True)
-    grid.add_column(overflow="fold")
-    grid.add_row("policy", plan.policy)
-    grid.add_row("GPU margin", format_bytes(plan.margin_bytes))
-    grid.add_row("budget", format_bytes(plan.budget_bytes))
-    dev, host = plan.device_chunks, plan.host_chunks
-    grid.add_row("on device", f"{_chunks(len(dev))}, {format_bytes(plan.device_bytes)} of optimizer states")
-    grid.add_row("on host", f"{_chunks(len(host))}, {format_bytes(plan.host_bytes)} of pinned memory")
-    strip = Text()
-    for p in plan.placement:  # a filled or hollow square, so the strip reads without colour too
-        on_device = p == "device"
-        strip.append(_DEVICE_CHUNK if on_device else _HOST_CHUNK, style="green" if on_device else "blue")
-    if plan.placement:
-        strip.append(f"  ({_DEVICE_CHUNK} device, {_HOST_CHUNK} host; in first-use order)", style="dim")
-        grid.add_row("chunks", strip)
-    if plan.options:
-        grid.add_row("options", ", ".join(f"{k}={v}" for k, v in plan.options.items()))
-    for i, reason in enumerate(plan.reasons):
-        grid.add_row("why" if i == 0 else "", f"• {reason}")
-    return Panel(grid, title="Placement plan", title_align="left", box=box.ROUNDED)
-
-
-def transfer_table(transfers: Mapping[str, int]) -> Table:
-    """H2D and D2H bytes per step from ``{"h2d_bytes", "d2h_bytes", "steps"}`` (totals over ``steps``).
-
-    The optional keys of ``memsched.transfers.TransferStats.as_dict()`` are shown when present:
-    ``last_h2d_bytes`` / ``last_d2h_bytes`` (the last step) and ``chunk_moves_bytes`` (one-off moves).
-    """
-    if not isinstance(transfers, Mapping):
-        raise ValueError(f"transfers must be a dict like {_TRANSFERS_EXPECTED}, got {transfers!r}")
-    optional = ("last_h2d_bytes", "last_d2h_bytes", "chunk_moves_bytes")
-    for key in ("h2d_bytes", "d2h_bytes", "steps", *optional):
-        value = transfers.get(key)
-        if value is None and key in optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"transfers[{key!r}] must be an integer >= 0, got {value!r}; expected {_TRANSFERS_EXPECTED}"
-            )
-    steps = transfers["steps"]
-    last = "last_h2d_bytes" in transfers and "last_d2h_bytes" in transfers
-    table = Table(title=f"Transfers over {steps} steps", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("direction")
-    table.add_column("per step (mean)", justify="right")
-    if last:
-        table.add_column("last step", justify="right")
-    table.add_column("total", justify="right")
-    for name, key in (("H2D (host to device)", "h2d_bytes"), ("D2H (device to host)", "d2h_bytes")):
-        total = transfers[key]
-        cells = [name, format_bytes(total / steps) if steps else "-"]
-        if last:
-            cells.append(format_bytes(transfers[f"last_{key}"]))
-        table.add_row(*cells, format_bytes(total))
-    if transfers.get("chunk_moves_bytes"):
-        table.caption = f"plus {format_bytes(transfers['chunk_moves_bytes'])} moved once to apply the plan"
-    return table
-
-
 # ---- shards ----------------------------------------------------------------------------------------------
 class StackedBar:
     """One horizontal bar, one coloured run per category, scaled so that ``scale`` bytes fill the width; then,
@@ -474,10 +412,6 @@ def _non_model_peak(timeline: MemoryTimeline) -> Sample | None:
     """The sample closing the interval of the non-model peak, or ``None`` when there is no non-model data."""
     peak = timeline.peak_non_model_sample()
     return peak if peak is not None and peak.peak_non_model_bytes > 0 else None
-
-
-def _chunks(n: int) -> str:
-    return f"{n} chunk" if n == 1 else f"{n} chunks"
 
 
 def _per_step(count: int, steps: int) -> str:
