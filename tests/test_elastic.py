@@ -32,8 +32,8 @@ def lm_batch(batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def train(model, batches, loss_fn, **attach_kw):
-    """memsched and torch side by side; returns the scheduler (closed), the reference and per-step
-    placements taken right before each step's forward ran (from the history)."""
+    """memsched and torch.optim.AdamW(fused=True) side by side on ``batches``; returns the scheduler
+    (closed; its ``plan_history`` says where the chunks were) and the reference model."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     with memsched.attach(model, device=f"sim:{CAP}", lr=LR, weight_decay=WD, chunk_numel=65536,
