@@ -65,6 +65,7 @@ class SchedulerConfig:
     chunk_numel: int | None
     overlap: bool = False
     replan: str = "auto"
+    early_update: bool = False  # overlap="backward" (memsched.early_update)
 
 
 def _check_warmup(n: Any) -> int:
@@ -113,7 +114,8 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
                 process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-                chunk_build: str = "auto", overlap: bool = False, replan: str = "auto") -> SchedulerConfig:
+                chunk_build: str = "auto", overlap: bool | str = False,
+                replan: str = "auto") -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
 
     Raises:
@@ -121,6 +123,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
         TypeError: ``model`` is not an ``nn.Module``.
     """
     from memsched.distributed import as_timedelta, check_build_mode, check_zero_options
+    from memsched.early_update import check_overlap
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")
@@ -143,9 +146,8 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     stage, fetch = check_zero_options(zero_stage, fetch)
     dp = DataParallelConfig(stage, fetch, process_group, as_timedelta(dist_timeout),
                             check_build_mode(chunk_build))
-    if not isinstance(overlap, bool):
-        raise ValueError(f"overlap must be True or False, got {overlap!r}")
+    overlap, early_update = check_overlap(overlap)
     if replan not in ("auto", "off"):
         raise ValueError(f"replan must be 'auto' or 'off', got {replan!r}")
     return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel,
-                           overlap, replan)
+                           overlap, replan, early_update)

@@ -27,6 +27,16 @@ known to run out of memory there (its issues #2246, #3155). After warmup, memsch
   plan was made for, the plan is remade for the largest of them (chunks move back to the device); the window
   keeps a rare long batch from causing a move on every step.
 
+**Under torch.compile** the pre-hook is traced into the model's compiled graph. For a signature that needs
+nothing (measured before, within the plan in force, one rank, no out-of-memory error pending) it compiles to
+nothing: Dynamo guards on :attr:`Elastic.quiet`, an immutable tuple that changes only when the plan or the set
+of such signatures does, so the steady state has no graph break and no recompilation. Any other case calls the
+eager check through ``torch.compiler.disable`` (one graph break, at the start of the forward, only in the
+graphs compiled for such steps). Steps whose compiled hook did nothing are not measured (nothing resets the
+peak there), so under compile the plan does not shrink back. A forward that runs out of memory inside
+compiled code never reaches an always-called hook; the ``optimizer.zero_grad()`` of the retry loop, called in
+the ``except`` block, tells memsched instead.
+
 Every change is a :class:`PlanChange` in ``sched.plan_history`` (the first is the plan made at the end of
 warmup), with the bytes it moved (also in ``sched.transfers["chunk_moves_bytes"]``).
 """
@@ -45,6 +55,7 @@ from policies.types import PlacementPlan
 
 Signature = tuple[tuple[int, ...], ...]
 MEASURED_KEPT = 4096  # signatures whose measured peak is remembered (least recently seen dropped first)
+QUIET_KEPT = 16  # the most recently seen of them that a compiled pre-hook can pass without a graph break
 
 
 @dataclass(frozen=True)
@@ -145,7 +156,7 @@ class Elastic:
     """
 
     def __init__(self, replan: Callable[[int | None, str], None], agree: Callable[[list[int]], list[int]],
-                 probe: PeakProbe, shrink_after: int = 50) -> None:
+                 probe: PeakProbe, shrink_after: int = 50, world: int = 1) -> None:
         if isinstance(shrink_after, bool) or not isinstance(shrink_after, int) or shrink_after < 1:
             raise ValueError(f"shrink_after must be an integer >= 1 step, got {shrink_after!r}")
         self.replan, self.agree, self.probe = replan, agree, probe
@@ -155,6 +166,10 @@ class Elastic:
         self.measured: OrderedDict[Signature, int] = OrderedDict()  # the last MEASURED_KEPT signatures
         self.recent: deque[int] = deque(maxlen=shrink_after)
         self.oom = False
+        self.world = world
+        # Signatures that need nothing before their forward (measured, within the plan in force): what a
+        # compiled pre-hook checks; replaced, never mutated, and only when it changes (Dynamo guards on it).
+        self.quiet: tuple[Signature, ...] = ()
         self._sig: Signature | None = None  # the signature of the step in progress (its first forward)
 
     def start(self, planned_peak: int) -> int:
@@ -163,11 +178,22 @@ class Elastic:
         own measurement gave (the two count the same bytes, up to the step's temporaries)."""
         self.active = True
         self.planned_peak = max([planned_peak, *self.measured.values()])
+        self._update_quiet()
         return self.planned_peak
 
     # ---- hooks --------------------------------------------------------------------------------------------
     def before_forward(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """The model's forward pre-hook: plan for this step's inputs before they run."""
+        """The model's forward pre-hook: plan for this step's inputs before they run (traceable by Dynamo:
+        see the module docstring)."""
+        if torch.compiler.is_compiling():
+            if self._sig is not None or not torch.is_grad_enabled():
+                return
+            sig = signature(args, kwargs)
+            if self.active and not self.oom and self.world == 1 and sig in self.quiet:
+                self._sig = sig  # nothing to do: the compiled graph holds no memsched code
+                return
+            _before_forward_eager(self, args, kwargs)
+            return
         if self._sig is not None:  # a later forward of the same step (gradient accumulation)
             return
         if not torch.is_grad_enabled():  # evaluation: no step follows; training shapes decide the plan
@@ -201,6 +227,11 @@ class Elastic:
     def after_step(self) -> None:
         """End of a step (after ``optimizer.step()``): record its measured peak, finish a conservative step,
         shrink back after a long enough run of smaller steps."""
+        self._record_step()
+        if self.active:
+            self._update_quiet()
+
+    def _record_step(self) -> None:
         sig, self._sig = self._sig, None
         peak = self.probe.read()
         if sig is None or peak is None:
@@ -222,6 +253,21 @@ class Elastic:
     def _replan_for(self, peak: int, reason: str) -> None:
         self.replan(peak, reason)
         self.planned_peak = peak
+        self._update_quiet()
+
+    def _update_quiet(self) -> None:
+        planned = self.planned_peak
+        recent = list(self.measured.items())[-QUIET_KEPT:]  # a guard on a long tuple would cost every call
+        quiet = () if planned is None or not self.active else tuple(sorted(
+            s for s, peak in recent if peak <= planned))
+        if quiet != self.quiet:
+            self.quiet = quiet
+
+
+@torch.compiler.disable
+def _before_forward_eager(elastic: Elastic, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """The eager check, called from compiled code (a graph break; see the module docstring)."""
+    elastic.before_forward(args, kwargs)
 
 
 def _shapes(sig: Signature) -> str:

@@ -141,7 +141,9 @@ def _saved_keys(saved: list[Any], group: dict[str, Any], i: int) -> list[Any]:
 
 def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
     """Load ``sd`` (see :func:`validate_state_dict` for the errors). Parameters without state get zero moments
-    and step 0; without a saved ``master_weight`` the master starts from the parameter's current value."""
+    and step 0; without a saved ``master_weight`` the master takes the parameter's current value where it
+    differs from the master rounded to the compute dtype, and keeps its full precision elsewhere (so loading a
+    state dict saved before the first step, as Accelerate's ``prepare`` does, changes nothing)."""
     per_param, steps = validate_state_dict(opt, sd)
     scaler_state = sd.get("loss_scaler")
     if opt.scaler is not None and scaler_state is not None:
@@ -167,8 +169,10 @@ def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
                     src = st.get("master_weight") if st is not None else None
                     if src is not None:
                         c.master[ss:ss + n].copy_(src.reshape(-1)[ps:ps + n])
-                    else:
-                        c.master[ss:ss + n].copy_(c.data[part.chunk_start:part.chunk_start + n])
+                    else:  # the parameter's value, but the master's where it rounds to the parameter
+                        master = c.master[ss:ss + n]
+                        new = c.data[part.chunk_start:part.chunk_start + n].to(master.device)
+                        master.copy_(torch.where(new != master.to(new.dtype), new.float(), master))
                 for k, p in enumerate(c.params):
                     c.steps[k].fill_(steps[id(p)])
     for sg, g in zip(sd["param_groups"], opt.param_groups, strict=True):

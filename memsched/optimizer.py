@@ -30,6 +30,7 @@ from memsched import optim_state
 from memsched.adam import fused_adamw_
 from memsched.chunks import Chunk, ChunkStore, param_shards
 from memsched.chunks.fingerprint import Fingerprinter
+from memsched.early_update import EarlyUpdates
 from memsched.hyperparams import (  # noqa: F401 (re-exported: memsched.optimizer.check_hyperparameters etc.)
     adamw_default_keys,
     check_hyperparameters,
@@ -95,6 +96,13 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
         self._fingerprints = Fingerprinter()
         self._param_versions: dict[int, int] = {}
         self.record_param_versions()
+        self.on_zero_grad: Callable[[], None] | None = None  # set by the scheduler (memsched.elastic)
+        # overlap="backward" (enabled by the scheduler after warmup): host chunks are updated during backward
+        # into spare state, committed at the step when exact (memsched.early_update).
+        self.early_updates = EarlyUpdates(self.host_updates.run, self._adamw_all, self._fp32_grad,
+                                          self.timeline.span, store.alloc)
+        self._spec_inv: torch.Tensor | None = None  # fp16: the next backward's inverse scale, on the host
+        self._scaled_versions: list[int] | None = None  # fp16: grad versions after sched.backward
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _name(self, p: torch.Tensor) -> str:
@@ -110,6 +118,32 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
         reductions, clipping) was queued."""
         with self.store.alloc.host_context():
             self.transfers.add_d2h(c.start_d2h(self.streams))
+
+    def note_scaled_backward(self) -> None:
+        """fp16: :meth:`memsched.Scheduler.backward` ran a backward of the scaled loss; the gradients as they
+        are now hold the loss scale, and the step checks that nothing changed them since."""
+        self._scaled_versions = [c.grad._version for c in self.store.chunks]
+
+    def scaled_grads_unchanged(self) -> bool:
+        """fp16: nothing wrote the gradient buffers since the last :meth:`note_scaled_backward`."""
+        return self._scaled_versions == [c.grad._version for c in self.store.chunks]
+
+    def _check_scaled_grads(self) -> None:
+        """fp16: refuse a step whose gradients changed after the last ``sched.backward``: a backward outside
+        it adds unscaled gradients, and a clip that does not know the scale (``torch.nn.utils.
+        clip_grad_norm_``, ``accelerator.clip_grad_norm_``) clips by the scaled norm. Either would silently
+        apply a wrong update (the step divides by the scale)."""
+        if self.scaled_grads_unchanged():
+            return
+        sums = torch.stack([c.grad.sum(dtype=torch.float32) for c in self.store.chunks])
+        if not bool(torch.isfinite(sums).all()):  # an overflow: the step is skipped, nothing is applied
+            return
+        raise RuntimeError(
+            "memsched: under fp16 the gradients hold the loss scale, and they changed after the last "
+            "sched.backward() (a backward outside it, e.g. loss.backward() or accelerator.backward(), or a "
+            "clip "
+            "that does not unscale, e.g. torch.nn.utils.clip_grad_norm_ or accelerator.clip_grad_norm_). Use "
+            "sched.backward(loss) and sched.clip_grad_norm_(max_norm); nothing was updated")
 
     def _validate_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """Gradients that are not (or no longer) the chunk views: ``(param, tensor or None)`` to fix up."""
@@ -171,6 +205,8 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
         self.timeline.step_begin()
         self.wait_updates("step()")  # the previous step's overlapped CPU update
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
+        if self.scaler is not None:
+            self._check_scaled_grads()
         self.store.check_bound(self.names)
         fixes = self._validate_grads()
         chunks = self.store.chunks
@@ -199,25 +235,27 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
             inv_scale = self.scaler.inv_scale(self.store.alloc.device)  # before the scale updates
             if self._found_inf(chunks):
                 self.scaler.skipped_steps += 1
+                self.early_updates.discard()
                 self._finish_step()
                 return loss
+        with self.store.alloc.host_context():
+            inv_host = inv_scale.cpu() if inv_scale is not None and host_chunks else None
+            coefs_host = [k.cpu() for k in coefs] if host_chunks else []
         copied = self._early_copies_valid(host_chunks, early)
+        committed = self._commit_early(host_chunks, hps, inv_host, coefs, copied)
         for c in host_chunks:
-            if c.index not in copied:  # not copied in backward, or written since
+            if c.index not in copied and c.index not in committed:  # not copied in backward, or written since
                 self._start_d2h(c)
         # Device chunks first (the device works while the CPU updates the host chunks).
         for gi, hp in enumerate(hps):
             self._update_device(gi, hp, [c for c in device_chunks if c.group == gi], inv_scale, coefs)
         if host_chunks:
-            with self.store.alloc.host_context():
-                inv_host = inv_scale.cpu() if inv_scale is not None else None
-                coefs_host = [k.cpu() for k in coefs]
             if self.overlap:
-                self._submit_host(host_chunks, hps, inv_host, coefs_host)
+                self._submit_host(host_chunks, hps, inv_host, coefs_host, committed)
             else:
                 for c in host_chunks:
                     with self.store.alloc.host_context():
-                        self._update_host(c, hps[c.group], inv_host, coefs_host)
+                        self._update_host(c, hps[c.group], inv_host, coefs_host, updated=c.index in committed)
                     self.store.after_update(c)
         self._finish_step()
         return loss
@@ -259,6 +297,8 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
         sums = torch.stack([c.grad.sum(dtype=torch.float32) for c in chunks])
         found = self.dp.reduce_found_inf((~torch.isfinite(sums).all()).float().reshape(1).cpu())
         scaler.update(found)
+        with self.store.alloc.host_context():  # the host has waited for the device already (found)
+            self._spec_inv = scaler.inv_scale("cpu")  # of the next backward, for its updates during it
         return bool(found.item() > 0)
 
     @staticmethod
@@ -277,34 +317,45 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
         return out
 
     def _adamw(self, chunks: list[Chunk], masters: list[torch.Tensor], grads: list[torch.Tensor],
-               hp: dict[str, Any]) -> None:
+               hp: dict[str, Any], states: list[tuple[torch.Tensor, ...]] | None = None,
+               active: set[int] | None = None) -> None:
         """One fused AdamW call over ``chunks``, given each chunk's fp32 master and gradient of its shard
-        (``[hi - lo]``). The kernel gets one tensor per parameter (its part in this rank's shard), as
-        ``torch.optim.AdamW`` does: torch's CPU kernel computes the last ``numel % vector width`` elements of
-        each tensor on a scalar path whose rounding differs, so flat chunk-sized tensors would not be
-        bit-exact. Only parameters that have a gradient this step are updated, and only their step counts
-        move (``torch.optim.AdamW`` skips parameters whose ``.grad`` is None)."""
-        active = self._active
+        (``[hi - lo]``), and optionally other state tensors (``(exp_avg, exp_avg_sq, steps)`` per chunk; the
+        spare state of :mod:`memsched.early_update`) and set of parameters with a gradient. The kernel gets
+        one tensor per parameter (its part in this rank's shard), as ``torch.optim.AdamW`` does: torch's CPU
+        kernel computes the last ``numel % vector width`` elements of each tensor on a scalar path whose
+        rounding differs, so flat chunk-sized tensors would not be bit-exact. Only parameters that have a
+        gradient this step are updated, and only their step counts move (``torch.optim.AdamW`` skips
+        parameters whose ``.grad`` is None)."""
+        active = self._active if active is None else active
+        if states is None:
+            states = [(c.exp_avg, c.exp_avg_sq, c.steps) for c in chunks]
         ps, gs, ms, vs, steps, elsewhere = [], [], [], [], [], []
-        for c, master, grad in zip(chunks, masters, grads, strict=True):
+        for c, master, grad, (m, v, st) in zip(chunks, masters, grads, states, strict=True):
             for k, (p, part) in enumerate(zip(c.params, param_shards(c.ranges, c.lo, c.hi), strict=True)):
                 if id(p) not in active:
                     continue
                 if part is None:  # updated by the ranks whose shards hold it: its count moves here too
-                    elsewhere.append(c.steps[k])
+                    elsewhere.append(st[k])
                     continue
                 sl = slice(part.shard_start, part.shard_start + part.numel)
                 ps.append(master[sl])
                 gs.append(grad[sl])
-                ms.append(c.exp_avg[sl])
-                vs.append(c.exp_avg_sq[sl])
-                steps.append(c.steps[k])
+                ms.append(m[sl])
+                vs.append(v[sl])
+                steps.append(st[k])
         if elsewhere:
             torch._foreach_add_(elsewhere, 1)
         if not ps:
             return
         fused_adamw_(ps, gs, ms, vs, steps, lr=hp["lr"], beta1=hp["beta1"], beta2=hp["beta2"], eps=hp["eps"],
                      weight_decay=hp["weight_decay"], maximize=hp["maximize"])
+
+    def _adamw_all(self, c: Chunk, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, steps: torch.Tensor, hp: dict[str, Any]) -> None:
+        """:meth:`_adamw` of every parameter of ``c`` on the given state (the update during backward)."""
+        self._adamw([c], [master], [grad], hp, states=[(exp_avg, exp_avg_sq, steps)],
+                    active={id(p) for p in c.params})
 
     def _update_device(self, gi: int, hp: dict[str, Any], chunks: list[Chunk],
                        inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
@@ -326,10 +377,18 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
             self.store.after_update(c)
 
     def _update_host(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,
-                     coefs: list[torch.Tensor], after: Any = None) -> None:
+                     coefs: list[torch.Tensor], after: Any = None, updated: bool = False) -> None:
         """Update host chunk ``c`` on the CPU and start the H2D copy of its parameters (on the training
-        thread, or on the overlap worker, which never enters the stand-in's accounting contexts)."""
+        thread, or on the overlap worker, which never enters the stand-in's accounting contexts).
+        ``updated``: the update was made during backward and committed (:mod:`memsched.early_update`): only
+        the H2D copy is left."""
         span = self.timeline.span
+        if updated:
+            t0 = time.perf_counter()
+            src = c.staging if c.staging is not None else c.master
+            self.transfers.add_h2d(c.start_h2d(self.streams, src, after=after))
+            span(CPU_UPDATE, "h2d", t0, time.perf_counter(), chunk=c.index)
+            return
         t0 = time.perf_counter()
         c.wait_d2h()
         t1 = time.perf_counter()
@@ -352,6 +411,8 @@ class HybridAdamW(OverlapMixin, torch.optim.Optimizer):
         bound (no new gradient tensors in the next backward), but with ``set_to_none`` (torch's default) the
         parameters count as having no gradient: one that gets none in the next backward is not updated, as
         ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None."""
+        if self.on_zero_grad is not None:
+            self.on_zero_grad()
         self._clip_coefs = []
         self._early = {}  # copies of gradients that are now zeroed: the next backward copies again
         # The gradient buffers may still be read by D2H copies of an overlapped step (CUDA): zero after them.

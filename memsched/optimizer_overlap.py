@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from memsched.chunks import Chunk
+from memsched.hyperparams import check_hyperparameters
 from memsched.step_timeline import WAITS
 from policies.types import HOST
 
@@ -23,6 +24,13 @@ class OverlapMixin:
     dp: Any
     timeline: Any
     host_updates: Any
+    early_updates: Any
+    scaler: Any
+    transfers: Any
+    param_groups: list[dict[str, Any]]
+    _clip_coefs: list[torch.Tensor]
+    _spec_inv: torch.Tensor | None
+    _active: set[int]
     early_d2h: bool
     _early: dict[int, torch.Tensor]
     _fingerprints: Any
@@ -32,13 +40,52 @@ class OverlapMixin:
         """The store's observer: all of ``c``'s gradients are complete in this backward. With ``early_d2h``, a
         host chunk's D2H starts now, overlapping the rest of backward (ZeRO-Offload's overlap, arXiv
         2101.06840 section 4.2), and its gradients are fingerprinted so that the step can tell whether
-        anything wrote them after the copy (clipping, ``p.grad.mul_()``, another backward)."""
-        if not self.early_d2h or c.placement != HOST:
+        anything wrote them after the copy (clipping, ``p.grad.mul_()``, another backward). With
+        ``overlap="backward"`` its update starts too (:mod:`memsched.early_update`)."""
+        if c.placement != HOST:
+            return
+        hp = self._early_hyperparameters(c)
+        if not self.early_d2h and hp is None:
             return
         self.host_updates.wait([c.index])  # the worker no longer reads its host buffers
-        with self.store.alloc.host_context():  # the stand-in does not count the fingerprint's temporaries
-            self._early[c.index] = self._fingerprints.of(c.grad[c.lo:c.hi])
-        self._start_d2h(c)
+        if self.early_d2h:
+            with self.store.alloc.host_context():  # the stand-in does not count the fingerprint's temporaries
+                self._early[c.index] = self._fingerprints.of(c.grad[c.lo:c.hi])
+            self._start_d2h(c)
+        elif hp is not None:  # the worker copies the gradients (synchronous copies: no CUDA)
+            self.transfers.add_d2h(c.shard_numel * c.grad.element_size())
+        if hp is not None:
+            self.early_updates.start(c, hp, self._spec_inv if self.scaler is not None else None,
+                                     c.d2h_event if self.early_d2h else None)
+
+    def _early_hyperparameters(self, c: Chunk) -> dict[str, Any] | None:
+        """The hyper-parameters for an update of ``c`` during backward, or ``None`` when it is not made: not
+        enabled, more than one rank, fp16 before its first inverse scale, a clip coefficient already pending,
+        or a group the step would refuse."""
+        if not self.early_updates.enabled or self.dp.world != 1 or self._clip_coefs:
+            return None
+        if self.scaler is not None and self._spec_inv is None:
+            return None
+        try:
+            return check_hyperparameters(self.param_groups[c.group], f"param group {c.group}")
+        except ValueError:  # the step raises it
+            return None
+
+    def _commit_early(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
+                      inv_host: torch.Tensor | None,
+                      coefs: list[torch.Tensor], copied: set[int]) -> set[int]:
+        """Swap in the updates made during backward that equal the step's (:meth:`EarlyUpdates.commit`); the
+        gradients are compared by fingerprint where they were copied early (CUDA), else bit for bit."""
+        if not self.early_updates.tickets:
+            return set()
+
+        def grads_equal(c: Chunk, ticket: Any) -> bool:
+            if self.early_d2h:
+                return c.index in copied
+            with self.store.alloc.host_context():
+                return torch.equal(c.grad[c.lo:c.hi], ticket.snapshot)
+
+        return self.early_updates.commit(host_chunks, hps, inv_host, coefs, self._active, grads_equal)
 
     def _early_copies_valid(self, host_chunks: list[Chunk], early: dict[int, torch.Tensor]) -> set[int]:
         """Indices of the host chunks copied in backward whose gradients did not change since: their copy is
@@ -56,15 +103,16 @@ class OverlapMixin:
     # ---- step ---------------------------------------------------------------------------------------------
 
     def _submit_host(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
-                     inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
+                     inv_scale: torch.Tensor | None, coefs: list[torch.Tensor], committed: set[int]) -> None:
         """Hand the host chunks to the worker (:mod:`memsched.overlap`), in chunk (first-use) order. Their
-        H2D copies wait for the work queued so far (this step's backward), not for the next forward."""
+        H2D copies wait for the work queued so far (this step's backward), not for the next forward. The
+        ``committed`` ones were updated during backward: only their H2D copies are left."""
         after = self.streams.record()
         by_index = {c.index: c for c in host_chunks}
 
         def update(i: int) -> None:
             c = by_index[i]
-            self._update_host(c, hps[c.group], inv_scale, coefs, after=after)
+            self._update_host(c, hps[c.group], inv_scale, coefs, after=after, updated=i in committed)
 
         def follow_up(i: int) -> None:  # on the training thread: collectives, version bookkeeping
             c = by_index[i]
@@ -84,6 +132,9 @@ class OverlapMixin:
         """
         t0 = time.perf_counter()
         blocked = self.host_updates.wait_all()
+        if self.early_updates.tickets:  # anything that reads or writes the state waits for the worker's reads
+            self.early_updates.wait()
+            blocked = time.perf_counter() - t0
         if blocked > 0:
             self.timeline.span(WAITS, f"{what} <- all chunks", t0, time.perf_counter())
 

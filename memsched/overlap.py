@@ -70,9 +70,23 @@ class HostUpdates:
         self._done = {i: threading.Event() for i in self._order}
         if not self._order:
             return
+        self._future = self._executor().submit(self._run, list(self._order), update, self._done)
+
+    def run(self, fn: Callable[[], None]) -> Future:
+        """Run ``fn()`` on the worker after everything submitted before it (the updates during backward of
+        :mod:`memsched.early_update`); its errors are its own (``fn`` records them)."""
+        return self._executor().submit(self._run_one, fn)
+
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memsched-host-update")
-        self._future = self._pool.submit(self._run, list(self._order), update, self._done)
+        return self._pool
+
+    def _run_one(self, fn: Callable[[], None]) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with torch.no_grad():
+            fn()
 
     def _run(self, order: list[int], update: Callable[[int], None], done: dict[int, threading.Event]) -> None:
         if self.device.type == "cuda":

@@ -102,6 +102,7 @@ def report_renderables(
     rows: int = TIMELINE_ROWS,
     step_summary: Mapping[str, Any] | None = None,
     plan_history: Sequence[Any] | None = None,
+    problem: Any = None,
 ) -> list[RenderableType]:
     """The report's sections as rich renderables, for :func:`render_report` or to embed elsewhere.
 
@@ -118,6 +119,8 @@ def report_renderables(
             (:meth:`memsched.step_timeline.StepTimeline.mean_summary`), shown as a step-time table.
         plan_history: the plans in force since warmup (:class:`memsched.elastic.PlanChange`), shown when
             there was more than one.
+        problem: the :class:`policies.PlacementProblem` the plan was made for: the plan panel then shows the
+            capacity, peak non-model data, resident model data, GPU margin and budget, as the PNG does.
 
     Raises:
         ValueError: ``top`` or ``rows`` is not an integer >= 1, or ``transfers`` lacks a key / holds a
@@ -131,7 +134,7 @@ def report_renderables(
         timeline_bars(timeline, rows=rows),
     ]
     if plan is not None:
-        out.append(plan_panel(plan))
+        out.append(plan_panel(plan, problem))
     if transfers is not None:
         out.append(transfer_table(transfers))
     if plan_history is not None and len(plan_history) > 1:
@@ -154,6 +157,7 @@ def render_report(
     console: Console | None = None,
     step_summary: Mapping[str, Any] | None = None,
     plan_history: Sequence[Any] | None = None,
+    problem: Any = None,
 ) -> None:
     """Print the report (see :func:`report_renderables`) to ``console`` (default: a new stdout console).
 
@@ -161,7 +165,7 @@ def render_report(
         ValueError: as :func:`report_renderables`.
     """
     parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top, step_summary=step_summary,
-                               plan_history=plan_history)
+                               plan_history=plan_history, problem=problem)
     console = console or make_console()
     for part in parts:
         console.print(part)

@@ -245,6 +245,8 @@ class Scheduler(PlanningMixin):
         # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
         # (the reduction comes first).
         self.optimizer.early_d2h = self.dp.world == 1 and self.streams.cuda
+        # overlap="backward": host chunks update during backward, committed at step() (memsched.early_update)
+        self.optimizer.early_updates.enabled = self.config.early_update and self.dp.world == 1
         self.optimizer.timeline.overlap = self.config.overlap
         self.optimizer.timeline.start()
 
@@ -301,6 +303,8 @@ class Scheduler(PlanningMixin):
             loss = self.scaler.scale_loss(loss)
         try:
             loss.backward(**kwargs)
+            if self.scaler is not None:
+                self.optimizer.note_scaled_backward()
         except OUT_OF_MEMORY:
             if self.elastic is not None:
                 self.elastic.on_oom()  # nothing was updated; the next step makes room (memsched.elastic)
@@ -318,7 +322,11 @@ class Scheduler(PlanningMixin):
         """
         chunked = self.store.param_chunk
         params = [p for p in self.model.parameters() if id(p) in chunked]
-        return self.dp.clip_grad_norm_(lambda: self.optimizer.clip_grad_norm_(params, max_norm, norm_type))
+        scaled = self.scaler is not None and self.optimizer.scaled_grads_unchanged()
+        norm = self.dp.clip_grad_norm_(lambda: self.optimizer.clip_grad_norm_(params, max_norm, norm_type))
+        if scaled:  # the gradient reductions it finished wrote the buffers: still sched.backward's gradients
+            self.optimizer.note_scaled_backward()
+        return norm
 
     def no_sync(self) -> contextlib.AbstractContextManager:
         """[zero] Gradient accumulation: backward inside the context does not reduce gradients over the ranks;
@@ -338,6 +346,7 @@ class Scheduler(PlanningMixin):
             raise ValueError("no timeline yet: the report is available after the warmup steps")
         kwargs.setdefault("step_summary", self.step_timeline.mean_summary())
         kwargs.setdefault("plan_history", self.plan_history)
+        kwargs.setdefault("problem", self.problem)
         return render_report(self.timeline, plan=self.plan, transfers=self.transfers.as_dict(), **kwargs)
 
     def close(self) -> None:
@@ -367,7 +376,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
            dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-           chunk_build: str = "auto", overlap: bool = False, replan: str = "auto") -> Scheduler:
+           chunk_build: str = "auto", overlap: bool | str = False, replan: str = "auto") -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -397,7 +406,10 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             :mod:`memsched.distributed.build`.
         overlap: after warmup, ``optimizer.step()`` returns once the device chunks are updated; the host
             chunks are updated on a CPU worker thread while the next forward runs, each module waiting only
-            for its own chunks (:mod:`memsched.overlap`). Bit-identical to the serial step.
+            for its own chunks (:mod:`memsched.overlap`). Bit-identical to the serial step. ``"backward"``:
+            also each host chunk's update starts during backward, as soon as its gradients are complete, into
+            a spare host state that ``step()`` swaps in when it equals the step's own update
+            (:mod:`memsched.early_update`; one rank; costs a second host copy of the host chunks' state).
         replan: ``"auto"`` (default): after warmup the plan follows the inputs' shapes and out-of-memory
             errors, re-planned before the forward that needs it (:mod:`memsched.elastic`; the changes are in
             ``sched.plan_history``); ``"off"``: the warmup plan stays. Nothing to plan on ``device="cpu"``.

@@ -46,17 +46,25 @@ class PlanningMixin:
         """The re-planning hooks on the model (:mod:`memsched.elastic`): its forward pre-hook plans for the
         inputs, its always-called forward hook notices an out-of-memory error."""
         elastic = self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max,
-                                         PeakProbe(self.device.torch_device, self.sim))
+                                         PeakProbe(self.device.torch_device, self.sim), world=self.dp.world)
 
         def before(_m: torch.nn.Module, args: Any, kwargs: Any) -> None:
             elastic.before_forward(args, kwargs)
 
         def after(_m: torch.nn.Module, _args: Any, output: Any) -> None:
             # On failure torch calls always-called hooks inside its ``except`` with no output; a forward that
-            # succeeds inside the user's own ``except`` (the retry) has an output.
+            # succeeds inside the user's own ``except`` (the retry) has an output. Compiled code never calls
+            # this on failure (the retry loop's zero_grad() reports it: Scheduler.zero_grad_hook).
+            if torch.compiler.is_compiling():
+                return
             if output is None and isinstance(sys.exc_info()[1], OUT_OF_MEMORY):
                 elastic.on_oom()
 
+        def on_zero_grad() -> None:  # in the retry loop's ``except``: the compiled forward ran out of memory
+            if isinstance(sys.exc_info()[1], OUT_OF_MEMORY):
+                elastic.on_oom()
+
+        self.optimizer.on_zero_grad = on_zero_grad
         self._handles.append(self.model.register_forward_pre_hook(Detachable(before), prepend=True,
                                                                   with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(Detachable(after), always_call=True))

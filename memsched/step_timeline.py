@@ -12,6 +12,10 @@ cost is a few clock reads per step, per host chunk and per wait:
   per host chunk, ``d2h wait`` (blocked on its gradients' copy), ``update`` (fused AdamW on the CPU) and
   ``h2d`` (issuing, or on the CPU doing, the copy of its parameters).
 
+Under ``torch.compile`` the model's forward hooks compile to nothing (a clock read would break the graph):
+a step whose forward ran compiled has no ``forward`` and ``backward`` phases but one ``compiled`` phase from
+the previous ``step()`` to this one (data loading included).
+
 On CUDA these are host times: a copy or a kernel the GPU has not reached yet is not in them, only the host's
 waits for it. A span is recorded with the step that is open when it ends; the summary counts the part of
 each span inside the step's interval.
@@ -30,6 +34,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 MAIN, WAITS, CPU_UPDATE = "main", "waits", "cpu update"
 PHASES = ("data", "forward", "backward", "step")
@@ -112,6 +118,7 @@ class StepTimeline:
         self._start: float | None = None
         self._phase: tuple[str, float] | None = None
         self._depth = 0  # nested calls of the model's forward
+        self._forward_seen = False  # an eager forward hook ran since the last step
 
     # ---- recording ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -132,12 +139,17 @@ class StepTimeline:
         self._phase = (phase, now)
 
     def forward_begin(self) -> None:
+        if torch.compiler.is_compiling():  # host clocks would break the graph: see the module docstring
+            return
         if self.enabled:
             self._depth += 1
+            self._forward_seen = True
             if self._depth == 1:
                 self._enter("forward")
 
     def forward_end(self) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self.enabled and self._depth > 0:
             self._depth -= 1
             if self._depth == 0:
@@ -146,6 +158,9 @@ class StepTimeline:
     def step_begin(self) -> None:
         if self.enabled:
             self._depth = 0
+            if not self._forward_seen and self._phase is not None and self._phase[0] == "data":
+                self._phase = ("compiled", self._phase[1])  # the forward ran compiled: no hook marked it
+            self._forward_seen = False
             self._enter("step")
 
     def step_end(self, step: int) -> None:

@@ -9,6 +9,10 @@ for all chunks too. Anything else that reads or writes parameters outside a forw
 on a submodule, ``nn.init`` under ``no_grad``) calls :meth:`H2DWaits.synchronize` (``sched.synchronize()``)
 first.
 
+Under ``torch.compile`` these hooks are traced into the model's graph. Where waits are needed (CUDA, or
+``overlap=True``) the per-module waits compile to nothing and the root waits for every chunk, eagerly, before
+the forward (one graph break at its start); without them nothing of this module is in the graph.
+
 Before each forward, gradients set to None since the last step (``model.zero_grad()``) go back into their
 chunk views (:meth:`memsched.chunks.ChunkStore.bind_dropped_grads`). The root module's forward hooks also mark
 the forward phase of the step timeline
@@ -71,6 +75,8 @@ class H2DWaits:
         for name, indices in by_module.items():
             hook = Detachable(self._hook(name, sorted(indices)))
             self._handles.append(modules[name].register_forward_pre_hook(hook, prepend=True))
+        compiled = Detachable(lambda *_a: self._compiled_wait())
+        self._handles.append(self.model.register_forward_pre_hook(compiled, prepend=True))
         sync = Detachable(lambda *_a, **_k: self.synchronize())
         self._handles.append(self.model.register_state_dict_pre_hook(sync))
         self._handles.append(self.model.register_load_state_dict_pre_hook(sync))
@@ -79,6 +85,8 @@ class H2DWaits:
         label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
 
         def wait(_module: torch.nn.Module, _args: Any) -> None:
+            if torch.compiler.is_compiling():  # the root waits for everything instead (_compiled_wait)
+                return
             if self.updates.pending:
                 t0 = time.perf_counter()
                 if self.updates.wait(indices) > 0:
@@ -87,9 +95,19 @@ class H2DWaits:
             self.streams.wait([chunks[i].h2d_event for i in indices])
         return wait
 
+    def _compiled_wait(self) -> None:
+        """In compiled code only: the per-module waits compile to nothing (they would split the forward's
+        graph at every module that waits); the root waits for every chunk once, eagerly, before the forward:
+        one graph break at its start. Correct, but a compiled forward does not overlap the CPU update."""
+        if torch.compiler.is_compiling():
+            _synchronize_eager(self)
+
     def _bind_dropped_grads(self) -> None:
         """Gradients set to None since the last step go back into their chunk views (after any D2H copy that
-        still reads the buffers)."""
+        still reads the buffers). Not in compiled code (it would break the graph): there backward allocates
+        the gradient and the store's post-accumulate hook copies it into the chunk view."""
+        if torch.compiler.is_compiling():
+            return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
             dropped = any(p.grad is None for p in self.store.params())
         if dropped:
@@ -116,3 +134,8 @@ class H2DWaits:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+@torch.compiler.disable
+def _synchronize_eager(waits: H2DWaits) -> None:
+    waits.synchronize()

@@ -118,15 +118,17 @@ def target(tmp_path: Path) -> Path:
 BAD_OUTPUTS = {
     "out-is-a-file": (lambda d, f, dd: ["--out", str(f)],
                       "--out {f!r} is a file; expected a folder for the exports (created if missing)"),
-    "json-is-a-folder": (lambda d, f, dd: ["--out", str(d / "o"), "--json", str(dd)],
-                         "--json {dd!r} is a folder; expected a file path (an existing file is replaced)"),
+    "timeline-is-a-folder": (lambda d, f, dd: ["--out", str(d / "o"), "--timeline", str(dd)],
+                             "--timeline {dd!r} is a folder; expected a file path (an existing file is "
+                             "replaced)"),
     "png-under-a-file": (lambda d, f, dd: ["--out", str(d / "o"), "--png", str(f / "plot.png")],
                          "--png {fp!r}: {f!r} is a file, not a folder"),
-    "default-export-is-a-folder": (lambda d, f, dd: ["--out", str(dd.parent), "--json", str(d / "t.json")],
+    "default-export-is-a-folder": (lambda d, f, dd: ["--out", str(dd.parent), "--timeline",
+                                                     str(d / "t.json")],
                                    "{perfetto!r} (in --out) is a folder; expected a file path"),
-    "two-exports-one-file": (lambda d, f, dd: ["--out", str(d / "o"), "--json", str(d / "x.json"),
+    "two-exports-one-file": (lambda d, f, dd: ["--out", str(d / "o"), "--timeline", str(d / "x.json"),
                                                "--perfetto", str(d / "x.json")],
-                             "--json {x!r} and --perfetto {x!r} are the same file"),
+                             "--timeline {x!r} and --perfetto {x!r} are the same file"),
 }
 
 

@@ -225,7 +225,7 @@ def test_trace_without_optimizer_and_with_overrides(tmp_path, capsys):
             "--quiet",
             "--out",
             str(tmp_path / "out"),
-            "--json",
+            "--timeline",
             str(json_path),
             "--perfetto",
             str(perfetto),

@@ -60,3 +60,97 @@ def test_close_during_warmup_restores_the_stance():
     assert torch._dynamo.eval_frame._stance.stance == "force_eager"
     sched.close()
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_steady_state_hooks_cause_no_graph_break():
+    """memsched's root hooks (step timeline, dropped-gradient binding) compile to nothing after warmup: no
+    graph break, one graph, and the step timeline records the compiled steps as one ``compiled`` phase."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = mlp()
+    sched = memsched.attach(model, device="cpu")
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(32, 64)
+    with sched:
+        for _ in range(4):
+            sched.backward(compiled(x).pow(2).mean())
+            sched.optimizer.step()
+            model.zero_grad()  # set_to_none: the hook that binds dropped gradients is in the graph too
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 1
+        phases = sched.step_timeline.summaries()[-1]["phases_s"]
+        assert phases["compiled"] > 0 and phases["forward"] == phases["backward"] == 0
+        explain = torch._dynamo.explain(lambda t: model(t))(x)
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+
+
+class _Probe:
+    base = None
+
+    def begin(self):
+        self.base = 0
+
+    def read(self):
+        out, self.base = (None if self.base is None else 10), None
+        return out
+
+
+def test_elastic_pre_hook_compiles_to_nothing_when_no_replan_is_needed():
+    """The re-planning pre-hook under Dynamo (memsched.elastic): a measured signature within the plan in
+    force passes with no graph break and no recompilation; a larger input or a pending out-of-memory error
+    runs the eager check (which re-plans) through one graph break."""
+    from memsched.elastic import Elastic
+
+    torch._dynamo.reset()
+    counters.clear()
+    replans = []
+    elastic = Elastic(lambda peak, why: replans.append((peak, why)), lambda v: v, _Probe())
+    small, big = torch.randn(4, 8), torch.randn(4, 16)
+    elastic.before_forward((small,), {})  # warmup: measured only
+    elastic.after_step()
+    elastic.start(planned_peak=100)
+    assert elastic.quiet == (((4, 8),),)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def quiet_step(x):
+        elastic.before_forward((x,), {})
+        return x * 2
+
+    for _ in range(3):
+        quiet_step(small)
+        assert elastic._sig == ((4, 8),)  # the hook's bookkeeping ran (replayed after the graph)
+        elastic.after_step()
+    assert counters["stats"]["unique_graphs"] == 1 and not replans
+
+    @torch.compile(backend="eager")
+    def step(x):
+        elastic.before_forward((x,), {})
+        return x * 2
+
+    step(big)  # exceeds what was seen: the eager check runs, the step goes all-host
+    assert replans and replans[-1][0] is None
+    assert counters["graph_break"]
+    elastic.after_step()  # measured: planned from the measurement
+    assert replans[-1][0] == 10 and ((4, 16),) in elastic.quiet
+
+
+def test_zero_grad_in_the_retry_loop_reports_an_out_of_memory_error():
+    """A forward that runs out of memory inside compiled code calls no hook; the retry loop's
+    ``optimizer.zero_grad()`` in the ``except`` block tells memsched, so the retry has room."""
+    model = mlp()
+    sched = memsched.attach(model, device="sim:64MiB")
+    x = torch.randn(32, 64)
+    with sched:
+        for _ in range(2):
+            sched.backward(model(x).pow(2).mean())
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        assert not sched.elastic.oom
+        try:
+            raise torch.OutOfMemoryError("injected, as from a compiled forward")
+        except torch.OutOfMemoryError:
+            sched.optimizer.zero_grad()
+        assert sched.elastic.oom
+        sched.backward(model(x).pow(2).mean())  # the retry: a conservative, measured step
+        sched.optimizer.step()
+    assert "out of memory" in sched.plan_history[-1].reason or sched.plan_history[-2].reason.startswith("out")

@@ -26,3 +26,28 @@ def test_hf_gpt2_example_loss_goes_down() -> None:
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert first > 5.0  # about ln(256) = 5.55 at initialisation
     assert last < first - 0.8, losses
+
+
+ACCELERATE_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "accelerate_train.py"
+
+
+@pytest.mark.slow
+def test_accelerate_example_trains() -> None:
+    """examples/accelerate_train.py: Accelerate's loop (prepare, accumulate, backward, clip_grad_norm_, LR
+    scheduler) around memsched's optimizer, with some optimizer state on the host of the stand-in."""
+    pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    spec = importlib.util.spec_from_file_location("accelerate_train_example", ACCELERATE_EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        losses = module.main(steps=8, accum=2)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert len(losses) == 8  # one per optimizer step: Accelerate stepped memsched once per 2 micro-batches
+    assert losses[0] > 5.0  # about ln(256) = 5.55 at initialisation
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.5, losses

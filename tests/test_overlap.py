@@ -230,8 +230,8 @@ def test_step_timeline_phases_add_up_and_export():
     assert sum(1 for e in events if e["ph"] == "X" and e["name"].startswith("step ")) == 4
 
 
-def test_overlap_must_be_a_bool():
-    with pytest.raises(ValueError, match="overlap must be True or False, got 'yes'"):
+def test_overlap_must_be_a_known_mode():
+    with pytest.raises(ValueError, match="overlap must be False, True or 'backward', got 'yes'"):
         memsched.attach(tiny_gpt(), overlap="yes", device="sim:64MiB")
 
 

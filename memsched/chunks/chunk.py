@@ -64,6 +64,9 @@ class Chunk:
         self.d2h_event = None  # CUDA event of the in-flight D2H copy of the gradients (at step)
         self.h2d_event = None  # CUDA event of the in-flight H2D copy of the updated parameters
         self.initial_master = initial_master  # fp32 host values until the first init_state (mixed precision)
+        # A second host state of the same layout (overlap="backward", memsched.early_update): the update made
+        # during backward is written there and swapped in at the step (swap_spare), or dropped.
+        self.spare: dict[str, torch.Tensor | None] | None = None
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -117,6 +120,7 @@ class Chunk:
             else:
                 new["steps"].copy_(torch.as_tensor(steps, dtype=torch.float32))
         self._install(placement, new)
+        self.spare = None
 
     def _alloc_state(self, placement: str, alloc: Allocator) -> dict[str, torch.Tensor | None]:
         n = self.shard_numel
@@ -143,6 +147,41 @@ class Chunk:
         self.staging = new["staging"]
         self.d2h_event = None
 
+    # -- spare host state (memsched.early_update) -----------------------------------------------------------
+    def alloc_spare(self, alloc: Allocator) -> None:
+        """Allocate the spare host state (the layout of the host state; pinned like it) if missing.
+
+        Raises:
+            RuntimeError: the chunk is not on the host, or the allocation failed (out of host memory).
+        """
+        if self.placement != HOST:
+            raise RuntimeError(f"chunk {self.index} is not on the host: it has no spare host state")
+        if self.spare is None:
+            self.spare = self._alloc_state(HOST, alloc)
+
+    def spare_nbytes(self) -> int:
+        """Bytes held by the spare host state (0 without one), bytes."""
+        return sum(t.numel() * t.element_size() for t in (self.spare or {}).values() if t is not None)
+
+    def swap_spare(self) -> None:
+        """The spare host state becomes the chunk's state, and the state in force becomes the spare.
+
+        Raises:
+            RuntimeError: there is no spare state.
+        """
+        if self.spare is None or self.placement != HOST:
+            raise RuntimeError(f"chunk {self.index} has no spare host state to swap in")
+        current = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
+                   "steps": self.steps, "host_grad": self.host_grad, "staging": self.staging}
+        self._install(HOST, self.spare)
+        self.spare = current
+
+    def state_version(self) -> int:
+        """The version counter of the state's allocation (all its parts are views of one arena, so any
+        in-place write to any of them moves it)."""
+        assert self.exp_avg is not None
+        return self.exp_avg._version
+
     def move_to(self, placement: str, alloc: Allocator) -> int:
         """Move the optimizer state to ``placement`` by whole-chunk copies; returns the bytes copied.
 
@@ -167,6 +206,7 @@ class Chunk:
             new["exp_avg_sq"].copy_(self.exp_avg_sq)
             new["steps"].copy_(self.steps)
         self._install(placement, new)
+        self.spare = None  # made for the old placement
         return 3 * self.shard_numel * 4
 
     # -- shard -----------------------------------------------------------------------------------------------
@@ -191,6 +231,7 @@ class Chunk:
             raise ValueError(f"shard [{lo}, {hi}) is not inside chunk {self.index} of {self.numel} elements")
         self.wait_h2d()
         self.lo, self.hi = lo, hi
+        self.spare = None
         self.init_state(self.placement, alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                         steps=steps)
 
@@ -213,6 +254,7 @@ class Chunk:
         self.data = self.grad = None  # type: ignore[assignment]
         self.master = self.exp_avg = self.exp_avg_sq = self.steps = self.host_grad = self.staging = None
         self.initial_master = None
+        self.spare = None
 
     # -- H2D / D2H ------------------------------------------------------------------------------------------
     def start_d2h(self, streams: Any, after: Any = None) -> int:

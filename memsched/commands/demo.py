@@ -1,6 +1,7 @@
 """`memsched demo`: the main job end to end. Train the built-in GPT on real text (the Python standard
 library's sources, byte-level) under memsched: warmup trace, placement plan, hybrid CPU/device AdamW; then the
-report, the plan and the exports.
+report, the plan and the exports (``--json``: the report, ``plan.json``'s and ``demo.json``'s contents and the
+exports' paths as one JSON document on stdout).
 
 Device: CUDA when present. Without a GPU the stand-in accelerator ``sim:SIZE`` is used, sized by
 :func:`stand_in_capacity` from a fake trace of the same model and batch so that about half of the optimizer
@@ -22,6 +23,7 @@ from rich.console import Console
 import memsched
 import policies
 from memsched.commands import parsers
+from memsched.commands.report import print_json, report_dict
 from memsched.console import make_console
 from memsched.data import TextCorpus, batches, load_stdlib_corpus
 from memsched.devices import ALLOWED as DEVICE_FORMS
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} exists and is not a folder")
 
-    console = make_console()
+    console = make_console(stderr=args.json)  # under --json stdout carries the JSON document alone
     device = _choose_device(args)
     corpus = load_stdlib_corpus()
     torch.manual_seed(args.seed)
@@ -157,17 +159,30 @@ def run(args: argparse.Namespace) -> int:
 
     step_summary = sched.step_timeline.mean_summary()
     summary["step_timeline"] = step_summary
-    render_report(sched.timeline, plan=sched.plan, transfers=sched.transfers.as_dict(), console=console,
-                  step_summary=step_summary, plan_history=sched.plan_history)
-    losses = summary["losses"]
-    console.print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out loss {val_before:.3f} -> "
-                  f"{summary['val_loss_after']:.3f} (nats per byte)")
-    paths = write_all(sched.timeline, out, stem="trace", step_timelines=[sched.step_timeline])
+    report: dict[str, Any] = {"plan": sched.plan, "transfers": sched.transfers.as_dict(),
+                              "step_summary": step_summary, "plan_history": sched.plan_history}
+    if not args.json:
+        render_report(sched.timeline, console=console, problem=sched.problem, **report)
+        losses = summary["losses"]
+        console.print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out loss {val_before:.3f} -> "
+                      f"{summary['val_loss_after']:.3f} (nats per byte)")
+    paths = write_all(sched.timeline, out, stem="trace", step_timelines=[sched.step_timeline],
+                      plan=sched.plan, problem=sched.problem,  # the PNG names --device as given, if it was
+                      device=args.device if args.device == device else None)
     plan_path, summary_path = out / "plan.json", out / "demo.json"
-    atomic_write_text(plan_path, json.dumps(_plan_dict(sched), indent=2) + "\n")
+    plan_dict = _plan_dict(sched)
+    atomic_write_text(plan_path, json.dumps(plan_dict, indent=2) + "\n")
     atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
+    written = [*paths.items(), ("plan", plan_path), ("summary", summary_path)]
+    if args.json:
+        # The report's figures (plan.json's plan and history among them), plan.json's placement problem,
+        # demo.json's run, and where every export went.
+        print_json({**report_dict(sched.timeline, **report), "command": "demo",
+                    "problem": plan_dict.get("problem"), "run": summary,
+                    "exports": {kind: str(path) for kind, path in written}})
+        return 0
     console.print(f"exports written to [bold]{out}[/bold]:")
-    for kind, path in [*paths.items(), ("plan", plan_path), ("summary", summary_path)]:
+    for kind, path in written:
         console.print(f"  {kind:<10} {path}")
     return 0
 

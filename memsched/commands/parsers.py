@@ -11,6 +11,7 @@ definition by the tests (``ATTENTION``).
 from __future__ import annotations
 
 import argparse
+import shlex
 import textwrap
 from collections.abc import Callable
 
@@ -40,10 +41,51 @@ tensors on the given device. Example:
 """
 
 
-def add_export_options(p: argparse.ArgumentParser, *, with_json: bool) -> None:
+class MovedValueFlag(argparse.Action):
+    """A flag that used to take a value: ``memsched trace --json FILE`` wrote the timeline there; that option
+    is ``--timeline FILE`` now and ``--json`` a flag. Given a value (``--json FILE`` or ``--json=FILE``) it
+    fails with a message naming the new option, instead of leaving FILE to the parser's "unrecognized
+    arguments".
+
+    The flag takes an optional value (``nargs="?"``) only to catch that; :class:`HelpFormatter` shows it as
+    the plain flag it is.
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, *, moved_to: str, what: str, does: str,
+                 help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs="?", const=True, default=False, help=help)
+        self.moved_to, self.what, self.does = moved_to, what, does
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | bool | None, option_string: str | None = None) -> None:
+        if values is not True:  # without a value argparse passes the const, True
+            raise argparse.ArgumentError(
+                self, f"takes no value (got {values!r}): {self.what} moved to {self.moved_to} FILE, so write "
+                      f"{self.moved_to} {shlex.quote(str(values))}; {option_string} now {self.does} (if "
+                      f"{values!r} is the TARGET, put {option_string} after it)")
+        setattr(namespace, self.dest, True)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``RawDescriptionHelpFormatter`` that shows a :class:`MovedValueFlag` as a flag (``[--json]``)."""
+
+    def _format_args(self, action: argparse.Action, default_metavar: str) -> str:
+        if isinstance(action, MovedValueFlag):
+            return ""
+        return super()._format_args(action, default_metavar)
+
+
+def add_json_flag(p: argparse.ArgumentParser, help: str) -> None:
+    """``--json``: print the command's report as one JSON document on stdout instead of text. Every command
+    that prints a report has it (``tests/test_cli_json.py`` checks)."""
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def add_export_options(p: argparse.ArgumentParser, *, with_timeline: bool) -> None:
     """The per-file export options (``--perfetto F`` ...) of ``trace`` and ``report``."""
-    if with_json:
-        p.add_argument("--json", metavar="FILE", help="timeline JSON path (default: OUT/trace.json)")
+    if with_timeline:
+        p.add_argument("--timeline", metavar="FILE",
+                       help="timeline JSON path (default: OUT/trace.json; was --json FILE before)")
     p.add_argument(
         "--perfetto", metavar="FILE", help="Chrome/Perfetto trace-event JSON (open in ui.perfetto.dev)"
     )
@@ -96,6 +138,8 @@ def add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="update offloaded chunks on a CPU thread while the next forward runs (attach(overlap="
                         "True)); the report's step-time table shows the exposed CPU time")
     p.add_argument("--out", default=DEMO_OUT, help=f"output folder for the exports (default {DEMO_OUT})")
+    add_json_flag(p, "print the report, the plan, the run's figures and where the exports went as one JSON "
+                     "document on stdout instead of the text report (the progress goes to stderr)")
     return p
 
 
@@ -108,7 +152,7 @@ def add_trace(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "and write the timeline JSON, a Perfetto trace, a PyTorch memory_viz snapshot and a PNG "
         "(when matplotlib is installed) to --out.",
         epilog=TARGET_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("target", metavar="TARGET", help="path/to/file.py:function or package.module:function")
     p.add_argument("--steps", type=positive_int, default=2, help="training steps to trace (>= 1, default: 2)")
@@ -135,9 +179,13 @@ def add_trace(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="folder for the exports (default: memsched-out/trace; created if missing): the timeline JSON, "
         "the Perfetto trace, the memory_viz snapshot and the PNG, named trace.*; existing files are replaced",
     )
-    add_export_options(p, with_json=True)
+    add_export_options(p, with_timeline=True)
     p.add_argument("--top", type=positive_int, default=10, help="modules to list in the report (default: 10)")
     p.add_argument("--quiet", action="store_true", help="do not print the report, only where files went")
+    p.add_argument("--json", action=MovedValueFlag, moved_to="--timeline", what="the timeline JSON's path",
+                   does="prints the report as JSON on stdout",
+                   help="print the report and where the exports went as one JSON document on stdout instead "
+                        "of text (the timeline JSON's path is --timeline FILE)")
     return p
 
 
@@ -151,7 +199,9 @@ def add_report(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("file", metavar="FILE.json", help="timeline JSON written by `memsched trace`")
     p.add_argument("--top", type=positive_int, default=10, help="modules to list (default: 10)")
-    add_export_options(p, with_json=False)
+    add_export_options(p, with_timeline=False)
+    add_json_flag(p, "print the report (and where any exports went) as one JSON document on stdout instead "
+                     "of text")
     return p
 
 
@@ -210,7 +260,7 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTION, default="default",
                    help="attention kernel of the trace: torch's default for the device, or math (keeps the "
                         "[batch, heads, seq, seq] attention matrix)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON (see result_dict)")
+    add_json_flag(p, "print the result as JSON (see result_dict)")
     return p
 
 
@@ -222,7 +272,7 @@ def add_policies(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="List the registered placement policies, one line each, with their options.",
     )
     p.add_argument("--verbose", "-v", action="store_true", help="also print each option's help")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON instead")
+    add_json_flag(p, "print machine-readable JSON instead")
     return p
 
 

@@ -1,5 +1,6 @@
 """`memsched trace TARGET`: run a few training steps of a workload under the memory tracer, print the report
-and write the exports (timeline JSON, Perfetto, PyTorch memory_viz snapshot, PNG).
+(``--json``: as JSON, :func:`memsched.commands.report.report_dict`) and write the exports (timeline JSON,
+Perfetto, PyTorch memory_viz snapshot, PNG).
 
 The TARGET contract is documented in :mod:`memsched.target` and in ``memsched trace --help``; the parser is
 :func:`memsched.commands.parsers.add_trace`.
@@ -8,15 +9,19 @@ The TARGET contract is documented in :mod:`memsched.target` and in ``memsched tr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 from typing import TYPE_CHECKING
 
-from memsched.commands.report import check_exports, write_exports
+from memsched.commands.report import check_exports, print_json, report_dict, write_exports
 from memsched.console import make_console
 from memsched.exports import SUFFIXES
 from memsched.report import render_report
 
 if TYPE_CHECKING:
     import torch
+
+    from tracer.timeline import MemoryTimeline
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -41,13 +46,37 @@ def resolve_device(name: str | None) -> torch.device:
 
 
 def run(args: argparse.Namespace) -> int:
+    device = resolve_device(args.device)
+    overrides = {"json": args.timeline, "perfetto": args.perfetto, "memory_viz": args.memory_viz,
+                 "png": args.png}
+    check_exports(args.out, overrides, list(SUFFIXES))  # a bad output path fails before the trace runs
+    # Under --json, whatever the TARGET prints goes to stderr: stdout carries the JSON document alone.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        timeline = trace_target(args, device)
+
+    console = None if args.json else make_console()
+    if console is not None and not args.quiet:
+        render_report(timeline, top=args.top, console=console)
+    status, written = write_exports(
+        timeline, out_dir=args.out, overrides=overrides, kinds=list(SUFFIXES), console=console
+    )
+    if args.json:
+        print_json({**report_dict(timeline, top=args.top), "command": "trace",
+                    "exports": {kind: str(path) for kind, path in written.items()}})
+    return status
+
+
+def trace_target(args: argparse.Namespace, device: torch.device) -> MemoryTimeline:
+    """Build ``args.target`` on ``device`` and trace ``args.steps`` training steps of it (``args.optimizer``,
+    ``args.lr``, ``args.backend``); the timeline's meta names the target and the steps.
+
+    Raises:
+        ValueError, TypeError: a bad TARGET, or a model without trainable parameters (names the target).
+    """
     import torch
 
     from memsched.target import build_workload
 
-    device = resolve_device(args.device)
-    overrides = {"json": args.json, "perfetto": args.perfetto, "memory_viz": args.memory_viz, "png": args.png}
-    check_exports(args.out, overrides, list(SUFFIXES))  # a bad output path fails before the trace runs
     workload = build_workload(args.target, device)  # bad input fails here, before anything is traced
     from tracer import MemoryTracer
 
@@ -72,10 +101,4 @@ def run(args: argparse.Namespace) -> int:
     timeline = tracer.timeline
     timeline.meta.setdefault("target", args.target)
     timeline.meta.setdefault("steps", args.steps)
-
-    console = make_console()
-    if not args.quiet:
-        render_report(timeline, top=args.top, console=console)
-    return write_exports(
-        timeline, out_dir=args.out, overrides=overrides, kinds=list(SUFFIXES), console=console
-    )
+    return timeline

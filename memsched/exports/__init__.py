@@ -8,7 +8,10 @@
 * ``write_memory_viz``: a pickled PyTorch memory snapshot (the format of ``torch.cuda.memory._snapshot()``),
   for PyTorch's own viewer at https://pytorch.org/memory_viz. Allocations are synthesised from the
   per-category byte changes between samples (the tracer records sizes, not addresses).
-* ``write_png``: a stacked area plot by category (needs matplotlib: ``pip install 'memsched[plot]'``).
+* ``write_png``: a stacked area plot by category and, given the placement plan, the decision on the same
+  axis: capacity, resident model data, peak non-model data, GPU margin, budget, optimizer state on the device
+  and on the host (needs matplotlib: ``pip install 'memsched[plot]'``; :func:`render_figure` returns the
+  matplotlib Figure).
 
 Every file is written atomically (:func:`tracer.timeline.atomic_write_bytes`), so an interrupted export never
 leaves a half-written file; :func:`write_all` renders every export in memory before writing the first one.
@@ -22,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from memsched.exports._common import META_DECISION, META_DEVICE_GIVEN
 from memsched.exports.jsonfile import write_json
 from memsched.exports.memory_viz import _memory_viz_bytes, to_memory_viz, write_memory_viz
 from memsched.exports.perfetto import (
@@ -34,7 +38,8 @@ from memsched.exports.perfetto import (
     to_perfetto,
     write_perfetto,
 )
-from memsched.exports.png import PNG_HINT, _png_bytes, png_available, write_png
+from memsched.exports.png import PNG_HINT, _png_bytes, decision_of, png_available, render_figure, write_png
+from policies.types import PlacementPlan, PlacementProblem
 from tracer.timeline import MemoryTimeline, atomic_write_bytes
 
 # Suffixes of the files write_all creates: <stem><suffix>.
@@ -55,6 +60,7 @@ __all__ = [
     "TID_STEPS",
     "export_paths",
     "png_available",
+    "render_figure",
     "to_memory_viz",
     "to_perfetto",
     "write_all",
@@ -95,6 +101,9 @@ def write_all(
     overrides: Mapping[str, str | os.PathLike[str] | None] | None = None,
     kinds: Iterable[str] | None = None,
     step_timelines: Sequence[Any] = (),
+    plan: PlacementPlan | None = None,
+    problem: PlacementProblem | None = None,
+    device: str | None = None,
 ) -> dict[str, Path]:
     """Write the JSON, Perfetto, memory_viz and PNG exports; returns ``{kind: path}`` of what was written.
 
@@ -102,21 +111,33 @@ def write_all(
     ``overrides`` maps a kind to another path. ``kinds`` limits the exports (default: all). The PNG is
     skipped (absent from the result) when matplotlib is missing; see :func:`png_available`. All exports are
     rendered in memory first, so a failure while rendering writes nothing. ``step_timelines``
-    (:class:`memsched.step_timeline.StepTimeline`) go into the Perfetto trace too.
+    (:class:`memsched.step_timeline.StepTimeline`) go into the Perfetto trace too. ``plan`` and ``problem``
+    (``sched.plan``, ``sched.problem``) add the decision to the PNG, and ``device`` (as the user gave it, e.g.
+    ``"sim:8GiB"``) names it in the PNG's title; both are saved in the JSON's ``meta`` (``"decision"``,
+    ``"device_given"``, optional keys that older files lack), so a re-export of that JSON draws them too.
 
     Raises:
-        ValueError: an unknown kind in ``kinds`` or ``overrides``, or a bad ``stem``.
+        ValueError: an unknown kind in ``kinds`` or ``overrides``, a bad ``stem``, or a ``plan`` without the
+            ``problem`` it was made for.
     """
     paths = export_paths(out_dir, stem, overrides)
     wanted = list(SUFFIXES) if kinds is None else list(kinds)
     for kind in wanted:
         if kind not in SUFFIXES:
             raise ValueError(f"unknown export kind {kind!r}; expected one of {', '.join(SUFFIXES)}")
+    data = timeline.to_dict()
+    decision = decision_of(timeline, plan, problem) if plan is not None else None
+    if decision is not None or device is not None:
+        data["meta"] = dict(data["meta"])  # the timeline's own meta stays as it is
+        if decision is not None:
+            data["meta"][META_DECISION] = decision.to_dict()
+        if device is not None:
+            data["meta"][META_DEVICE_GIVEN] = device
     render = {
-        "json": lambda: json.dumps(timeline.to_dict(), separators=(",", ":")).encode("utf-8"),
+        "json": lambda: json.dumps(data, separators=(",", ":")).encode("utf-8"),
         "perfetto": lambda: _perfetto_bytes([timeline], step_timelines),
         "memory_viz": lambda: _memory_viz_bytes(timeline),
-        "png": lambda: _png_bytes(timeline),
+        "png": lambda: _png_bytes(timeline, plan=plan, problem=problem, device=device),
     }
     payloads: dict[str, bytes] = {}
     for kind in wanted:

@@ -1,0 +1,131 @@
+"""torch.compile: the steady-state step of compiled + memsched against compiled + fused AdamW (run by hand).
+
+Run ``python bench/compile_step.py`` from the repository root (a few minutes: two compilations). One process,
+the built-in GPT (``--size``), compiled with ``--backend`` (default ``inductor``) on ``--device`` (default:
+``cuda`` when available, else ``cpu``). Two copies of the same model train side by side on the same batches:
+one with ``memsched.attach`` (compiled after attach), one with ``torch.optim.AdamW(fused=True)``. The first
+``--warmup`` steps are untimed: memsched's traced warmup step runs eagerly (``force_eager``) on both sides,
+then both compile. Then ``--blocks`` interleaved blocks of ``--block`` steps (memsched block, AdamW block,
+...) are timed, each ending with a device synchronisation, so both see the same moments of the machine.
+
+Recorded: the step time of each (block wall time / steps, median over blocks), their ratio (the target is
+<= 1.02), Dynamo's graph breaks and graphs compiled after warmup (``torch._dynamo.utils.counters``; memsched's
+hooks must add none), and whether the two models' parameters are bit-identical at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import memsched  # noqa: E402
+from bench._harness import summarize  # noqa: E402
+from bench._machine import write_result  # noqa: E402
+from memsched.models.gpt import build_gpt, lm_loss  # noqa: E402
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="tiny", help="built-in GPT size (default tiny)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--blocks", type=int, default=8, help="timed blocks per side")
+    ap.add_argument("--block", type=int, default=10, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=4, help="untimed steps (memsched's traced one included)")
+    ap.add_argument("--name", default="compile_step")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    torch.manual_seed(0)
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+    model = build_gpt(args.size, device=dev)
+    ref = copy.deepcopy(model)
+    sched = memsched.attach(model, device=args.device, lr=1e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    sides: dict[str, dict[str, Any]] = {
+        "memsched": {"model": torch.compile(model, backend=args.backend), "opt": sched.optimizer,
+                     "backward": sched.backward},
+        "adamw": {"model": torch.compile(ref, backend=args.backend), "opt": opt,
+                  "backward": lambda loss: loss.backward()},
+    }
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    n = args.warmup + args.blocks * args.block
+    shape = (args.batch, args.seq_len + 1)
+    batches = [torch.randint(0, vocab, shape, generator=gen).to(dev) for _ in range(n)]
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def train(side: dict[str, Any], part: list[torch.Tensor], eager: bool = False) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for b in part:
+            if eager:  # the traced warmup step: memsched holds force_eager; the reference does the same
+                with torch.compiler.set_stance("force_eager"):
+                    loss = lm_loss(side["model"], b[:, :-1], b[:, 1:])
+            else:
+                loss = lm_loss(side["model"], b[:, :-1], b[:, 1:])
+            side["backward"](loss)
+            side["opt"].step()
+            side["opt"].zero_grad()
+        sched.synchronize()
+        sync()
+        return time.perf_counter() - t0
+
+    for i in range(args.warmup):
+        for side in sides.values():
+            train(side, batches[i:i + 1], eager=i == 0)
+    breaks_after_warmup = sum(counters["graph_break"].values())
+    graphs_after_warmup = counters["stats"]["unique_graphs"]
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for b in range(args.blocks):
+        part = batches[args.warmup + b * args.block:args.warmup + (b + 1) * args.block]
+        for name, side in sides.items():
+            times[name].append(train(side, part) / len(part))
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    explain = torch._dynamo.explain(lambda t: model(t))(batches[0][:, :-1])
+    sched.close()
+
+    result = {
+        "what": "compiled + memsched vs compiled + torch.optim.AdamW(fused=True), the same model and "
+                "batches, "
+                "interleaved blocks; step = block wall time / steps (median over blocks)",
+        "config": vars(args),
+        "memsched": summarize(times["memsched"]),
+        "adamw": summarize(times["adamw"]),
+        "ratio_memsched_vs_adamw": statistics.median(times["memsched"]) / statistics.median(times["adamw"]),
+        "graph_breaks_total": sum(counters["graph_break"].values()),
+        "graph_breaks_during_warmup": breaks_after_warmup,
+        "unique_graphs_after_warmup": graphs_after_warmup,
+        "unique_graphs_total": counters["stats"]["unique_graphs"],
+        "explain_memsched_model": {"graph_count": explain.graph_count,
+                                   "graph_break_count": explain.graph_break_count},
+        "bit_identical": same,
+    }
+    path = write_result(args.name, result)
+    ms = {k: result[k]["median_s"] * 1e3 for k in sides}
+    print(f"memsched {ms['memsched']:.2f} ms, AdamW {ms['adamw']:.2f} ms per step: "
+          f"{result['ratio_memsched_vs_adamw']:.3f}x; graph breaks {result['graph_breaks_total']};"
+          f" bit-identical: {same}; {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

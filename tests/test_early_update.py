@@ -1,0 +1,232 @@
+"""overlap="backward": host chunks are updated during backward into spare state and committed at the step
+only when that equals the step's own update (memsched.early_update): bit for bit torch.optim.AdamW(fused=True)
+whatever happens between backward and step, and the committed updates really were made during backward.
+
+The worker is slowed down (a sleep before each update during backward and each update at the step) so that
+a missing wait shows as a wrong number.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import memsched
+from memsched.chunks import Chunk
+from memsched.early_update import EarlyUpdates
+from memsched.optimizer import HybridAdamW
+from policies.types import HOST
+from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
+from tests.test_overlap import CLIP, PLACEMENTS, GroupedReference, accumulated, paused, two_groups
+
+
+@pytest.fixture
+def slow_worker(monkeypatch):
+    """Updates on the worker start 20 ms late (during backward: 10 ms), so that reads that do not wait and
+    commits of unfinished updates show as wrong numbers."""
+    main = threading.get_ident()
+    calls = {"early": 0, "step": 0}
+    original_host, original_early = HybridAdamW._update_host, EarlyUpdates._run
+
+    def slowed_host(self, *args, **kwargs):
+        if threading.get_ident() != main:
+            calls["step"] += 1
+            time.sleep(0.02)
+        return original_host(self, *args, **kwargs)
+
+    def slowed_early(self, *args, **kwargs):
+        calls["early"] += 1
+        time.sleep(0.01)
+        return original_early(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridAdamW, "_update_host", slowed_host)
+    monkeypatch.setattr(EarlyUpdates, "_run", slowed_early)
+    return calls
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CASES = [(p, d, None) for p in ("auto", "cpu", "static") for d in DTYPES]
+CASES += [("static", d, CLIP) for d in DTYPES]
+
+
+@pytest.mark.parametrize(("placement", "dtype", "clip"), CASES)
+def test_update_during_backward_is_bit_exact(placement, dtype, clip, slow_worker):
+    """Two param groups, a StepLR, 2-step gradient accumulation, fp32/bf16/fp16, with and without clipping
+    through sched.clip_grad_norm_: every parameter (and fp32 master) equals the reference after each step;
+    without clipping the updates made during backward are the ones committed, with clipping none is."""
+    model = tiny_gpt()
+    ref = GroupedReference(model, dtype)
+    batches = gpt_batches(10)
+    with memsched.attach(model, lr=LR, weight_decay=WD, dtype=dtype, chunk_numel=8192,
+                         params=two_groups(model), overlap="backward", **PLACEMENTS[placement]) as sched:
+        lr_sched = torch.optim.lr_scheduler.StepLR(sched.optimizer, step_size=2, gamma=0.5)
+        for i in range(5):
+            micro = batches[2 * i:2 * i + 2]
+            for b in micro:
+                sched.backward(gpt_loss(model, b) / 2)
+            if clip is not None:
+                norm = sched.clip_grad_norm_(clip)
+                assert float(norm) > clip  # the clipping really scales the gradients
+            sched.optimizer.step()
+            lr_sched.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(None, accumulated(ref, micro), clip)
+                ref.lr_sched.step()
+            if i % 2 == 0:  # no read: the next forward must wait by itself
+                continue
+            state = model.state_dict()
+            with paused(sched):
+                for name, q in ref.model.state_dict().items():
+                    assert torch.equal(state[name], q), f"{placement} {dtype} step {i}: {name}"
+                assert_same(model, ref, f"{placement} {dtype} step {i}")
+                if dtype != torch.float32:
+                    sd = sched.optimizer.state_dict()["state"]
+                    masters = [m for g in ref.opt.param_groups for m in g["params"]]
+                    for k, m in enumerate(masters):
+                        assert torch.equal(sd[k]["master_weight"], m), f"master {k}, step {i}"
+        early = sched.optimizer.early_updates
+        n_host = sum(c.placement == HOST for c in sched.store.chunks)
+    assert_same(model, ref, f"{placement} {dtype} after close()")
+    assert n_host > 0
+    # 4 steady steps x 2 backwards x host chunks were started; the last of each step is committed unless the
+    # gradients it read are not the step's: fp16 clipping leaves a coefficient pending (always dropped);
+    # fp32/bf16 clipping scales them in place, which the update sees if the worker copied them after it.
+    assert slow_worker["early"] == 4 * 2 * n_host
+    assert early.committed + early.dropped == 4 * n_host
+    if clip is None:
+        assert early.committed == 4 * n_host
+    elif dtype == torch.float16:
+        assert early.dropped == 4 * n_host
+
+
+def _train(model, sched, ref, batches, between=None, ref_between=None):
+    """Plain steps; ``between(i)`` runs after backward and before step() (``ref_between``: the reference)."""
+    for i, b in enumerate(batches):
+        sched.backward(gpt_loss(model, b))
+        if between is not None and i > 0:
+            between(i)
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+
+        def loss_fn(m, batch, i=i):
+            loss = gpt_loss(m, batch)
+            if ref_between is None or i == 0:
+                return loss
+            loss.backward()
+            ref_between(i)
+            return torch.zeros((), requires_grad=True)
+
+        with paused(sched):
+            ref.step(b, loss_fn, None)
+
+
+@pytest.mark.parametrize("what", ["grad-mul", "param-write", "lr-change", "zero-grad-and-again"])
+def test_changes_between_backward_and_step_are_followed(what, slow_worker):
+    """Whatever changes the update after the gradients were complete drops the update made during backward;
+    the step makes the right one."""
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(4)
+    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                            **PLACEMENTS["cpu"])
+
+    def between(i, m=model, opt=None, again=True):
+        if opt is None:  # the worker has copied the gradients and updated: the change comes after that
+            sched.optimizer.early_updates.wait()
+        opt = opt or sched.optimizer
+        if what == "grad-mul":
+            for p in m.parameters():
+                p.grad.data.mul_(0.5)
+        elif what == "param-write":
+            with torch.no_grad():
+                next(m.parameters()).add_(1e-3)
+        elif what == "lr-change":
+            for g in opt.param_groups:
+                g["lr"] = LR * 2
+        elif what == "zero-grad-and-again":
+            opt.zero_grad()
+            if again:
+                sched.backward(gpt_loss(m, batches[i]))
+
+    def ref_between(i):
+        if what == "zero-grad-and-again":  # the same gradients again: that backward happens in loss_fn too
+            return
+        between(i, ref.model, ref.opt, again=False)
+
+    with sched:
+        _train(model, sched, ref, batches, between, ref_between)
+        early = sched.optimizer.early_updates
+    assert_same(model, ref, what)
+    n_host = sum(c.placement == HOST for c in sched.store.chunks)
+    if what == "param-write":  # only the written parameter's chunk is updated again at the step
+        assert early.dropped == 3 and early.committed == 3 * (n_host - 1)
+    elif what == "zero-grad-and-again":  # the second backward's updates are the step's: committed
+        assert early.dropped == 0 and early.committed == 3 * n_host
+    elif what == "lr-change":  # the lr stays changed: only the first change comes after the updates
+        assert early.dropped == n_host and early.committed == 2 * n_host
+    else:
+        assert early.dropped == 3 * n_host and early.committed == 0
+
+
+def test_reads_between_backward_and_step_see_the_state_before_the_step(slow_worker):
+    """optimizer.state_dict() and load_state_dict() between backward and step: the state read is the one
+    before the step, and a state loaded there is the one the step continues from."""
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(4)
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                         **PLACEMENTS["cpu"]) as sched:
+        _train(model, sched, ref, batches[:2])
+        sched.backward(gpt_loss(model, batches[2]))
+        time.sleep(0.05)  # the updates during backward are done (or nearly)
+        sd = sched.optimizer.state_dict()
+        with paused(sched):
+            for i, m in enumerate(ref.opt.param_groups[0]["params"]):
+                assert torch.equal(sd["state"][i]["exp_avg"], ref.opt.state[m]["exp_avg"]), i
+        sched.optimizer.load_state_dict(sd)  # writes every chunk's state: nothing made before may commit
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+        with paused(sched):
+            ref.step(batches[2], gpt_loss, None)
+        early = sched.optimizer.early_updates
+        assert early.committed_bytes > 0  # from the two earlier steps
+        dropped = early.dropped
+    assert dropped == sum(c.placement == HOST for c in sched.store.chunks)
+    assert_same(model, ref, "load_state_dict between backward and step")
+
+
+def test_spare_state_that_cannot_be_allocated_warns_and_stays_exact(monkeypatch):
+    def refuse(self, alloc):
+        raise RuntimeError("injected: out of pinned memory")
+
+    monkeypatch.setattr(Chunk, "alloc_spare", refuse)
+    model = tiny_gpt()
+    ref = Reference(model)
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                         **PLACEMENTS["cpu"]) as sched:
+        with pytest.warns(RuntimeWarning, match="could not allocate the spare host state of chunk"):
+            _train(model, sched, ref, gpt_batches(3))
+        assert not sched.optimizer.early_updates.enabled
+    assert_same(model, ref, "without spare state")
+
+
+def test_spare_state_follows_the_placement():
+    """Spare state exists for host chunks only, and goes when a chunk moves to the device."""
+    model = tiny_gpt()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                         **PLACEMENTS["static"]) as sched:
+        for b in gpt_batches(3):
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        sched.synchronize()
+        host = [c for c in sched.store.chunks if c.placement == HOST]
+        assert host and all(c.spare_nbytes() == c.state_nbytes() for c in host)
+        assert all(c.spare is None for c in sched.store.chunks if c.placement != HOST)
+        c = host[0]
+        c.move_to("device", sched.store.alloc)
+        assert c.spare is None
