@@ -3,10 +3,12 @@
 Run ``python bench/compile_step.py`` from the repository root (a few minutes: two compilations). One process,
 the built-in GPT (``--size``), compiled with ``--backend`` (default ``inductor``) on ``--device`` (default:
 ``cuda`` when available, else ``cpu``). Two copies of the same model train side by side on the same batches:
-one with ``memsched.attach`` (compiled after attach), one with ``torch.optim.AdamW(fused=True)``. The first
-``--warmup`` steps are untimed: memsched's traced warmup step runs eagerly (``force_eager``) on both sides,
-then both compile. Then ``--blocks`` interleaved blocks of ``--block`` steps (memsched block, AdamW block,
-...) are timed, each ending with a device synchronisation, so both see the same moments of the machine.
+one with ``memsched.attach`` (compiled after attach), one with ``torch.optim.AdamW(fused=True)``, under
+``torch.use_deterministic_algorithms(True)``: inductor's CPU backward of an embedding (a scatter-add over
+threads) is not deterministic otherwise, so two plain torch copies of the model would already differ. The
+first ``--warmup`` steps are untimed: memsched's traced warmup step runs eagerly (``force_eager``) on both
+sides, then both compile. Then ``--blocks`` interleaved blocks of ``--block`` steps (memsched block, AdamW
+block, ...) are timed, each ending with a device synchronisation, so both see the same moments of the machine.
 
 Recorded: the step time of each (block wall time / steps, median over blocks), their ratio (the target is
 <= 1.02), Dynamo's graph breaks and graphs compiled after warmup (``torch._dynamo.utils.counters``; memsched's
@@ -51,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)  # see the module docstring
     warnings.filterwarnings("ignore", category=UserWarning)
 
     model = build_gpt(args.size, device=dev)

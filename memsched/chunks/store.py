@@ -41,6 +41,7 @@ class ChunkStore:
         self.alloc = alloc
         self.compute_dtype = compute_dtype
         self.dp = dp if dp is not None else DataParallel()
+        self._views: dict[tuple[str, int], torch.Tensor] = {}
         self.on_grads_ready_cb = on_grads_ready  # an observer (tests, reports); data parallelism is ``dp``
         self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
         self.closed = False
@@ -93,6 +94,7 @@ class ChunkStore:
         self.param_chunk = {id(p): c for c in new_chunks for p in c.params}
         self.param_range = {id(p): r for c in new_chunks for p, r in zip(c.params, c.ranges, strict=True)}
         self.param_pos = {id(p): k for c in new_chunks for k, p in enumerate(c.params)}
+        self._views: dict[tuple[str, int], torch.Tensor] = {}  # (kind, id(p)) -> chunk view, made once
 
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
                      groups: list[list[torch.nn.Parameter]], keep_initial: bool) -> Chunk:
@@ -194,6 +196,7 @@ class ChunkStore:
         for c in self.chunks:
             c.release()
         self.chunks, self.param_chunk, self.param_range = [], {}, {}
+        self._views = {}
 
     def _restore_state(self, staged: dict[int, tuple[torch.Tensor, ...]], side: dict[int, str | None],
                        steps: dict[int, float]) -> None:
@@ -230,9 +233,12 @@ class ChunkStore:
 
     def data_view(self, p: torch.nn.Parameter) -> torch.Tensor:
         """The chunk view ``p`` must be (its compute values)."""
-        c = self.param_chunk[id(p)]
-        off, n = self.param_range[id(p)]
-        return c.data[off:off + n].view(p.shape)
+        v = self._views.get(("data", id(p)))
+        if v is None:  # cached: the chunks' buffers change only when they are built again
+            c = self.param_chunk[id(p)]
+            off, n = self.param_range[id(p)]
+            v = self._views["data", id(p)] = c.data[off:off + n].view(p.shape)
+        return v
 
     def check_bound(self, names: dict[int, str]) -> None:
         """Every parameter is still the view into its chunk that attach made it.
@@ -263,9 +269,12 @@ class ChunkStore:
                 "`with torch.no_grad(): param.copy_(...)`)")
 
     def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
-        c = c or self.param_chunk[id(p)]
-        off, n = self.param_range[id(p)]
-        return c.grad[off:off + n].view(p.shape)
+        v = self._views.get(("grad", id(p)))
+        if v is None:
+            c = c or self.param_chunk[id(p)]
+            off, n = self.param_range[id(p)]
+            v = self._views["grad", id(p)] = c.grad[off:off + n].view(p.shape)
+        return v
 
     def rebind_grad(self, p: torch.nn.Parameter, c: Chunk | None = None) -> None:
         """Put ``p.grad`` back into its chunk view if autograd or the user produced a separate tensor."""
