@@ -9,9 +9,11 @@ with plain PyTorch: ``torch.optim.AdamW(fused=True)`` on the device where memsch
 grows every second step).
 
 Cases: policies ``cpu`` (all optimizer state in pinned host memory), ``static`` (half), ``auto`` and ``cuda``;
-fp32, bf16, fp16; clipping through torch and through ``sched.clip_grad_norm_``; ``overlap`` off and on (on:
-the parameters are read only after every second step, so the next forward must wait for the CPU worker by
-itself); then ``close()`` followed at once by a read of the parameters and of ``model.state_dict()``.
+fp32, bf16, fp16; clipping through torch, through ``sched.clip_grad_norm_`` or none; ``overlap`` off, on and
+``"backward"`` (on: the parameters are read only after every second step, so the next forward must wait for
+the CPU worker by itself; ``"backward"``: host chunks are updated during backward, and without clipping the
+updates are committed at the step, so the early D2H and its fingerprint are on the path); then ``close()``
+followed at once by a read of the parameters and of ``model.state_dict()``.
 
 The race detector: every D2H and H2D copy memsched issues is preceded on its side stream by
 ``torch.cuda._sleep`` (``--delay-ms``, default 20 ms). A forward that does not wait for a chunk's H2D copy
@@ -97,7 +99,7 @@ def first_difference(model: torch.nn.Module, ref: Reference) -> str | None:
 
 
 def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int,
-             overlap: bool = False) -> dict[str, Any]:
+             overlap: bool | str = False) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
     dev = torch.device("cuda") if device == "cuda" else torch.device("cpu")
     model = tiny_gpt().to(dev)
@@ -115,13 +117,13 @@ def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int,
             sched.backward(gpt_loss(model, b))
             if via == "torch":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            else:
+            elif via == "memsched":
                 sched.clip_grad_norm_(CLIP)
             on_host = host_updated(model, sched)  # where this step updates each parameter
             sched.optimizer.step()
             sched.optimizer.zero_grad()
             with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():
-                ref.step(b, gpt_loss, CLIP, on_host=on_host)
+                ref.step(b, gpt_loss, None if via == "none" else CLIP, on_host=on_host)
             if i < steps - 1 and not (overlap and i % 2 == 0):  # last: after close(); overlap: every 2nd
                 sched.synchronize()  # reads outside a forward wait first (the documented contract)
                 with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():
@@ -149,7 +151,7 @@ def cases(policies: Sequence[str], dtypes: Sequence[str]) -> list[tuple[str, str
     out = []
     for policy in policies:
         for dt in dtypes:
-            for via in (("memsched",) if dt == "fp16" else ("torch", "memsched")):
+            for via in (("memsched", "none") if dt == "fp16" else ("torch", "memsched", "none")):
                 out.append((policy, dt, via))  # fp16: torch's clip would see the scaled gradients
     return out
 
@@ -161,8 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
     ap.add_argument("--dtypes", nargs="*", default=list(DTYPES), choices=list(DTYPES))
-    ap.add_argument("--overlap", choices=("off", "on", "both"), default="both",
-                    help="attach(overlap=...) for each case: off, on or both (default)")
+    ap.add_argument("--overlap", choices=("off", "on", "backward", "all"), default="all",
+                    help="attach(overlap=...) for each case: off (False), on (True), backward "
+                         "('backward') or all three (default)")
     ap.add_argument("--name", default=None, help="result name (default gpu_numerics_<gpu-name>)")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -170,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     results = []
     with slow_copies(args.delay_ms if args.device == "cuda" else 0.0):
-        overlaps = {"off": (False,), "on": (True,), "both": (False, True)}[args.overlap]
+        overlaps = {"off": (False,), "on": (True,), "backward": ("backward",),
+                    "all": (False, True, "backward")}[args.overlap]
         for overlap in overlaps:
             for policy, dt, via in cases(args.policies, args.dtypes):
                 try:

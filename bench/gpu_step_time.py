@@ -12,7 +12,8 @@ Configurations:
 
 * memsched: ``memsched.attach(model, policy=P, device="cuda")`` for each ``--policies`` entry (default
   ``cpu``, ``static:offload_optim_frac=0.5``, ``auto``, ``cuda``; ``name:key=value,...`` passes
-  ``policy_options={key: value}``; a trailing ``+overlap`` attaches with ``overlap=True``), step = forward,
+  ``policy_options={key: value}``; a trailing ``+overlap`` attaches with ``overlap=True``, ``+backward``
+  with ``overlap="backward"``), step = forward,
   ``sched.backward(loss)``,
   ``sched.optimizer.step()``, ``zero_grad()``. The plan and the H2D/D2H bytes are recorded.
 * ``torch_adamw``: plain ``torch.optim.AdamW(fused=True)`` with everything on the device (when it fits).
@@ -90,9 +91,13 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, options
 
 
-def split_overlap(spec: str) -> tuple[str, bool]:
-    """``"auto+overlap"`` -> ``("auto", True)``; ``"auto"`` -> ``("auto", False)``."""
-    return (spec[: -len("+overlap")], True) if spec.endswith("+overlap") else (spec, False)
+def split_overlap(spec: str) -> tuple[str, bool | str]:
+    """``"auto+overlap"`` -> ``("auto", True)``; ``"auto+backward"`` -> ``("auto", "backward")`` (the update
+    starts during backward, :mod:`memsched.early_update`); ``"auto"`` -> ``("auto", False)``."""
+    for suffix, overlap in (("+overlap", True), ("+backward", "backward")):
+        if spec.endswith(suffix):
+            return spec[: -len(suffix)], overlap
+    return spec, False
 
 
 def gpu_slug(name: str) -> str:

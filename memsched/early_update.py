@@ -132,7 +132,9 @@ class EarlyUpdates:
                     spare[k].copy_(getattr(c, k))
                 if c.state_version() != before:  # written while being read: not the state of the step
                     return
-                g = self.fp32_grad(ticket.snapshot, spare["host_grad"], ticket.inv_scale, [])
+                g = ticket.snapshot  # fp32 and unscaled: read as it is (the kernel does not write it)
+                if g.dtype != torch.float32 or ticket.inv_scale is not None:
+                    g = self.fp32_grad(g, spare["host_grad"], ticket.inv_scale, [])
                 self.adamw(c, spare["master"], g, spare["exp_avg"], spare["exp_avg_sq"], spare["steps"],
                            ticket.hp)
                 if spare["staging"] is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy

@@ -259,6 +259,6 @@ def test_gpu_numerics_runs_its_cases_on_the_stand_in(tmp_path: Path, monkeypatch
                               "--steps", "3"]) == 0
     (out,) = tmp_path.iterdir()
     result = json.loads(out.read_text())
-    assert result["passed"] == 4 and result["failed"] == 0  # 2 clipping paths x overlap off/on
-    assert {r["clip_via"] for r in result["results"]} == {"torch", "memsched"}
-    assert {r["overlap"] for r in result["results"]} == {False, True}
+    assert result["passed"] == 9 and result["failed"] == 0  # 3 clipping paths x overlap off/on/backward
+    assert {r["clip_via"] for r in result["results"]} == {"torch", "memsched", "none"}
+    assert {r["overlap"] for r in result["results"]} == {False, True, "backward"}

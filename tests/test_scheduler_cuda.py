@@ -120,17 +120,19 @@ def test_bf16_on_cuda_keeps_fp32_masters():
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("overlap", [True, "backward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_overlap_on_cuda_bit_exact(dtype):
+def test_overlap_on_cuda_bit_exact(dtype, overlap):
     """overlap=True on a GPU: host chunks updated by the worker thread (CPU kernel), H2D on the side stream
-    after the step's backward; each parameter equals torch's fused AdamW run where memsched runs it."""
+    after the step's backward; each parameter equals torch's fused AdamW run where memsched runs it.
+    overlap="backward": the updates start during backward from the early D2H copies and are committed."""
     from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt
 
     model = tiny_gpt().cuda()
     ref = Reference(model, dtype)
     batches = [(x.cuda(), y.cuda()) for x, y in gpt_batches(6)]
     with memsched.attach(model, policy="static", policy_options={"offload_optim_frac": 0.5}, device="cuda",
-                         dtype=dtype, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True) as sched:
+                         dtype=dtype, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=overlap) as sched:
         for b in batches:
             chunk_of = sched.store.param_chunk
             on_host = {k for k, p in enumerate(model.parameters()) if chunk_of[id(p)].placement == "host"}
@@ -143,3 +145,36 @@ def test_overlap_on_cuda_bit_exact(dtype):
             assert torch.equal(p, q), name
         assert {c.placement for c in sched.store.chunks} == {"device", "host"}
         assert len(sched.step_timeline.records) == 5
+        if overlap == "backward":
+            assert sched.optimizer.early_updates.committed > 0
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch < 2.6: no stance")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_compiled_on_cuda_bit_exact_with_one_graph_break(overlap):
+    """torch.compile on CUDA with host chunks: the per-module H2D waits compile to nothing and the root waits
+    for every chunk once, eagerly (memsched.waits): one graph break, one graph per side of it, bit-exact."""
+    from torch._dynamo.utils import counters
+
+    from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_gpt().cuda()
+    ref = Reference(model)
+    batches = [(x.cuda(), y.cuda()) for x, y in gpt_batches(5)]
+    with memsched.attach(model, policy="static", policy_options={"offload_optim_frac": 0.5}, device="cuda",
+                         lr=LR, weight_decay=WD, chunk_numel=8192, overlap=overlap) as sched:
+        compiled = torch.compile(model, backend="aot_eager")
+        for b in batches:
+            on_host = {k for k, p in enumerate(model.parameters())
+                       if sched.store.param_chunk[id(p)].placement == "host"}
+            sched.backward(gpt_loss(compiled, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            ref.step(b, gpt_loss, None, on_host=on_host)
+        sched.synchronize()
+        breaks = dict(counters["graph_break"])
+    for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert sum(breaks.values()) == 1 and any("disable" in k for k in breaks), breaks
