@@ -150,3 +150,19 @@ def assert_same(model: nn.Module, ref: Reference, what: str = "", optimizer=None
         if not torch.equal(p.detach(), q.detach()):
             d = (p.detach().float() - q.detach().float()).abs().max().item()
             raise AssertionError(f"{what}: {name} differs from the reference (max diff {d:.3g})")
+
+
+def count_grad_copies(monkeypatch, copies: list) -> None:
+    """Record in ``copies`` (shapes) every gradient that autograd allocated outside its chunk view and
+    memsched had to copy in (``ChunkStore.rebind_grad``); an empty list means gradients stayed in the
+    chunks."""
+    from memsched.chunks import ChunkStore
+
+    original = ChunkStore.rebind_grad
+
+    def counted(self, p, c=None):
+        if p.grad is not None and p.grad.data_ptr() != self.grad_view(p, c).data_ptr():
+            copies.append(tuple(p.shape))
+        return original(self, p, c)
+
+    monkeypatch.setattr(ChunkStore, "rebind_grad", counted)

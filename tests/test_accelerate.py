@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import memsched
-from memsched.chunks import ChunkStore
 from policies.types import HOST
+from tests._numerics import count_grad_copies
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -69,14 +69,7 @@ def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monk
     out: dict = {"losses": [], "norms": [], "d2h": [], "h2d": [], "copies": [], "unbound": []}
     sched = None
     if use_memsched:
-        original = ChunkStore.rebind_grad
-
-        def counted(self, p, c=None):  # a gradient that autograd allocated outside the chunk
-            if p.grad is not None and p.grad.data_ptr() != self.grad_view(p, c).data_ptr():
-                out["copies"].append(tuple(p.shape))
-            return original(self, p, c)
-
-        monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
+        count_grad_copies(monkeypatch, out["copies"])  # gradients autograd allocated outside the chunks
         sched = memsched.attach(model, device="sim:64MiB", lr=1e-3, weight_decay=0.1, chunk_numel=16384,
                                 policy="static", policy_options={"offload_optim_frac": 0.5})
         opt = sched.optimizer

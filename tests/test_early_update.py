@@ -20,7 +20,7 @@ from memsched.early_update import EarlyUpdates
 from memsched.optimizer import HybridAdamW
 from policies.types import HOST
 from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
-from tests.test_overlap import CLIP, PLACEMENTS, GroupedReference, accumulated, paused, two_groups
+from tests.test_overlap import CLIP, PLACEMENTS, GroupedReference, grouped_parity_run, paused, two_groups
 
 
 @pytest.fixture
@@ -62,32 +62,7 @@ def test_update_during_backward_is_bit_exact(placement, dtype, clip, slow_worker
     batches = gpt_batches(10)
     with memsched.attach(model, lr=LR, weight_decay=WD, dtype=dtype, chunk_numel=8192,
                          params=two_groups(model), overlap="backward", **PLACEMENTS[placement]) as sched:
-        lr_sched = torch.optim.lr_scheduler.StepLR(sched.optimizer, step_size=2, gamma=0.5)
-        for i in range(5):
-            micro = batches[2 * i:2 * i + 2]
-            for b in micro:
-                sched.backward(gpt_loss(model, b) / 2)
-            if clip is not None:
-                norm = sched.clip_grad_norm_(clip)
-                assert float(norm) > clip  # the clipping really scales the gradients
-            sched.optimizer.step()
-            lr_sched.step()
-            sched.optimizer.zero_grad()
-            with paused(sched):
-                ref.step(None, accumulated(ref, micro), clip)
-                ref.lr_sched.step()
-            if i % 2 == 0:  # no read: the next forward must wait by itself
-                continue
-            state = model.state_dict()
-            with paused(sched):
-                for name, q in ref.model.state_dict().items():
-                    assert torch.equal(state[name], q), f"{placement} {dtype} step {i}: {name}"
-                assert_same(model, ref, f"{placement} {dtype} step {i}")
-                if dtype != torch.float32:
-                    sd = sched.optimizer.state_dict()["state"]
-                    masters = [m for g in ref.opt.param_groups for m in g["params"]]
-                    for k, m in enumerate(masters):
-                        assert torch.equal(sd[k]["master_weight"], m), f"master {k}, step {i}"
+        grouped_parity_run(model, sched, ref, batches, clip, f"{placement} {dtype}")
         early = sched.optimizer.early_updates
         n_host = sum(c.placement == HOST for c in sched.store.chunks)
     assert_same(model, ref, f"{placement} {dtype} after close()")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import memsched
-from memsched.chunks import ChunkStore
+from tests._numerics import count_grad_copies
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -28,14 +28,7 @@ def _trainer_run(base, data, tmp_path, use_memsched: bool, monkeypatch):
     copies = []
     sched = None
     if use_memsched:
-        original = ChunkStore.rebind_grad
-
-        def counted(self, p, c=None):
-            if p.grad is not None and p.grad.data_ptr() != self.grad_view(p, c).data_ptr():
-                copies.append(tuple(p.shape))
-            return original(self, p, c)
-
-        monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
+        count_grad_copies(monkeypatch, copies)
         sched = memsched.attach(model, device="sim:64MiB", lr=1e-3, weight_decay=0.1, chunk_numel=16384,
                                 policy="static", policy_options={"offload_optim_frac": 0.5})
         opt = sched.optimizer

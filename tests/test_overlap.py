@@ -86,34 +86,44 @@ def test_overlap_bit_exact(placement, dtype, slow_worker):
     batches = gpt_batches(10)
     with memsched.attach(model, lr=LR, weight_decay=WD, warmup_steps=1, dtype=dtype, chunk_numel=8192,
                          params=two_groups(model), overlap=True, **kw) as sched:
-        lr_sched = torch.optim.lr_scheduler.StepLR(sched.optimizer, step_size=2, gamma=0.5)
-        for i in range(5):  # checked after steps 1, 3 (and at close)
-            micro = batches[2 * i:2 * i + 2]
-            for b in micro:
-                sched.backward(gpt_loss(model, b) / 2)
-            sched.clip_grad_norm_(CLIP)
-            sched.optimizer.step()
-            lr_sched.step()
-            sched.optimizer.zero_grad()
-            with paused(sched):
-                ref.step(None, accumulated(ref, micro), CLIP)
-                ref.lr_sched.step()
-            if i % 2 == 0:  # no read: the next forward must wait by itself
-                continue
-            state = model.state_dict()  # waits for the overlapped update
-            with paused(sched):
-                for (name, q) in ref.model.state_dict().items():
-                    assert torch.equal(state[name], q), f"{placement} {dtype} step {i}: {name}"
-                assert_same(model, ref, f"{placement} {dtype} step {i}")
-                if dtype != torch.float32:  # the fp32 masters, in the groups' order
-                    sd = sched.optimizer.state_dict()["state"]
-                    masters = [m for g in ref.opt.param_groups for m in g["params"]]
-                    for k, m in enumerate(masters):
-                        assert torch.equal(sd[k]["master_weight"], m), f"master {k}, step {i}"
+        grouped_parity_run(model, sched, ref, batches, CLIP, f"{placement} {dtype}")
         places = {c.placement for c in sched.store.chunks}
     assert_same(model, ref, f"{placement} {dtype} after close()")  # close() waited for the last update
     if HOST in places and placement != "cuda":
         assert slow_worker["worker"] > 0  # the worker really ran the host updates
+
+
+def grouped_parity_run(model, sched, ref, batches, clip, what: str) -> None:
+    """Five steps of 2 micro batches with a StepLR (and clipping through sched.clip_grad_norm_ unless ``clip``
+    is None, which then must trigger), against ``ref`` (a GroupedReference); after steps 1 and 3
+    model.state_dict(), the parameters and the fp32 masters equal the reference's. After the other steps
+    nothing is read, so the next forward must wait by itself."""
+    dtype = ref.dtype
+    lr_sched = torch.optim.lr_scheduler.StepLR(sched.optimizer, step_size=2, gamma=0.5)
+    for i in range(5):
+        micro = batches[2 * i:2 * i + 2]
+        for b in micro:
+            sched.backward(gpt_loss(model, b) / 2)
+        if clip is not None:
+            assert float(sched.clip_grad_norm_(clip)) > clip  # the clipping really scales the gradients
+        sched.optimizer.step()
+        lr_sched.step()
+        sched.optimizer.zero_grad()
+        with paused(sched):
+            ref.step(None, accumulated(ref, micro), clip)
+            ref.lr_sched.step()
+        if i % 2 == 0:
+            continue
+        state = model.state_dict()  # waits for the overlapped update
+        with paused(sched):
+            for name, q in ref.model.state_dict().items():
+                assert torch.equal(state[name], q), f"{what} step {i}: {name}"
+            assert_same(model, ref, f"{what} step {i}")
+            if dtype != torch.float32:  # the fp32 masters, in the groups' order
+                sd = sched.optimizer.state_dict()["state"]
+                masters = [m for g in ref.opt.param_groups for m in g["params"]]
+                for k, m in enumerate(masters):
+                    assert torch.equal(sd[k]["master_weight"], m), f"{what} master {k}, step {i}"
 
 
 def accumulated(ref: Reference, micro):
