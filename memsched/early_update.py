@@ -43,6 +43,7 @@ import torch
 
 from memsched.chunks import Chunk
 from memsched.step_timeline import CPU_UPDATE
+from policies.types import HOST
 
 OVERLAP_MODES = (False, True, "backward")
 
@@ -97,19 +98,38 @@ class EarlyUpdates:
     committed_bytes: int = 0  # their fp32 state elements x 4, bytes (statistics)
     dropped: int = 0  # updates made during backward and not committed (statistics)
 
+    def enable(self, world: int, chunks: list[Chunk]) -> None:
+        """Start (at the end of warmup): with one rank, allocate the spare host state of the host chunks
+        among ``chunks`` now rather than at their first update in backward (a pinned allocation synchronises
+        the device); with more, warn that the updates wait for the step (the gradients are reduced first)."""
+        if world > 1:
+            warnings.warn(f"memsched: overlap='backward' needs one rank; with {world} ranks host chunks are "
+                          "updated after the gradient reduction, overlapping the next forward",
+                          RuntimeWarning, stacklevel=3)
+            return
+        self.enabled = True
+        for c in chunks:
+            if self.enabled and c.placement == HOST:
+                self._alloc_spare(c)
+
+    def _alloc_spare(self, c: Chunk) -> bool:
+        try:
+            with self.alloc.host_context():
+                c.alloc_spare(self.alloc)
+            return True
+        except RuntimeError as e:  # out of (pinned) host memory: update at the step instead
+            self.enabled = False
+            warnings.warn(f"memsched: overlap='backward' could not allocate the spare host state of chunk "
+                          f"{c.index} ({c.state_nbytes()} bytes; {e}); host chunks are updated after "
+                          "backward from now on", RuntimeWarning, stacklevel=3)
+            return False
+
     def start(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,
               copy_event: Any = None) -> None:
         """Speculate the update of host chunk ``c`` whose gradients are complete (training thread).
         ``copy_event``: the CUDA event of the early D2H copy already issued, or ``None`` (the worker
         copies)."""
-        try:
-            with self.alloc.host_context():
-                c.alloc_spare(self.alloc)
-        except RuntimeError as e:  # out of (pinned) host memory: update at the step instead
-            self.enabled = False
-            warnings.warn(f"memsched: overlap='backward' could not allocate the spare host state of chunk "
-                          f"{c.index} ({c.state_nbytes()} bytes; {e}); host chunks are updated after "
-                          "backward from now on", RuntimeWarning, stacklevel=2)
+        if not self._alloc_spare(c):
             return
         snapshot = c.staging if c.staging is not None else c.host_grad
         ticket = Ticket(hp, inv_scale, snapshot)

@@ -246,7 +246,8 @@ class Scheduler(PlanningMixin):
         # (the reduction comes first).
         self.optimizer.early_d2h = self.dp.world == 1 and self.streams.cuda
         # overlap="backward": host chunks update during backward, committed at step() (memsched.early_update)
-        self.optimizer.early_updates.enabled = self.config.early_update and self.dp.world == 1
+        if self.config.early_update:
+            self.optimizer.early_updates.enable(self.dp.world, self.store.chunks)
         self.optimizer.timeline.overlap = self.config.overlap
         self.optimizer.timeline.start()
 
