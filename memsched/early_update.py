@@ -68,6 +68,7 @@ class Ticket:
     hp: dict[str, Any]
     inv_scale: torch.Tensor | None
     snapshot: torch.Tensor  # the host copy of the gradients the update read
+    state: torch.Tensor  # the chunk's exp_avg when it started: the same allocation at the commit, or none
     future: Future | None = None
     version: int | None = None  # the state's version counter after the worker read it (None: changed)
     error: BaseException | None = None
@@ -132,7 +133,7 @@ class EarlyUpdates:
         if not self._alloc_spare(c):
             return
         snapshot = c.staging if c.staging is not None else c.host_grad
-        ticket = Ticket(hp, inv_scale, snapshot)
+        ticket = Ticket(hp, inv_scale, snapshot, c.exp_avg)
         self.tickets[c.index] = ticket  # a later backward (accumulation) replaces it; the worker keeps order
         ticket.future = self.submit(lambda: self._run(c, ticket, copy_event))
 
@@ -186,7 +187,8 @@ class EarlyUpdates:
                 continue
             same_scale = (t.inv_scale is None) == (inv_scale is None) and (
                 inv_scale is None or torch.equal(t.inv_scale, inv_scale))
-            if (t.error is None and t.version is not None and t.version == c.state_version() and not coefs
+            if (t.error is None and t.version is not None and t.state is c.exp_avg and c.spare is not None
+                    and t.version == c.state_version() and not coefs
                     and same_scale and t.hp == hps[c.group] and all(id(p) in active for p in c.params)
                     and grads_equal(c, t)):
                 c.swap_spare()

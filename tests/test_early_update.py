@@ -205,3 +205,26 @@ def test_spare_state_follows_the_placement():
         c = host[0]
         c.move_to("device", sched.store.alloc)
         assert c.spare is None
+
+
+def test_state_moved_between_backward_and_step_is_not_committed(slow_worker):
+    """A chunk whose state moved (device and back: a new allocation, no spare) after its update in backward
+    is updated at the step instead: nothing is swapped in from the old allocation."""
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(3)
+
+    def move_and_back(i):
+        sched.optimizer.early_updates.wait()
+        c = next(c for c in sched.store.chunks if c.placement == HOST)
+        c.move_to("device", sched.store.alloc)
+        c.move_to(HOST, sched.store.alloc)
+        assert c.spare is None
+
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                         **PLACEMENTS["cpu"]) as sched:
+        _train(model, sched, ref, batches, move_and_back)
+        early = sched.optimizer.early_updates
+        n_host = sum(c.placement == HOST for c in sched.store.chunks)
+    assert_same(model, ref, "state moved between backward and step")
+    assert early.dropped == 2 and early.committed == 2 * (n_host - 1)
