@@ -54,6 +54,19 @@ def mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
+def worker_spans(sched: Any) -> dict[str, float]:
+    """Seconds per step on the CPU-update track, by span name (median over the recorded steps)."""
+    per_step: dict[str, list[float]] = {}
+    for r in sched.step_timeline.records:
+        totals: dict[str, float] = {}
+        for s in r.spans:
+            if s.track == "cpu update":
+                totals[s.name] = totals.get(s.name, 0.0) + s.seconds
+        for name, t in totals.items():
+            per_step.setdefault(name, []).append(t)
+    return {name: statistics.median(ts) for name, ts in per_step.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=1024)
@@ -138,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backward_vs_serial": back_step / serial_step,
         "backward_vs_ideal": back_step / ideal,
         "backward_exposed_cpu_s": back["exposed_cpu_s"],
+        "backward_worker_spans_s": worker_spans(runs["backward"]["sched"]),
         "backward_committed": runs["backward"]["sched"].optimizer.early_updates.committed,
         "backward_dropped": runs["backward"]["sched"].optimizer.early_updates.dropped,
         "runs": out,

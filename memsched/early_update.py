@@ -139,7 +139,7 @@ class EarlyUpdates:
 
     def _run(self, c: Chunk, ticket: Ticket, copy_event: Any) -> None:
         """The worker: copy the gradients (stand-in), then the state into the spare, then update the spare."""
-        t0 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         try:
             with torch.no_grad():
                 if copy_event is not None:
@@ -153,6 +153,7 @@ class EarlyUpdates:
                     spare[k].copy_(getattr(c, k))
                 if c.state_version() != before:  # written while being read: not the state of the step
                     return
+                t1 = time.perf_counter()
                 g = ticket.snapshot  # fp32 and unscaled: read as it is (the kernel does not write it)
                 if g.dtype != torch.float32 or ticket.inv_scale is not None:
                     g = self.fp32_grad(g, spare["host_grad"], ticket.inv_scale, [])
@@ -163,8 +164,10 @@ class EarlyUpdates:
                 ticket.version = before
         except BaseException as e:  # the step updates the chunk as without it
             ticket.error = e
-        finally:
-            self.span(CPU_UPDATE, "update in backward", t0, time.perf_counter(), chunk=c.index)
+        finally:  # the copies (gradients on the stand-in, state into the spare), then the update
+            t2 = time.perf_counter()
+            self.span(CPU_UPDATE, "copy in backward", t0, t1, chunk=c.index)
+            self.span(CPU_UPDATE, "update in backward", t1, t2, chunk=c.index)
 
     def wait(self) -> None:
         """Block until the worker is done with every speculative update (nothing is committed)."""

@@ -199,6 +199,8 @@ def test_spare_state_follows_the_placement():
             sched.optimizer.step()
             sched.optimizer.zero_grad()
         sched.synchronize()
+        names = {s.name for r in sched.step_timeline.records for s in r.spans if s.track == "cpu update"}
+        assert {"copy in backward", "update in backward", "h2d"} <= names  # the step timeline shows them
         host = [c for c in sched.store.chunks if c.placement == HOST]
         assert host and all(c.spare_nbytes() == c.state_nbytes() for c in host)
         assert all(c.spare is None for c in sched.store.chunks if c.placement != HOST)
