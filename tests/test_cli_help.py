@@ -69,3 +69,18 @@ def test_the_parsers_choices_match_what_the_commands_run() -> None:
 
     assert parsers.ATTENTION == ATTENTION
     assert plan.DTYPES == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def test_demo_overlap_takes_an_optional_mode():
+    """``--overlap`` alone is attach(overlap=True); ``--overlap backward`` is attach(overlap="backward")."""
+    import argparse
+
+    from memsched.commands.parsers import add_demo
+
+    ap = argparse.ArgumentParser()
+    add_demo(ap.add_subparsers(dest="cmd"))
+    assert ap.parse_args(["demo"]).overlap is False
+    assert ap.parse_args(["demo", "--overlap"]).overlap is True
+    assert ap.parse_args(["demo", "--overlap", "backward"]).overlap == "backward"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["demo", "--overlap", "yes"])

@@ -134,9 +134,12 @@ def add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--lr", type=positive_float, default=DEMO_LR,
                    help=f"AdamW learning rate (default {DEMO_LR:g})")
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initialisation and the batches")
-    p.add_argument("--overlap", action="store_true",
+    p.add_argument("--overlap", nargs="?", const=True, default=False, choices=["backward"],
+                   metavar="backward",
                    help="update offloaded chunks on a CPU thread while the next forward runs (attach(overlap="
-                        "True)); the report's step-time table shows the exposed CPU time")
+                        "True)); '--overlap backward': they start during backward "
+                        "(attach(overlap='backward')); the report's step-time table shows the exposed CPU "
+                        "time")
     p.add_argument("--out", default=DEMO_OUT, help=f"output folder for the exports (default {DEMO_OUT})")
     add_json_flag(p, "print the report, the plan, the run's figures and where the exports went as one JSON "
                      "document on stdout instead of the text report (the progress goes to stderr)")
