@@ -230,3 +230,22 @@ def test_state_moved_between_backward_and_step_is_not_committed(slow_worker):
         n_host = sum(c.placement == HOST for c in sched.store.chunks)
     assert_same(model, ref, "state moved between backward and step")
     assert early.dropped == 2 and early.committed == 2 * (n_host - 1)
+
+
+def test_close_with_updates_made_during_backward_and_no_step(slow_worker):
+    """Backward, then close() without a step: the worker finishes, nothing is committed, no thread is left,
+    and the parameters are those of the last step."""
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(3)
+    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                            **PLACEMENTS["cpu"])
+    _train(model, sched, ref, batches[:2])
+    early = sched.optimizer.early_updates
+    committed = early.committed
+    sched.backward(gpt_loss(model, batches[2]))
+    assert early.tickets
+    sched.close()
+    assert early.committed == committed  # nothing swapped in without a step
+    assert not [t for t in threading.enumerate() if t.name.startswith("memsched-host-update")]
+    assert_same(model, ref, "close() after backward, before step")
