@@ -205,4 +205,7 @@ class EarlyUpdates:
     def discard(self) -> None:
         """Drop every speculative update (after the worker is done with them)."""
         self.wait()
+        # A skipped step (fp16 overflow) drops them: they count as dropped, as in commit(), so that
+        # committed + dropped accounts for every update the step consumed (bench/overlap_step.py reports it).
+        self.dropped += len(self.tickets)
         self.tickets = {}

@@ -83,7 +83,7 @@ class OverlapMixin:
             if self.early_d2h:
                 return c.index in copied
             with self.store.alloc.host_context():
-                return torch.equal(c.grad[c.lo:c.hi], ticket.snapshot)
+                return torch.equal(_bits(c.grad[c.lo:c.hi]), _bits(ticket.snapshot))
 
         return self.early_updates.commit(host_chunks, hps, inv_host, coefs, self._active, grads_equal)
 
@@ -138,3 +138,8 @@ class OverlapMixin:
         if blocked > 0:
             self.timeline.span(WAITS, f"{what} <- all chunks", t0, time.perf_counter())
 
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (an integer view): equal bits, not equal values (-0.0 == 0.0 and NaN != NaN as
+    values, and AdamW may round either differently)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])

@@ -249,3 +249,26 @@ def test_close_with_updates_made_during_backward_and_no_step(slow_worker):
     assert early.committed == committed  # nothing swapped in without a step
     assert not [t for t in threading.enumerate() if t.name.startswith("memsched-host-update")]
     assert_same(model, ref, "close() after backward, before step")
+
+
+def test_gradients_are_compared_by_their_bits(slow_worker):
+    """A gradient element that changed from +0.0 to -0.0 after the update read it is a change (the values
+    compare equal, the bits do not, and AdamW can round the two differently): the update is made again."""
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(2)
+    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                            **PLACEMENTS["cpu"])
+    host = [c for c in sched.store.chunks]  # every chunk is on the host under "cpu"
+    _train(model, sched, ref, batches[:1])
+    p = host[0].params[0]
+    sched.backward(gpt_loss(model, batches[1]))
+    with torch.no_grad():
+        p.grad.view(-1)[0] = 0.0  # before the worker copies it (it starts 10 ms late)
+    sched.optimizer.early_updates.wait()
+    with torch.no_grad():
+        p.grad.view(-1)[0] = -0.0
+    sched.optimizer.step()
+    early = sched.optimizer.early_updates
+    assert early.dropped == 1 and early.committed == len(host) - 1
+    sched.close()
