@@ -32,10 +32,12 @@ nothing (measured before, within the plan in force, one rank, no out-of-memory e
 nothing: Dynamo guards on :attr:`Elastic.quiet`, an immutable tuple that changes only when the plan or the set
 of such signatures does, so the steady state has no graph break and no recompilation. Any other case calls the
 eager check through ``torch.compiler.disable`` (one graph break, at the start of the forward, only in the
-graphs compiled for such steps). Steps whose compiled hook did nothing are not measured (nothing resets the
-peak there), so under compile the plan does not shrink back. A forward that runs out of memory inside
-compiled code never reaches an always-called hook; the ``optimizer.zero_grad()`` of the retry loop, called in
-the ``except`` block, tells memsched instead.
+graphs compiled for such steps). A dimension Dynamo made dynamic matches no quiet signature (comparing it
+would specialise the graph to one length): with dynamic shapes every compiled step takes the eager check.
+Steps whose compiled hook did nothing are not measured (nothing resets the peak there), so under compile the
+plan does not shrink back. A forward that runs out of memory inside compiled code never reaches an
+always-called hook; the ``optimizer.zero_grad()`` of the retry loop, called in the ``except`` block, tells
+memsched instead.
 
 Every change is a :class:`PlanChange` in ``sched.plan_history`` (the first is the plan made at the end of
 warmup), with the bytes it moved (also in ``sched.transfers["chunk_moves_bytes"]``).
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten
 
 from policies.types import PlacementPlan
@@ -189,7 +192,7 @@ class Elastic:
             if self._sig is not None or not torch.is_grad_enabled():
                 return
             sig = signature(args, kwargs)
-            if self.active and not self.oom and self.world == 1 and sig in self.quiet:
+            if self.active and not self.oom and self.world == 1 and _quiet(sig, self.quiet):
                 self._sig = sig  # nothing to do: the compiled graph holds no memsched code
                 return
             _before_forward_eager(self, args, kwargs)
@@ -262,6 +265,34 @@ class Elastic:
             s for s, peak in recent if peak <= planned))
         if quiet != self.quiet:
             self.quiet = quiet
+
+
+def _quiet(sig: Signature, quiet: tuple[Signature, ...]) -> bool:
+    """``sig in quiet`` in compiled code, true only where it holds for every value of its dynamic dimensions.
+
+    A dimension Dynamo made dynamic (``dynamic=True``, or automatic dynamic after a second shape) is symbolic
+    here. ``sig in quiet`` would guard on it: the graph would be specialised to one length (a recompilation
+    per length, then eager at torch's recompile limit), and with four or more quiet signatures torch's
+    symbolic reasoning about the guard does not finish (torch 2.13). ``statically_known_true`` adds no guard:
+    a dynamic dimension matches nothing, so such steps take the eager check (one graph break).
+    """
+    for q in quiet:
+        if len(q) != len(sig):
+            continue
+        match = True
+        for a, b in zip(q, sig, strict=True):
+            if len(a) != len(b):
+                match = False
+                break
+            for x, y in zip(a, b, strict=True):
+                if not statically_known_true(x == y):
+                    match = False
+                    break
+            if not match:
+                break
+        if match:
+            return True
+    return False
 
 
 @torch.compiler.disable

@@ -11,7 +11,10 @@ first.
 
 Under ``torch.compile`` these hooks are traced into the model's graph. Where waits are needed (CUDA, or
 ``overlap=True``) the per-module waits compile to nothing and the root waits for every chunk, eagerly, before
-the forward (one graph break at its start); without them nothing of this module is in the graph.
+the forward (one graph break at its start); without them nothing of this module is in the graph. Where only
+part of the forward is compiled (``model.blocks[0].compile()``, a submodule replaced by ``torch.compile(...)``
+after warmup, a compiled function that calls submodules) and the root runs eagerly, a module whose wait is in
+compiled code waits for every chunk, eagerly, at its start (one graph break there per compiled region).
 
 Before each forward, gradients set to None since the last step (``model.zero_grad()``) go back into their
 chunk views (:meth:`memsched.chunks.ChunkStore.bind_dropped_grads`). The root module's forward hooks also mark
@@ -48,6 +51,12 @@ class H2DWaits:
         self.timeline = timeline if timeline is not None else StepTimeline()
         self.drain_after_forward = drain_after_forward
         self._handles: list[Any] = []
+        # True from the root's compiled wait (every chunk waited for) to the end of the root's compiled
+        # forward: a module wait traced inside it has nothing left to wait for. False while the root runs
+        # eagerly: a module wait traced there (a compiled submodule or function) is the only wait its
+        # parameters get, so it must wait eagerly (see _hook). Dynamo guards on it; it is constant at each
+        # point of a step, so it causes no recompilation.
+        self._root_compiled = False
 
     def install(self, traced: Sequence[str]) -> None:
         """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup)."""
@@ -85,7 +94,12 @@ class H2DWaits:
         label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
 
         def wait(_module: torch.nn.Module, _args: Any) -> None:
-            if torch.compiler.is_compiling():  # the root waits for everything instead (_compiled_wait)
+            if torch.compiler.is_compiling():
+                # Inside a compiled root forward the root waited for everything (_compiled_wait). Otherwise
+                # this module runs compiled inside an eager root forward: compiling the wait to nothing would
+                # let it read parameters whose CPU update or H2D copy is still in flight.
+                if not self._root_compiled:
+                    _synchronize_eager(self)
                 return
             if self.updates.pending:
                 t0 = time.perf_counter()
@@ -100,7 +114,9 @@ class H2DWaits:
         graph at every module that waits); the root waits for every chunk once, eagerly, before the forward:
         one graph break at its start. Correct, but a compiled forward does not overlap the CPU update."""
         if torch.compiler.is_compiling():
-            _synchronize_eager(self)
+            _root_synchronize_eager(self)
+        else:  # an eager root forward: module waits in compiled code wait for themselves (see _hook)
+            self._root_compiled = False
 
     def _bind_dropped_grads(self) -> None:
         """Gradients set to None since the last step go back into their chunk views (after any D2H copy that
@@ -115,6 +131,8 @@ class H2DWaits:
             self.store.bind_dropped_grads()
 
     def _forward_end(self) -> None:
+        if torch.compiler.is_compiling():  # a compiled submodule called after this forward waits again
+            self._root_compiled = False
         if self.drain_after_forward and self.updates.pending:
             t0 = time.perf_counter()
             if self.updates.wait_all() > 0:
@@ -138,4 +156,12 @@ class H2DWaits:
 
 @torch.compiler.disable
 def _synchronize_eager(waits: H2DWaits) -> None:
+    waits.synchronize()
+
+
+@torch.compiler.disable
+def _root_synchronize_eager(waits: H2DWaits) -> None:
+    # Set here, eagerly, before the graph break's resume function runs the rest of the root's forward:
+    # Dynamo reads the real value when it traces that function.
+    waits._root_compiled = True
     waits.synchronize()
