@@ -16,36 +16,9 @@ import torch
 
 import memsched
 from memsched.chunks import Chunk
-from memsched.early_update import EarlyUpdates
-from memsched.optimizer import HybridAdamW
 from policies.types import HOST
 from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
 from tests.test_overlap import CLIP, PLACEMENTS, GroupedReference, grouped_parity_run, paused, two_groups
-
-
-@pytest.fixture
-def slow_worker(monkeypatch):
-    """Updates on the worker start 20 ms late (during backward: 10 ms), so that reads that do not wait and
-    commits of unfinished updates show as wrong numbers."""
-    main = threading.get_ident()
-    calls = {"early": 0, "step": 0}
-    original_host, original_early = HybridAdamW._update_host, EarlyUpdates._run
-
-    def slowed_host(self, *args, **kwargs):
-        if threading.get_ident() != main:
-            calls["step"] += 1
-            time.sleep(0.02)
-        return original_host(self, *args, **kwargs)
-
-    def slowed_early(self, *args, **kwargs):
-        calls["early"] += 1
-        time.sleep(0.01)
-        return original_early(self, *args, **kwargs)
-
-    monkeypatch.setattr(HybridAdamW, "_update_host", slowed_host)
-    monkeypatch.setattr(EarlyUpdates, "_run", slowed_early)
-    return calls
-
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CASES = [(p, d, None) for p in ("auto", "cpu", "static") for d in DTYPES]
@@ -53,7 +26,7 @@ CASES += [("static", d, CLIP) for d in DTYPES]
 
 
 @pytest.mark.parametrize(("placement", "dtype", "clip"), CASES)
-def test_update_during_backward_is_bit_exact(placement, dtype, clip, slow_worker):
+def test_update_during_backward_is_bit_exact(placement, dtype, clip, slow_early_worker):
     """Two param groups, a StepLR, 2-step gradient accumulation, fp32/bf16/fp16, with and without clipping
     through sched.clip_grad_norm_: every parameter (and fp32 master) equals the reference after each step;
     without clipping the updates made during backward are the ones committed, with clipping none is."""
@@ -70,7 +43,7 @@ def test_update_during_backward_is_bit_exact(placement, dtype, clip, slow_worker
     # 4 steady steps x 2 backwards x host chunks were started; the last of each step is committed unless the
     # gradients it read are not the step's: fp16 clipping leaves a coefficient pending (always dropped);
     # fp32/bf16 clipping scales them in place, which the update sees if the worker copied them after it.
-    assert slow_worker["early"] == 4 * 2 * n_host
+    assert slow_early_worker["early"] == 4 * 2 * n_host
     assert early.committed + early.dropped == 4 * n_host
     if clip is None:
         assert early.committed == 4 * n_host
@@ -100,7 +73,7 @@ def _train(model, sched, ref, batches, between=None, ref_between=None):
 
 
 @pytest.mark.parametrize("what", ["grad-mul", "param-write", "lr-change", "zero-grad-and-again"])
-def test_changes_between_backward_and_step_are_followed(what, slow_worker):
+def test_changes_between_backward_and_step_are_followed(what, slow_early_worker):
     """Whatever changes the update after the gradients were complete drops the update made during backward;
     the step makes the right one."""
     model = tiny_gpt()
@@ -147,7 +120,7 @@ def test_changes_between_backward_and_step_are_followed(what, slow_worker):
         assert early.dropped == 3 * n_host and early.committed == 0
 
 
-def test_reads_between_backward_and_step_see_the_state_before_the_step(slow_worker):
+def test_reads_between_backward_and_step_see_the_state_before_the_step(slow_early_worker):
     """optimizer.state_dict() and load_state_dict() between backward and step: the state read is the one
     before the step, and a state loaded there is the one the step continues from."""
     model = tiny_gpt()
@@ -209,7 +182,7 @@ def test_spare_state_follows_the_placement():
         assert c.spare is None
 
 
-def test_state_moved_between_backward_and_step_is_not_committed(slow_worker):
+def test_state_moved_between_backward_and_step_is_not_committed(slow_early_worker):
     """A chunk whose state moved (device and back: a new allocation, no spare) after its update in backward
     is updated at the step instead: nothing is swapped in from the old allocation."""
     model = tiny_gpt()
@@ -232,7 +205,7 @@ def test_state_moved_between_backward_and_step_is_not_committed(slow_worker):
     assert early.dropped == 2 and early.committed == 2 * (n_host - 1)
 
 
-def test_close_with_updates_made_during_backward_and_no_step(slow_worker):
+def test_close_with_updates_made_during_backward_and_no_step(slow_early_worker):
     """Backward, then close() without a step: the worker finishes, nothing is committed, no thread is left,
     and the parameters are those of the last step."""
     model = tiny_gpt()
@@ -251,7 +224,7 @@ def test_close_with_updates_made_during_backward_and_no_step(slow_worker):
     assert_same(model, ref, "close() after backward, before step")
 
 
-def test_gradients_are_compared_by_their_bits(slow_worker):
+def test_gradients_are_compared_by_their_bits(slow_early_worker):
     """A gradient element that changed from +0.0 to -0.0 after the update read it is a change (the values
     compare equal, the bits do not, and AdamW can round the two differently): the update is made again."""
     model = tiny_gpt()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
-import time
 
 import pytest
 import torch
@@ -21,35 +20,12 @@ from torch import nn
 
 import memsched
 import memsched.checkpoint
-from memsched.early_update import EarlyUpdates
 from memsched.optimizer import HybridAdamW
 from policies.types import HOST
 from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
 from tests.test_overlap import PLACEMENTS, accumulated, paused
 
 CPU = dict(PLACEMENTS["cpu"])
-
-
-@pytest.fixture
-def slow_worker(monkeypatch):
-    """Updates on the worker start late (during backward: 10 ms; at the step: 20 ms)."""
-    main = threading.get_ident()
-    calls = {"early": 0}
-    original_host, original_early = HybridAdamW._update_host, EarlyUpdates._run
-
-    def slowed_host(self, *args, **kwargs):
-        if threading.get_ident() != main:
-            time.sleep(0.02)
-        return original_host(self, *args, **kwargs)
-
-    def slowed_early(self, *args, **kwargs):
-        calls["early"] += 1
-        time.sleep(0.01)
-        return original_early(self, *args, **kwargs)
-
-    monkeypatch.setattr(HybridAdamW, "_update_host", slowed_host)
-    monkeypatch.setattr(EarlyUpdates, "_run", slowed_early)
-    return calls
 
 
 def n_host(sched) -> int:
@@ -145,7 +121,7 @@ def _branchy_pair(**kw):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_branch_taken_every_other_step(set_to_none, slow_worker):
+def test_branch_taken_every_other_step(set_to_none, slow_early_worker):
     """``b`` gets a gradient in even steps only: with zero_grad(set_to_none=True) torch does not update it
     (nor move its step count) in odd steps, with set_to_none=False it updates it with a zero gradient. The
     chunk without ``b`` commits every step; the chunk with ``b`` commits only where every parameter got a
@@ -160,7 +136,7 @@ def test_branch_taken_every_other_step(set_to_none, slow_worker):
     assert no_worker_left()
 
 
-def test_branch_used_in_one_micro_batch_of_two(slow_worker):
+def test_branch_used_in_one_micro_batch_of_two(slow_early_worker):
     """Accumulation where ``b`` runs only in the first micro-batch: the chunk holding ``b`` is complete after
     the first backward only, and the second backward changes its other gradients, so its update made during
     the first backward (waited for before the second) must be dropped; the other chunk commits the second
@@ -174,7 +150,7 @@ def test_branch_used_in_one_micro_batch_of_two(slow_worker):
     assert no_worker_left()
 
 
-def test_branch_used_in_second_micro_batch_only(slow_worker):
+def test_branch_used_in_second_micro_batch_only(slow_early_worker):
     """``b`` runs only in the last of three micro-batches: its chunk is complete in that backward, and its
     update made then (from the whole accumulated gradients) commits."""
     model, sched, ref, ref_opt = _branchy_pair()
@@ -185,7 +161,7 @@ def test_branch_used_in_second_micro_batch_only(slow_worker):
     assert no_worker_left()
 
 
-def test_requires_grad_turned_off_after_attach(slow_worker):
+def test_requires_grad_turned_off_after_attach(slow_early_worker):
     """``b`` is frozen (requires_grad_(False)) mid-training and thawed later: torch does not update it while
     frozen (its .grad is None after zero_grad()); neither does memsched, and the update of its chunk made
     during backward never commits while it has no gradient."""
@@ -204,7 +180,7 @@ def test_requires_grad_turned_off_after_attach(slow_worker):
         assert early.committed == 2 + 1 + 1 + 2 + 2 and early.dropped == 0
 
 
-def test_grad_set_to_none_for_one_parameter_between_backward_and_step(slow_worker):
+def test_grad_set_to_none_for_one_parameter_between_backward_and_step(slow_early_worker):
     """``p.grad = None`` for one parameter of a chunk after its update was made during backward: torch skips
     that parameter, so the update made for all of the chunk's parameters must not commit."""
     model, sched, ref, ref_opt = _branchy_pair()
@@ -224,7 +200,7 @@ def test_grad_set_to_none_for_one_parameter_between_backward_and_step(slow_worke
 
 # ---- 2. tied weights, 3 micro-batches, model.zero_grad() -------------------------------------------------
 
-def test_tied_weights_three_micro_batches_model_zero_grad(slow_worker):
+def test_tied_weights_three_micro_batches_model_zero_grad(slow_early_worker):
     """The tiny GPT ties wte and lm_head; 3 micro-batches per step and model.zero_grad() (set_to_none): each
     host chunk commits the update made during the last backward."""
     model = tiny_gpt()
@@ -251,7 +227,7 @@ def test_tied_weights_three_micro_batches_model_zero_grad(slow_worker):
 
 # ---- 3. checkpoints between backward and step, resume with overlap="backward" ----------------------------
 
-def test_checkpoint_between_backward_and_step_and_resume(tmp_path, slow_worker):
+def test_checkpoint_between_backward_and_step_and_resume(tmp_path, slow_early_worker):
     """memsched.checkpoint.save between backward and step saves the state before the step; loading (the same
     values) between backward and step drops the updates made during backward; a fresh scheduler with
     overlap="backward" resumed from the first checkpoint ends where the uninterrupted run ends."""
@@ -301,7 +277,7 @@ def test_checkpoint_between_backward_and_step_and_resume(tmp_path, slow_worker):
 
 # ---- 4. optimizer.load_state_dict, add_param_group, OneCycleLR ------------------------------------------
 
-def test_torch_state_dict_loaded_and_one_cycle_lr(slow_worker):
+def test_torch_state_dict_loaded_and_one_cycle_lr(slow_early_worker):
     """A torch.optim.AdamW state dict of an earlier step is loaded into both optimizers between steps and
     (another one) between backward and step; OneCycleLR moves lr and beta1 every step; add_param_group is
     refused and changes nothing."""
@@ -348,7 +324,7 @@ def test_torch_state_dict_loaded_and_one_cycle_lr(slow_worker):
 
 # ---- 5. hyper-parameters as tensors, weight decay changed ------------------------------------------------
 
-def test_tensor_lr_and_weight_decay_changes(slow_worker):
+def test_tensor_lr_and_weight_decay_changes(slow_early_worker):
     """lr is a 0-d tensor that an ExponentialLR updates in place (fill_), and once between backward and
     step; weight_decay changes between steps and once between backward and step."""
     model = tiny_gpt()
@@ -402,7 +378,7 @@ def test_tensor_lr_and_weight_decay_changes(slow_worker):
 
 # ---- 6. bf16, fp16 with an overflow injected after backward ----------------------------------------------
 
-def test_bf16_with_accumulation(slow_worker):
+def test_bf16_with_accumulation(slow_early_worker):
     model = tiny_gpt()
     ref = Reference(model, torch.bfloat16)
     batches = gpt_batches(8)
@@ -421,7 +397,7 @@ def test_bf16_with_accumulation(slow_worker):
         assert sched.optimizer.early_updates.committed == 3 * n_host(sched)
 
 
-def test_fp16_inf_injected_after_backward_skips_and_commits_nothing(slow_worker):
+def test_fp16_inf_injected_after_backward_skips_and_commits_nothing(slow_early_worker):
     """An inf written into a host chunk's gradient after backward (after the update made during backward
     read the gradients): the step is skipped on both sides, nothing is committed in it, and the next steps
     (with the backed-off scale) commit again."""
@@ -464,7 +440,7 @@ def test_fp16_inf_injected_after_backward_skips_and_commits_nothing(slow_worker)
 
 # ---- 7. exceptions between backward and step -------------------------------------------------------------
 
-def test_exception_between_backward_and_step_then_training_goes_on(slow_worker):
+def test_exception_between_backward_and_step_then_training_goes_on(slow_early_worker):
     """The user's code raises after backward: (a) the batch is abandoned (zero_grad, next batch); (b) the step
     is made anyway after the exception was handled; (c) step() itself raises (a negative lr), the lr is
     fixed and step() is called again; (d) the update made during backward raises on the worker. Every run
@@ -518,7 +494,7 @@ def test_exception_between_backward_and_step_then_training_goes_on(slow_worker):
 
 # ---- 8. reads between backward and step ------------------------------------------------------------------
 
-def test_reads_between_backward_and_step_see_the_values_before_the_step(slow_worker):
+def test_reads_between_backward_and_step_see_the_values_before_the_step(slow_early_worker):
     """sched.synchronize(), model.state_dict(), direct parameter reads and optimizer.state_dict() between
     backward and step: the values before the step, while the updates during backward are in flight."""
     model = tiny_gpt()
@@ -547,7 +523,7 @@ def test_reads_between_backward_and_step_see_the_values_before_the_step(slow_wor
 
 # ---- more: step(closure) ---------------------------------------------------------------------------------
 
-def test_step_with_closure(slow_worker):
+def test_step_with_closure(slow_early_worker):
     """The backward runs inside optimizer.step(closure): its updates made during backward commit in that
     step."""
     model = tiny_gpt()
@@ -571,7 +547,7 @@ def test_step_with_closure(slow_worker):
 
 # ---- more: close() between backward and step, then step -------------------------------------------------
 
-def test_close_between_backward_and_step_then_step(slow_worker):
+def test_close_between_backward_and_step_then_step(slow_early_worker):
     """close() between backward and step, then the step (the optimizer keeps working after close()): the
     updates made during that backward are the step's and commit; the result is the reference's, and no
     worker thread is left."""
@@ -595,7 +571,7 @@ def test_close_between_backward_and_step_then_step(slow_worker):
 
 # ---- more: the early D2H path (CUDA), emulated on the stand-in -------------------------------------------
 
-def test_early_copy_without_a_new_update_drops_the_older_one(slow_worker):
+def test_early_copy_without_a_new_update_drops_the_older_one(slow_early_worker):
     """On CUDA a host chunk's gradients are copied (and fingerprinted) at every backward that completes it,
     and the commit trusts the fingerprint. If a later backward copies them again without starting a new
     update (here: an invalid lr at that moment), the older update (of the first micro-batch's gradients)
