@@ -45,6 +45,7 @@ warmup), with the bytes it moved (also in ``sched.transfers["chunk_moves_bytes"]
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -260,7 +261,8 @@ class Elastic:
 
     def _update_quiet(self) -> None:
         planned = self.planned_peak
-        recent = list(self.measured.items())[-QUIET_KEPT:]  # a guard on a long tuple would cost every call
+        # The most recently seen only: a guard on a long tuple would cost every call.
+        recent = itertools.islice(reversed(self.measured.items()), QUIET_KEPT)
         quiet = () if planned is None or not self.active else tuple(sorted(
             s for s, peak in recent if peak <= planned))
         if quiet != self.quiet:
