@@ -81,6 +81,9 @@ def _build(sched: Any, *, fill: bool) -> tuple[dict[str, Any], dict[tuple[str, s
     """The DCP state dict; ``fill`` copies the current values (save), else fresh zero tensors (load). Also
     returns ``(param, key) -> [(local tensor, chunk, shard_start, numel)]`` to write loaded values back."""
     sched.synchronize()
+    # Like the optimizer's state_dict()/load_state_dict(): the worker is done reading the state for updates
+    # made during backward (overlap="backward"), so a load drops them all rather than racing with their reads.
+    sched.optimizer.wait_updates("checkpoint")
     sched.dp.end_step()
     sd: dict[str, Any] = {}
     for name, t in [*sched.model.named_parameters(), *sched.model.named_buffers()]:
