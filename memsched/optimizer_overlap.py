@@ -122,6 +122,10 @@ class OverlapMixin:
                 self._param_versions[id(p)] = p._version
 
         self.host_updates.submit(sorted(by_index), update, follow_up)
+        # CUDA: what the compute stream runs next comes after the D2H copies that still read the gradients, so
+        # an in-place write memsched cannot see (``model.zero_grad(set_to_none=False)``, ``p.grad.zero_()``)
+        # cannot change them under a copy. The host does not wait (the worker waits for each copy itself).
+        self.streams.wait([c.d2h_event for c in host_chunks])
 
     def wait_updates(self, what: str = "synchronize()") -> None:
         """Block until the last step's overlapped CPU update is done and followed up (nothing pending without

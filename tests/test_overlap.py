@@ -302,3 +302,40 @@ def test_early_d2h_is_used_only_while_the_gradients_are_unchanged(write, monkeyp
     assert copies["backward"] == backward_copies
     # The warmup step copies at the step; after it, only a write makes the step copy again.
     assert copies["step"] == n_host * (1 + (steady if write in ("clip", "data-mul") else 0))
+
+
+def test_compute_stream_waits_for_the_gradient_copies_after_an_overlapped_step(monkeypatch, slow_worker):
+    """On CUDA the D2H copies of the host chunks' gradients may still run when ``step()`` returns (the worker
+    waits for each itself); the compute stream must wait for them, or an in-place write memsched cannot see
+    (``model.zero_grad(set_to_none=False)``) would change the gradients under a copy. Here copies are
+    synchronous: every copy returns a stand-in event, and the stream waits are recorded."""
+    from memsched.transfers import Streams
+
+    class Event:
+        def synchronize(self) -> None:
+            pass
+
+    issued: list[Event] = []
+    waited: list[list[Event]] = []
+    original_copy = Streams.copy_d2h
+
+    def copy_d2h(self, dst, src, after=None):
+        original_copy(self, dst, src, after)
+        issued.append(Event())
+        return issued[-1]
+
+    monkeypatch.setattr(Streams, "copy_d2h", copy_d2h)
+    monkeypatch.setattr(Streams, "wait", lambda self, events: waited.append([e for e in events if e]))
+    model = tiny_gpt()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                         **PLACEMENTS["static"]) as sched:
+        plain_steps(sched, model, gpt_batches(1))  # warmup
+        sched.backward(gpt_loss(model, gpt_batches(2)[1]))
+        issued.clear()
+        waited.clear()
+        sched.optimizer.step()
+        n_host = sum(c.placement == HOST for c in sched.store.chunks)
+        assert len(issued) == n_host > 0
+        # The slowed worker has not waited for any copy yet: the stream waits for all of them.
+        assert waited and set(map(id, waited[-1])) == set(map(id, issued))
+        sched.synchronize()

@@ -149,6 +149,27 @@ def test_overlap_on_cuda_bit_exact(dtype, overlap):
             assert sched.optimizer.early_updates.committed > 0
 
 
+def test_torch_zero_grad_in_place_right_after_an_overlapped_step():
+    """``model.zero_grad(set_to_none=False)`` (torch's, not memsched's) right after an overlapped step zeroes
+    the gradients on the compute stream while their D2H copies may still run on the side stream: the step
+    makes the compute stream wait for those copies, so the update reads the gradients of the backward."""
+    from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt
+
+    model = tiny_gpt().cuda()
+    ref = Reference(model)
+    batches = [(x.cuda(), y.cuda()) for x, y in gpt_batches(5)]
+    with memsched.attach(model, policy="cpu", device="cuda", lr=LR, weight_decay=WD, chunk_numel=8192,
+                         overlap=True) as sched:
+        for b in batches:
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            model.zero_grad(set_to_none=False)
+            ref.step(b, gpt_loss, None, on_host=set(range(len(list(model.parameters())))))
+        sched.synchronize()
+        for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
+            assert torch.equal(p, q), name
+
+
 @pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch < 2.6: no stance")
 @pytest.mark.parametrize("overlap", [False, True])
 def test_compiled_on_cuda_bit_exact_with_one_graph_break(overlap):
