@@ -26,7 +26,6 @@ accounting is active from attach until :meth:`Scheduler.close` (or the end of ``
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 import weakref
 from collections.abc import Iterable
@@ -42,26 +41,17 @@ from memsched.config import SchedulerConfig, make_config
 from memsched.cost_model import WarmupCosts
 from memsched.devices import DeviceSpec
 from memsched.elastic import Elastic, PlanChange
-from memsched.first_use import first_use_order
 from memsched.optimizer import HybridAdamW
 from memsched.ownership import ATTACHED, Installed, claim, release, weak_method
 from memsched.parallel import DataParallel
 from memsched.precision import LossScaler
 from memsched.scheduler_planning import PlanningMixin
+from memsched.scheduler_warmup import Phase, WarmupMixin
 from memsched.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.step_timeline import StepTimeline
 from memsched.transfers import Streams, TransferStats
 from memsched.waits import H2DWaits
 from policies.types import DEVICE, HOST, PlacementPlan
-
-
-class Phase(enum.Enum):
-    """Where a :class:`Scheduler` is in its life (the module docstring tells the story)."""
-
-    WARMUP = "warmup"  # traced steps; all optimizer state on the host
-    PLANNED = "planned"  # the plan is applied; no tracing cost
-    PLAN_FAILED = "plan failed"  # the policy found no plan; the state stays on the host, training goes on
-    CLOSED = "closed"  # hooks, modes and accounting removed
 
 
 def _check_not_meta(model: torch.nn.Module) -> None:
@@ -71,7 +61,7 @@ def _check_not_meta(model: torch.nn.Module) -> None:
                              "model.to_empty(device='cpu') and initialise it) before memsched.attach")
 
 
-class Scheduler(PlanningMixin):
+class Scheduler(WarmupMixin, PlanningMixin):
     """The scheduler :func:`attach` returns, built from a checked :class:`memsched.config.SchedulerConfig`.
 
     Attributes: ``model``, ``optimizer`` (:class:`HybridAdamW`), ``phase`` (:class:`Phase`), ``steps``
@@ -192,92 +182,11 @@ class Scheduler(PlanningMixin):
         data parallelism itself is :attr:`dp` at every world size)."""
         return self.dp if self.dp.world > 1 else None
 
-    # ---- warmup -------------------------------------------------------------------------------------------
-    def _start_tracer(self) -> None:
-        from tracer import MemoryTracer
-
-        # The stand-in's tensors are CPU tensors: the tracer measures the CPU, which is the stand-in's memory.
-        dev = "cpu" if self.device.is_sim else self.device.name
-        tracer = MemoryTracer(self.model, optimizer=self.optimizer, device=dev)
-        tracer.__enter__()
-        self._installed.tracer = tracer
-
-    @property
-    def _tracer(self) -> Any:
-        return self._installed.tracer
-
-    def _stop_tracer(self) -> None:
-        if self._installed.tracer is not None:
-            tr, self._installed.tracer = self._installed.tracer, None
-            tr.__exit__(None, None, None)
-            self.timeline = tr.timeline
-            if self.device.is_sim:  # say in reports that the traced CPU memory is the stand-in's
-                self.timeline.meta["stand_in"] = f"sim:{policies.format_bytes(self.device.capacity_bytes)}"
-
-    @property
-    def in_warmup(self) -> bool:
-        return self.phase is Phase.WARMUP
-
-    def _global_post_hook(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if optimizer is self.optimizer:
-            self._after_step()
-
-    def _after_step(self) -> None:
-        self.steps += 1
-        self.optimizer.timeline.step_end(self.steps)
-        if self.elastic is not None:
-            self.elastic.after_step()
-        if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
-            return
-        self._stop_tracer()
-        self._eager.stop()  # compiled code compiles from the next call on
-        timeline = self.optimizer.timeline
-        if timeline.records:  # the last warmup step: every chunk updated on the host (memsched.cost_model)
-            host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
-            self.warmup_costs = WarmupCosts.from_record(timeline.records[-1], host)
-            timeline.records.clear()
-        self.phase = Phase.PLAN_FAILED  # until the plan is applied
-        self._make_plan()
-        self.phase = Phase.PLANNED
-        # Steady state: the step timeline starts, and with overlap=True host chunks update on the worker.
-        self.optimizer.overlap = self.config.overlap
-        # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
-        # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
-        # (the reduction comes first).
-        self.optimizer.early_d2h = self.dp.world == 1 and self.streams.cuda
-        # overlap="backward": host chunks update during backward, committed at step() (memsched.early_update)
-        if self.config.early_update:
-            self.optimizer.early_updates.enable(self.dp.world, self.store.chunks)
-        self.optimizer.timeline.overlap = self.config.overlap
-        self.optimizer.timeline.start()
-
     @property
     def step_timeline(self) -> StepTimeline:
         """The last steps' time spans after warmup (:class:`memsched.step_timeline.StepTimeline`):
         ``.records``, ``.summaries()``, ``.mean_summary()``, ``.to_perfetto_events()``."""
         return self.optimizer.timeline
-
-    def traced_modules(self) -> list[str]:
-        """Qualified names of the modules whose forward ran in the warmup trace, in first-call order; empty
-        before the trace exists."""
-        if self.timeline is None:
-            return []
-        return [st.name for st in self.timeline.module_stats()]
-
-    def first_use_order(self) -> list[torch.nn.Parameter]:
-        """Trainable parameters in first-use order from the warmup trace (:mod:`memsched.first_use`: each
-        parameter at the first traced module that may read it, ties in the model's order); empty before the
-        trace exists."""
-        if self.timeline is None:
-            return []
-        return first_use_order(self.model, self.traced_modules(), list(self.store.params()))
-
-    def peak_non_model_bytes(self) -> int:
-        """Peak non-model data of the warmup trace on the compute device, bytes."""
-        if self.timeline is None:
-            return 0
-        dev = self.timeline.device
-        return int(self.timeline.peak_non_model_bytes(dev))
 
     def _install_h2d_waits(self) -> None:
         """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.waits.H2DWaits`), also where
