@@ -8,7 +8,8 @@ follow PatrickStar (arXiv 2108.05818) and ColossalAI Gemini. Sizes are formatted
 
 One "peak total" (:func:`peak_total`) is used everywhere: the summary's figure, the timeline's full width and
 the figure of the timeline row that holds it. Without colour (a log, CI, ``NO_COLOR``) categories are told
-apart by letters (:data:`CATEGORY_SYMBOLS`), and the plan's chunk strip by filled and hollow squares.
+apart by letters (:data:`memsched.category_bars.CATEGORY_SYMBOLS`), and the plan's chunk strip by filled and
+hollow squares.
 """
 
 from __future__ import annotations
@@ -17,46 +18,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rich import box
-from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
-from rich.measure import Measurement
+from rich.console import Console, Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from memsched.console import make_console, plain
+from memsched.category_bars import ABOVE, CATEGORY_ORDER, CategoryLegend, StackedBar
+from memsched.console import make_console
 from memsched.plan_report import plan_panel, transfer_table
 from policies.types import PlacementPlan
 from policies.units import format_bytes
-from tracer.categories import ALL_CATEGORIES, MODEL_DATA
 from tracer.timeline import MemoryTimeline, Sample
 
-# One colour per category, shared by the terminal report and the PNG export (exports.py).
-CATEGORY_COLORS: dict[str, str] = {
-    "parameter": "#4e79a7",
-    "buffer": "#76b7b2",
-    "gradient": "#f28e2c",
-    "optimizer_state": "#e15759",
-    "activation": "#59a14f",
-    "temporary": "#edc949",
-    "other": "#bab0ab",
-}
-# One letter per category, for output without colour: the bars are drawn with them and the legends name them.
-CATEGORY_SYMBOLS: dict[str, str] = {
-    "parameter": "P",
-    "buffer": "B",
-    "gradient": "G",
-    "optimizer_state": "S",
-    "activation": "A",
-    "temporary": "T",
-    "other": "X",
-}
-# Model data first (the bottom of each stacked bar), then non-model data.
-CATEGORY_ORDER: tuple[str, ...] = tuple(c.value for c in ALL_CATEGORIES if c in MODEL_DATA) + tuple(
-    c.value for c in ALL_CATEGORIES if c not in MODEL_DATA
-)
 TIMELINE_ROWS = 40
-_BAR = "█"
-_ABOVE = "░"  # the part of a bar between the live bytes at its sample and the highest point of its bucket
 _PEAK_NON_MODEL = "◀"
 _PEAK_TOTAL = "▲"
 _PHASE_ABBREV = {"forward": "fwd", "backward": "bwd", "optimizer": "opt", "other": "oth"}
@@ -338,78 +312,10 @@ def timeline_bars(timeline: MemoryTimeline, *, rows: int = TIMELINE_ROWS) -> Gro
             marks,
         )
     note = Text(f"full width = peak total {format_bytes(total)} ({_PEAK_TOTAL}); each bar: live bytes at its "
-                f"sample, {_ABOVE} up to its bucket's highest point (printed on the right); ", style="dim")
+                f"sample, {ABOVE} up to its bucket's highest point (printed on the right); ", style="dim")
     note.append(_PEAK_NON_MODEL, style="bold red")
     note.append(" marks the non-model peak; other bars show the fullest sample of their bucket", style="dim")
     return Group(legend, table, note)
-
-
-# ---- shards ----------------------------------------------------------------------------------------------
-class StackedBar:
-    """One horizontal bar, one coloured run per category, scaled so that ``scale`` bytes fill the width; then,
-    when ``high_bytes`` is given, ``░`` up to it (the highest point between samples).
-
-    A rich renderable: it takes whatever width its table column gives it. Without colour each category's run
-    is drawn with its letter (:data:`CATEGORY_SYMBOLS`).
-    """
-
-    def __init__(self, by_category: Mapping[str, int], scale: int, *, high_bytes: int = 0) -> None:
-        self.by_category = by_category
-        self.scale = max(1, scale)
-        self.high_bytes = high_bytes
-
-    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        return Measurement(8, options.max_width)
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        width = options.max_width
-        letters = plain(console)
-        text = Text(no_wrap=True, overflow="crop")
-        cum, drawn = 0, 0
-        for c in CATEGORY_ORDER:
-            cum += max(0, self.by_category.get(c, 0))
-            # Round cumulative edges, not each run, so runs never add up to more than the bar.
-            edge = min(width, round(cum / self.scale * width))
-            if edge > drawn:
-                key = CATEGORY_SYMBOLS[c] if letters else _BAR
-                text.append(key * (edge - drawn), style=CATEGORY_COLORS[c])
-                drawn = edge
-        edge = min(width, round(self.high_bytes / self.scale * width))
-        if edge > drawn:
-            text.append(_ABOVE * (edge - drawn), style="dim")
-        yield text
-
-
-class CategoryLegend:
-    """Category keys and labels on one line: ``■ parameter`` in the category's colour, or ``P parameter``
-    without colour, where the bars are drawn with the letters (``key_extra``: then also ``░ peak``).
-
-    A rich renderable, because which key to show depends on the console it is printed to.
-    """
-
-    def __init__(self, items: Sequence[tuple[str, str]], *, prefix: Text | None = None,
-                 key_extra: bool = False) -> None:
-        self.items = list(items)
-        self.prefix = prefix
-        self.key_extra = key_extra
-
-    def text(self, console: Console) -> Text:
-        letters = plain(console)
-        text = self.prefix.copy() if self.prefix is not None else Text()
-        for i, (c, label) in enumerate(self.items):
-            if i:
-                text.append("  ")
-            text.append(CATEGORY_SYMBOLS[c] if letters else "■", style=CATEGORY_COLORS[c])
-            text.append(f" {label}")
-        if self.key_extra:
-            text.append(f"  {_ABOVE} peak")
-        return text
-
-    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
-        return Measurement.get(console, options, self.text(console))
-
-    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield self.text(console)
 
 
 def _non_model_peak(timeline: MemoryTimeline) -> Sample | None:

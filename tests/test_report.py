@@ -7,10 +7,8 @@ import io
 import pytest
 from rich.console import Console
 
+from memsched.category_bars import CATEGORY_COLORS, CATEGORY_SYMBOLS, StackedBar
 from memsched.report import (
-    CATEGORY_COLORS,
-    CATEGORY_SYMBOLS,
-    StackedBar,
     module_label,
     render_report,
     report_renderables,

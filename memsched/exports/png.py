@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from memsched.plan_report import DecisionFigures
 
 PNG_HINT = "the PNG export needs matplotlib: pip install 'memsched[plot]'"
-# The decision's colours; the optimizer state keeps its category colour (memsched.report.CATEGORY_COLORS).
+# The decision's colours; the optimizer state keeps its category colour (memsched.category_bars).
 CAPACITY_COLOR = "#222222"
 MARGIN_COLOR = "#9ecae1"
 BUDGET_COLOR = "#2b6ca3"
@@ -113,7 +113,8 @@ def render_figure(
     except ImportError as e:
         raise ImportError(PNG_HINT) from e
     # Shared with the terminal report: the colours, and the step count.
-    from memsched.report import CATEGORY_COLORS, CATEGORY_ORDER, traced_steps
+    from memsched.category_bars import CATEGORY_COLORS, CATEGORY_ORDER
+    from memsched.report import traced_steps
 
     decision = decision_of(timeline, plan, problem)
     samples = timeline.for_device()
