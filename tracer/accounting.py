@@ -20,7 +20,8 @@ Semantics (all sizes are storage bytes, ``UntypedStorage.nbytes()``, without all
   :meth:`~StorageAccountant.take_peaks` / :meth:`~StorageAccountant.live_bytes` and then classified counts
   under its new category from its allocation on (so a ``.grad`` or an optimizer state never inflates the
   non-model peak). A storage classified later moves its bytes at that moment. To stay lean, the hot path only
-  appends events to a log; the per-category counters and peaks are computed when they are asked for.
+  appends events to a log (:mod:`tracer.event_log`); the per-category counters and peaks are computed when
+  they are asked for.
 
 Not seen: scratch memory a kernel allocates and frees inside one op, ``UntypedStorage.resize_`` called from
 Python (it bypasses the dispatcher), tensors made outside the dispatcher (``torch.from_numpy``) unless
@@ -30,14 +31,14 @@ classified, and the caching allocator's rounding (the tracer's ``cuda`` backend 
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA, Category
+from tracer.categories import ALL_CATEGORIES, Category
+from tracer.event_log import GROW, MOVE, DeviceState, Entry, fold
 from tracer.ops import _RESIZE, _SKIP, AlwaysSkip, _op_kind, device_name, graph_task_id, remove_mode
 
 __all__ = ["StorageAccountant", "AllocateCallback", "device_name"]
@@ -47,15 +48,11 @@ AllocateCallback = Callable[[str, int, int], None]
 
 _CAT_INDEX: dict[Category, int] = {c: i for i, c in enumerate(ALL_CATEGORIES)}
 _CAT_NAMES: tuple[str, ...] = tuple(c.value for c in ALL_CATEGORIES)
-_IS_NON_MODEL: tuple[bool, ...] = tuple(c in NON_MODEL_DATA for c in ALL_CATEGORIES)
 _ZEROS = (0,) * len(_CAT_NAMES)
 _CPU = sys.intern("cpu")
 _OTHER = _CAT_INDEX[Category.OTHER]
 _TEMPORARY = _CAT_INDEX[Category.TEMPORARY]
 
-# Rare log events, logged as ``(kind, entry, arg)``. Allocations and frees (the hot ones) are logged as the
-# entry itself, without a tuple: its first appearance is the allocation, a later one its free.
-_MOVE, _GROW = 1, 2
 # Replay the log once it is this long even if nobody asks, so memory stays bounded.
 _LOG_LIMIT = 4096
 
@@ -65,23 +62,6 @@ def _in_autograd() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
     task = graph_task_id()
     return task is not None and task != -1
-
-
-class _Entry(weakref.ref):
-    """A weak reference to a storage that carries its accounting record (no closure per storage)."""
-
-    __slots__ = ("key", "nbytes", "cur", "cat", "dev", "counted", "cbytes")
-
-
-class _DeviceState:
-    __slots__ = ("counts", "total", "non_model", "peak_total", "peak_non_model")
-
-    def __init__(self) -> None:
-        self.counts = [0] * len(_CAT_NAMES)
-        self.total = 0
-        self.non_model = 0
-        self.peak_total = 0
-        self.peak_non_model = 0
 
 
 class StorageAccountant(TorchDispatchMode):
@@ -110,9 +90,9 @@ class StorageAccountant(TorchDispatchMode):
             raise TypeError(f"on_allocate must be callable, got {type(on_allocate).__name__}")
         self._cat = _category_index(category)
         self._on_allocate = on_allocate
-        self._live: dict[int, _Entry] = {}  # id(storage) -> entry; the id is stable while the storage lives
+        self._live: dict[int, Entry] = {}  # id(storage) -> entry; the id is stable while the storage lives
         self._log: list[Any] = []
-        self._states: dict[str, _DeviceState] = {}
+        self._states: dict[str, DeviceState] = {}
         self._names: dict[torch.device, str] = {}
         self._kinds: dict[int, int] = {}  # id(OpOverload) -> how to handle it (OpOverload.__hash__ is Python)
         # Running total per device name, kept per event only for ``on_allocate``.
@@ -209,7 +189,7 @@ class StorageAccountant(TorchDispatchMode):
             return 0
         entry.cat = cat
         if entry.counted >= 0:  # already in the counters: move the bytes now
-            self._log.append((_MOVE, entry, cat))
+            self._log.append((MOVE, entry, cat))
         return entry.cur
 
     def __exit__(self, *exc: Any) -> None:
@@ -267,7 +247,7 @@ class StorageAccountant(TorchDispatchMode):
         dev = _CPU if t.is_cpu else (self._names.get(t.device) or self._name(t.device))
         if self._on_allocate is not None:
             self._charge(dev, nbytes)
-        entry = _Entry(st, self._free_cb)
+        entry = Entry(st, self._free_cb)
         entry.key = key
         entry.nbytes = entry.cur = nbytes
         entry.cat = cat
@@ -290,7 +270,7 @@ class StorageAccountant(TorchDispatchMode):
                     self._track(inner)
 
     def _register(self, st: Any, nbytes: int, cat: int, dev: str) -> None:
-        entry = _Entry(st, self._free_cb)
+        entry = Entry(st, self._free_cb)
         entry.key = id(st)
         entry.nbytes = entry.cur = nbytes
         entry.cat = cat
@@ -304,7 +284,7 @@ class StorageAccountant(TorchDispatchMode):
         self._on_allocate(dev, nbytes, after)  # may raise: then nothing is counted
         self._totals[dev] = after
 
-    def _freed(self, entry: _Entry) -> None:
+    def _freed(self, entry: Entry) -> None:
         # Runs when the storage dies (any thread, GIL held). Entries dropped by close() never get here.
         if self._live.pop(entry.key, None) is None:
             return
@@ -339,7 +319,7 @@ class StorageAccountant(TorchDispatchMode):
                 elif self._on_allocate is not None:
                     self._totals[entry.dev] = self._totals.get(entry.dev, 0) + delta
                 entry.cur = nbytes
-                self._log.append((_GROW, entry, delta))
+                self._log.append((GROW, entry, delta))
         return out
 
     # ---- folding the log into counters -----------------------------------------------------------------
@@ -348,72 +328,17 @@ class StorageAccountant(TorchDispatchMode):
         name = self._names[dev] = sys.intern(device_name(dev))
         return name
 
-    def _state(self, name: str) -> _DeviceState:
+    def _state(self, name: str) -> DeviceState:
         state = self._states.get(name)
         if state is None:
-            state = self._states[name] = _DeviceState()
+            state = self._states[name] = DeviceState()
         return state
 
     def _replay(self) -> None:
         log = self._log
-        if not log:
-            return
-        self._log = []  # frees that happen while replaying land in the new log
-        nm_flag = _IS_NON_MODEL
-        state_of = self._state
-        last_dev, s = None, None
-        for ev in log:
-            if type(ev) is _Entry:
-                e = ev
-                if e.dev is not last_dev:
-                    last_dev, s = e.dev, state_of(e.dev)
-                c = e.counted
-                if c < 0:  # allocation
-                    c = e.cat
-                    n = e.nbytes
-                    e.counted, e.cbytes = c, n
-                    s.counts[c] += n
-                    s.total += n
-                    if s.total > s.peak_total:
-                        s.peak_total = s.total
-                    if nm_flag[c]:
-                        s.non_model += n
-                        if s.non_model > s.peak_non_model:
-                            s.peak_non_model = s.non_model
-                else:  # free
-                    n = e.cbytes
-                    s.counts[c] -= n
-                    s.total -= n
-                    if nm_flag[c]:
-                        s.non_model -= n
-                continue
-            kind, e, arg = ev
-            if e.dev is not last_dev:
-                last_dev, s = e.dev, state_of(e.dev)
-            c = e.counted
-            if kind == _MOVE:
-                if arg == c:
-                    continue
-                n = e.cbytes
-                s.counts[c] -= n
-                s.counts[arg] += n
-                e.counted = arg
-                if nm_flag[c]:
-                    s.non_model -= n
-                if nm_flag[arg]:
-                    s.non_model += n
-                    if s.non_model > s.peak_non_model:
-                        s.peak_non_model = s.non_model
-            else:  # _GROW
-                e.cbytes += arg
-                s.counts[c] += arg
-                s.total += arg
-                if s.total > s.peak_total:
-                    s.peak_total = s.total
-                if nm_flag[c]:
-                    s.non_model += arg
-                    if s.non_model > s.peak_non_model:
-                        s.peak_non_model = s.non_model
+        if log:
+            self._log = []  # frees that happen while replaying land in the new log
+            fold(log, self._state)
 
 
 def _category_index(category: Category | str) -> int:

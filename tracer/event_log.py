@@ -1,0 +1,94 @@
+"""The event log of :class:`tracer.accounting.StorageAccountant`, and how it folds into per-device counters.
+
+The accountant's hot path (every aten op) only appends events; the counters and exact peaks are computed when
+someone asks (:func:`fold`). An allocation and a free are logged as the storage's :class:`Entry` itself (its
+first appearance is the allocation, a later one its free); the rare ones as ``(kind, entry, arg)``: ``MOVE``
+(reclassified to category index ``arg``) and ``GROW`` (``arg`` more bytes, a resize)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA
+
+MOVE, GROW = 1, 2
+_IS_NON_MODEL: tuple[bool, ...] = tuple(c in NON_MODEL_DATA for c in ALL_CATEGORIES)
+
+
+class Entry(weakref.ref):
+    """A weak reference to a storage that carries its accounting record (no closure per storage)."""
+
+    __slots__ = ("key", "nbytes", "cur", "cat", "dev", "counted", "cbytes")
+
+
+class DeviceState:
+    """One device's folded counters (bytes): per category, total, non-model data, and the two peaks."""
+
+    __slots__ = ("counts", "total", "non_model", "peak_total", "peak_non_model")
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(ALL_CATEGORIES)
+        self.total = 0
+        self.non_model = 0
+        self.peak_total = 0
+        self.peak_non_model = 0
+
+
+def fold(log: list, state_of: Callable[[str], DeviceState]) -> None:
+    """Apply the events of ``log`` (oldest first) to the device states ``state_of(device name)``: live bytes
+    per category, total and non-model data, and their peaks (bytes)."""
+    nm_flag = _IS_NON_MODEL
+    last_dev, s = None, None
+    for ev in log:
+        if type(ev) is Entry:
+            e = ev
+            if e.dev is not last_dev:
+                last_dev, s = e.dev, state_of(e.dev)
+            c = e.counted
+            if c < 0:  # allocation
+                c = e.cat
+                n = e.nbytes
+                e.counted, e.cbytes = c, n
+                s.counts[c] += n
+                s.total += n
+                if s.total > s.peak_total:
+                    s.peak_total = s.total
+                if nm_flag[c]:
+                    s.non_model += n
+                    if s.non_model > s.peak_non_model:
+                        s.peak_non_model = s.non_model
+            else:  # free
+                n = e.cbytes
+                s.counts[c] -= n
+                s.total -= n
+                if nm_flag[c]:
+                    s.non_model -= n
+            continue
+        kind, e, arg = ev
+        if e.dev is not last_dev:
+            last_dev, s = e.dev, state_of(e.dev)
+        c = e.counted
+        if kind == MOVE:
+            if arg == c:
+                continue
+            n = e.cbytes
+            s.counts[c] -= n
+            s.counts[arg] += n
+            e.counted = arg
+            if nm_flag[c]:
+                s.non_model -= n
+            if nm_flag[arg]:
+                s.non_model += n
+                if s.non_model > s.peak_non_model:
+                    s.peak_non_model = s.non_model
+        else:  # _GROW
+            e.cbytes += arg
+            s.counts[c] += arg
+            s.total += arg
+            if s.total > s.peak_total:
+                s.peak_total = s.total
+            if nm_flag[c]:
+                s.non_model += arg
+                if s.non_model > s.peak_non_model:
+                    s.peak_non_model = s.non_model
