@@ -338,36 +338,6 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
         self.streams.wait([c.d2h_event for c in self.store.chunks])
         self.store.zero_grad(set_to_none)
 
-    # ---- clipping -----------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of ``params`` (the model's trainable parameters, in the model's order) to a
-        total norm of ``max_norm``; returns the total norm before clipping (a float32 scalar on the device).
-
-        Without a loss scale this is ``torch.nn.utils.clip_grad_norm_`` on the gradients in place, so the
-        result is the one the user would get from torch. With fp16 loss scaling it is what GradScaler users
-        get from ``scaler.unscale_(opt); clip_grad_norm_(...)`` on fp32 master gradients: the norms are those
-        of the fp32 unscaled gradients (computed one chunk at a time, never in fp16, so a scaled norm above
-        65504 is no overflow), and the coefficient is applied in fp32 inside :meth:`step` after unscaling
-        (``p.grad`` keeps the scaled fp16 values). Call it after backward and before :meth:`step`.
-        """
-        if self.scaler is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        from memsched.clipping import clip_coefficient, total_norm
-
-        inv = self.scaler.inv_scale(self.store.alloc.device)
-        by_chunk: dict[int, list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_chunk.setdefault(self.store.param_chunk[id(p)].index, []).append(p)
-        norms: dict[int, torch.Tensor] = {}
-        for ps in by_chunk.values():  # fp32 temporaries of one chunk at a time
-            grads = [self._fp32_grad(p.grad, None, inv, self._clip_coefs) for p in ps]
-            norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
-        total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
-        self._clip_coefs.append(clip_coefficient(total, max_norm))
-        return total
-
     # ---- state_dict (one path for any world size: memsched.optim_state) -----------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The format of ``torch.optim.AdamW.state_dict()`` (:func:`memsched.optim_state.state_dict`); with

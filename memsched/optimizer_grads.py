@@ -1,11 +1,11 @@
-"""The gradient checks of :class:`memsched.optimizer.HybridAdamW`'s step, before anything is written: the
-gradients are the chunk views (or are copied back into them), fp16 gradients come from ``sched.backward``,
-user writes to parameters refresh the fp32 masters, and the fp16 inf/NaN check. A mixin: the optimizer's
-state is its state."""
+"""The gradients of :class:`memsched.optimizer.HybridAdamW`: the checks of its step, before anything is
+written (the gradients are the chunk views or are copied back into them, fp16 gradients come from
+``sched.backward``, user writes to parameters refresh the fp32 masters, the fp16 inf/NaN check), and gradient
+clipping. A mixin: the optimizer's state is its state."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,6 +24,8 @@ class GradientChecksMixin:
     _spec_inv: torch.Tensor | None
     _param_versions: dict[int, int]
     _name: Callable[[torch.Tensor], str]
+    _clip_coefs: list[torch.Tensor]
+    _fp32_grad: Callable[..., torch.Tensor]
 
     def note_scaled_backward(self) -> None:
         """fp16: :meth:`memsched.Scheduler.backward` ran a backward of the scaled loss; the gradients as they
@@ -106,3 +108,33 @@ class GradientChecksMixin:
         with self.store.alloc.host_context():  # the host has waited for the device already (found)
             self._spec_inv = scaler.inv_scale("cpu")  # of the next backward, for its updates during it
         return bool(found.item() > 0)
+
+    # ---- clipping -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``params`` (the model's trainable parameters, in the model's order) to a
+        total norm of ``max_norm``; returns the total norm before clipping (a float32 scalar on the device).
+
+        Without a loss scale this is ``torch.nn.utils.clip_grad_norm_`` on the gradients in place, so the
+        result is the one the user would get from torch. With fp16 loss scaling it is what GradScaler users
+        get from ``scaler.unscale_(opt); clip_grad_norm_(...)`` on fp32 master gradients: the norms are those
+        of the fp32 unscaled gradients (computed one chunk at a time, never in fp16, so a scaled norm above
+        65504 is no overflow), and the coefficient is applied in fp32 inside :meth:`step` after unscaling
+        (``p.grad`` keeps the scaled fp16 values). Call it after backward and before :meth:`step`.
+        """
+        if self.scaler is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        from memsched.clipping import clip_coefficient, total_norm
+
+        inv = self.scaler.inv_scale(self.store.alloc.device)
+        by_chunk: dict[int, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_chunk.setdefault(self.store.param_chunk[id(p)].index, []).append(p)
+        norms: dict[int, torch.Tensor] = {}
+        for ps in by_chunk.values():  # fp32 temporaries of one chunk at a time
+            grads = [self._fp32_grad(p.grad, None, inv, self._clip_coefs) for p in ps]
+            norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
+        total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
+        self._clip_coefs.append(clip_coefficient(total, max_norm))
+        return total
