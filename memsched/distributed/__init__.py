@@ -13,13 +13,8 @@ import torch
 
 from memsched.distributed.build import BUILD_MODES, check_build_mode, plan_build, stage_params
 from memsched.distributed.comm import Comm, ZeroCommError, as_timedelta
-from memsched.distributed.engine import (
-    FETCH_MODES,
-    ZERO_STAGES,
-    ZeroAccumulationWarning,
-    ZeroEngine,
-    check_zero_options,
-)
+from memsched.distributed.engine import FETCH_MODES, ZERO_STAGES, ZeroEngine, check_zero_options
+from memsched.distributed.grad_reduction import ZeroAccumulationWarning
 from memsched.distributed.layout import padded_chunk_numel, param_shards, shard_range, shard_state_numel
 from memsched.parallel import DataParallel
 
