@@ -34,6 +34,17 @@ class DeviceState:
         self.peak_total = 0
         self.peak_non_model = 0
 
+    def add(self, c: int, n: int, non_model: bool) -> None:
+        """``n`` bytes more in category index ``c`` (an allocation, or a storage that grew)."""
+        self.counts[c] += n
+        self.total += n
+        if self.total > self.peak_total:
+            self.peak_total = self.total
+        if non_model:
+            self.non_model += n
+            if self.non_model > self.peak_non_model:
+                self.peak_non_model = self.non_model
+
 
 def fold(log: list, state_of: Callable[[str], DeviceState]) -> None:
     """Apply the events of ``log`` (oldest first) to the device states ``state_of(device name)``: live bytes
@@ -48,16 +59,8 @@ def fold(log: list, state_of: Callable[[str], DeviceState]) -> None:
             c = e.counted
             if c < 0:  # allocation
                 c = e.cat
-                n = e.nbytes
-                e.counted, e.cbytes = c, n
-                s.counts[c] += n
-                s.total += n
-                if s.total > s.peak_total:
-                    s.peak_total = s.total
-                if nm_flag[c]:
-                    s.non_model += n
-                    if s.non_model > s.peak_non_model:
-                        s.peak_non_model = s.non_model
+                e.counted, e.cbytes = c, e.nbytes
+                s.add(c, e.nbytes, nm_flag[c])
             else:  # free
                 n = e.cbytes
                 s.counts[c] -= n
@@ -82,13 +85,6 @@ def fold(log: list, state_of: Callable[[str], DeviceState]) -> None:
                 s.non_model += n
                 if s.non_model > s.peak_non_model:
                     s.peak_non_model = s.non_model
-        else:  # _GROW
+        else:  # GROW
             e.cbytes += arg
-            s.counts[c] += arg
-            s.total += arg
-            if s.total > s.peak_total:
-                s.peak_total = s.total
-            if nm_flag[c]:
-                s.non_model += arg
-                if s.non_model > s.peak_non_model:
-                    s.peak_non_model = s.non_model
+            s.add(c, arg, nm_flag[c])
