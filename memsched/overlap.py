@@ -103,6 +103,10 @@ class HostUpdates:
             for ev in done.values():  # nobody waits forever on a failed batch
                 ev.set()
 
+    def unfinished(self) -> list[int]:
+        """The chunks of the batch whose update is not yet waited for and followed up, in update order."""
+        return self._order[self._next:] if self.pending else []
+
     def wait(self, indices: Sequence[int]) -> float:
         """Block until the chunks ``indices`` are updated and their H2D copies issued; the follow-ups of every
         chunk up to the last of them (in update order) run here. Returns the seconds blocked.

@@ -197,7 +197,7 @@ class Scheduler(WarmupMixin, PlanningMixin):
     def synchronize(self) -> None:
         """Wait for every pending update of the parameters: the overlapped CPU update (``overlap=True``; the
         host blocks) and the H2D copies (CUDA; the current stream waits). Call it before reading or writing
-        parameters outside a module's forward (an EMA that reads ``p`` directly, ``nn.init``); forwards,
+        parameters outside the model's forward (an EMA that reads ``p`` directly, ``nn.init``); forwards,
         ``model.state_dict()``, ``model.load_state_dict()``, the optimizer's ``step()``/``state_dict()`` and
         ``close()`` wait by themselves.
 

@@ -4,10 +4,11 @@ waits, the host does not). Without either, copies are synchronous and nothing is
 
 Forward pre-hooks make the compute stream wait for a chunk's H2D copy at the first traced module that may read
 its parameters (:mod:`memsched.first_use`). Before the trace exists (warmup) every module holding chunk
-parameters, and the root, waits for all chunks. ``model.state_dict()`` and ``model.load_state_dict()`` wait
-for all chunks too. Anything else that reads or writes parameters outside a forward (an EMA, a functional call
-on a submodule, ``nn.init`` under ``no_grad``) calls :meth:`H2DWaits.synchronize` (``sched.synchronize()``)
-first.
+parameters, and the root, waits for all chunks. A parameter read earlier in the root's forward than its
+module's wait waits at the read (:mod:`memsched.read_guard`). ``model.state_dict()`` and
+``model.load_state_dict()`` wait for all chunks too. Anything else that reads or writes parameters outside the
+root's forward (an EMA, a loss term computed before it, ``nn.init`` under ``no_grad``) calls
+:meth:`H2DWaits.synchronize` (``sched.synchronize()``) first.
 
 Under ``torch.compile`` these hooks are traced into the model's graph. Where waits are needed (CUDA, or
 ``overlap=True``) the per-module waits compile to nothing and the root waits for every chunk, eagerly, before
@@ -34,8 +35,10 @@ import torch
 from memsched.chunks import ChunkStore
 from memsched.first_use import first_use_owners
 from memsched.overlap import HostUpdates
+from memsched.read_guard import ReadGuard
 from memsched.step_timeline import WAITS, StepTimeline
 from memsched.transfers import Streams
+from policies.types import HOST
 from tracer.hook_handles import Detachable
 
 
@@ -57,6 +60,8 @@ class H2DWaits:
         # parameters get, so it must wait eagerly (see _hook). Dynamo guards on it; it is constant at each
         # point of a step, so it causes no recompilation.
         self._root_compiled = False
+        self.guard = ReadGuard(self._wait_read)  # reads before their module's wait (memsched.read_guard)
+        self._guarded = False  # the guard is entered (a plain flag: Dynamo reads it in the root's hooks)
 
     def install(self, traced: Sequence[str]) -> None:
         """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup)."""
@@ -84,6 +89,9 @@ class H2DWaits:
         for name, indices in by_module.items():
             hook = Detachable(self._hook(name, sorted(indices)))
             self._handles.append(modules[name].register_forward_pre_hook(hook, prepend=True))
+        if traced:  # steady state (in warmup the root itself waits for every chunk)
+            guard = Detachable(lambda *_a: self._guard_begin())
+            self._handles.append(self.model.register_forward_pre_hook(guard, prepend=True))
         compiled = Detachable(lambda *_a: self._compiled_wait())
         self._handles.append(self.model.register_forward_pre_hook(compiled, prepend=True))
         sync = Detachable(lambda *_a, **_k: self.synchronize())
@@ -107,7 +115,42 @@ class H2DWaits:
                     self.timeline.span(WAITS, label, t0, time.perf_counter(), chunks=indices)
             chunks = self.store.chunks
             self.streams.wait([chunks[i].h2d_event for i in indices])
+            if self._guarded:
+                self._mark_waited(indices)
+                if not self.guard.unwaited and self.guard.on_top():  # nothing left to guard: calls run bare
+                    self._guarded = False
+                    self.guard.pop()
         return wait
+
+    def _guard_begin(self) -> None:
+        """The root's forward starts: the host chunks with an update or H2D copy still to wait for are guarded
+        against reads before their module's wait (:mod:`memsched.read_guard`)."""
+        if torch.compiler.is_compiling() or self._guarded:
+            return
+        pending = set(self.updates.unfinished())
+        unwaited = {id(p): c.index for c in self.store.chunks
+                    if c.placement == HOST and (c.index in pending or _in_flight(c.h2d_event))
+                    for p in c.params}
+        if unwaited:
+            self.guard.unwaited = unwaited
+            self.guard.push()
+            self._guarded = True
+
+    def _wait_read(self, i: int, what: str) -> None:
+        """A torch function (``what``) reads a parameter of chunk ``i`` before its module waited for it."""
+        if self.updates.pending:
+            t0 = time.perf_counter()
+            if self.updates.wait([i]) > 0:
+                self.timeline.span(WAITS, f"{what} (read) <- chunk {i}", t0, time.perf_counter(), chunks=[i])
+        self.streams.wait([self.store.chunks[i].h2d_event])
+        self._mark_waited([i])
+
+    def _mark_waited(self, indices: Sequence[int]) -> None:
+        unwaited = self.guard.unwaited
+        chunks = self.store.chunks
+        for i in indices:
+            for p in chunks[i].params:
+                unwaited.pop(id(p), None)
 
     def _compiled_wait(self) -> None:
         """In compiled code only: the per-module waits compile to nothing (they would split the forward's
@@ -131,6 +174,9 @@ class H2DWaits:
             self.store.bind_dropped_grads()
 
     def _forward_end(self) -> None:
+        if self._guarded:
+            self._guarded = False
+            self.guard.pop()
         if torch.compiler.is_compiling():  # a compiled submodule called after this forward waits again
             self._root_compiled = False
         if self.drain_after_forward and self.updates.pending:
@@ -147,11 +193,20 @@ class H2DWaits:
             if self.updates.wait_all() > 0:
                 self.timeline.span(WAITS, "synchronize() <- all chunks", t0, time.perf_counter())
         self.streams.wait([c.h2d_event for c in self.store.chunks])
+        self.guard.unwaited.clear()  # every chunk is waited for
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._guarded:  # removed during a forward (close() in it, a failed forward)
+            self._guarded = False
+            self.guard.pop()
+
+
+def _in_flight(event: Any) -> bool:
+    """A chunk's H2D copy (a CUDA event, or ``None``) may still be running."""
+    return event is not None and not event.query()
 
 
 @torch.compiler.disable

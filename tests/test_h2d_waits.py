@@ -60,12 +60,22 @@ class ReadChecker(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _PendingCopy:
+    """A CUDA event of an H2D copy that is still running."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def query(self) -> bool:
+        return False
+
+
 def check_reads(sched, loss_fn, batch) -> list[str]:
     """Run forward + loss with fake pending H2D copies on every chunk; return the parameters read unwaited."""
     waited: set[int] = set()
     for c in sched.store.chunks:
-        c.h2d_event = ("copy of chunk", c.index)
-    sched.streams.wait = lambda events: waited.update(e[1] for e in events if e is not None)
+        c.h2d_event = _PendingCopy(c.index)
+    sched.streams.wait = lambda events: waited.update(e.index for e in events if e is not None)
     try:
         with ReadChecker(sched, waited) as checker:
             loss_fn(sched.model, batch)

@@ -7,6 +7,7 @@ The worker is slowed down (a sleep before each chunk's update) so that a missing
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 import time
 
@@ -339,3 +340,53 @@ def test_compute_stream_waits_for_the_gradient_copies_after_an_overlapped_step(m
         # The slowed worker has not waited for any copy yet: the stream waits for all of them.
         assert waited and set(map(id, waited[-1])) == set(map(id, issued))
         sched.synchronize()
+
+
+class _ParentReadsChild(torch.nn.Module):
+    """The root reads ``proj.weight`` with a functional call, then calls ``proj``: the first read of the
+    weight comes before ``proj``'s forward pre-hook (where the warmup trace puts its wait)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 16)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.proj(torch.nn.functional.linear(h, self.proj.weight))
+
+
+def test_a_read_before_its_module_waits_at_the_read_and_the_guard_leaves(slow_worker):
+    """The read guard (memsched.read_guard) waits for the chunk at the functional read (a span of the step
+    timeline says so), results equal torch's, and no torch function mode is left after the forward, after a
+    forward that raised, or after close()."""
+    model = _ParentReadsChild()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    stack = torch._C._len_torch_function_stack
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=300, overlap=True,
+                         **PLACEMENTS["cpu"]) as sched:
+        for x in xs:
+            loss = model(x).square().mean()
+            assert stack() == 0
+            sched.backward(loss)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref_loss = ref(x).square().mean()
+                ref_loss.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                assert torch.equal(loss.detach(), ref_loss.detach())
+        reads = [s.name for r in sched.step_timeline.records for s in r.spans if "(read)" in s.name]
+        assert reads and all(name.startswith("linear (read) <- chunk") for name in reads)
+        with pytest.raises(RuntimeError):
+            model(torch.randn(4, 15))  # fails inside the forward, guard entered
+        assert stack() == 0
+        sched.synchronize()
+        with paused(sched):
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p, q)
+    assert stack() == 0

@@ -48,6 +48,8 @@ class ChunkStore:
         # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
         # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
         self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
+        self._end_task: int | None = None  # the backward whose end is queued (_none_without_grad)
+        self._n_params = sum(len(g) for g in self.groups)
         for gi, g in enumerate(self.groups):
             for p in g:
                 if p.device.type == "meta":
@@ -224,8 +226,26 @@ class ChunkStore:
         self.rebind_grad(p, c)
         self.with_grad.add(id(p))
         self.grad_events += 1
-        if c.mark_grad_ready(id(p), graph_task_id()):
+        task = graph_task_id()
+        if task != self._end_task and self.dp.world == 1:
+            self._end_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._none_without_grad)
+        if c.mark_grad_ready(id(p), task):
             self.on_grads_ready(c)
+
+    def _none_without_grad(self) -> None:
+        """At the end of a backward: a parameter that has no gradient (none since ``zero_grad``) gets
+        ``p.grad = None``, as in torch, instead of its zeroed chunk view: code that tests for None (fill
+        missing gradients with zeros, skip unused parameters) then behaves as with ``torch.optim.AdamW``. The
+        view comes back before the next forward (:meth:`bind_dropped_grads`) or at the step. With more ranks
+        the views stay: the reduction may still bring the parameter a gradient."""
+        self._end_task = None
+        if len(self.with_grad) >= self._n_params:
+            return
+        for p in self.params():
+            if id(p) not in self.with_grad and p.grad is not None \
+                    and p.grad.data_ptr() == self.grad_view(p).data_ptr():
+                p.grad = None
 
     def step_of(self, p: torch.nn.Parameter) -> torch.Tensor:
         """``p``'s step count: a 0-d fp32 view into its chunk's ``steps``."""

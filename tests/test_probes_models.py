@@ -1,0 +1,523 @@
+"""Probes of unusual model structures against ``torch.optim.AdamW(fused=True)``, bit for bit.
+
+memsched installs per-module forward pre-hooks (the overlapped update's waits, placed at the first traced
+module that may read a parameter: :mod:`memsched.first_use`), post-accumulate-grad hooks (which parameters
+have a gradient, when a chunk's gradients are complete for ``overlap="backward"``) and a warmup tracer. Each
+probe below is a model whose structure strains one of those assumptions: activation checkpointing (forward
+hooks run again during backward; ``use_reentrant=True`` runs nested backward passes), layers called out of
+registration order or in an order that changes between steps, parameters read by a module that does not own
+them or only in the loss, one layer applied several times per forward, branches taken on some steps only,
+parametrizations, buffers updated in forward, and tied weights read first by a module without parameters of
+its own.
+
+Each probe runs under the ``cpu``, ``static`` and ``auto`` placements (``auto`` sized so that some chunks are
+on the stand-in device and some on the host) and ``overlap`` False, True and ``"backward"``, for 5 steps (the
+first is the traced warmup). The training thread's losses equal the reference's at every step (a forward that
+reads a parameter whose overlapped update is unfinished shows there); parameters are compared with
+``torch.equal`` after every step without overlap, and with overlap after every other step (each comparison
+needs ``sched.synchronize()``, which would otherwise make every next forward trivially safe), and after
+``close()``. The CPU-update worker is slowed down (``slow_worker``) so that a missing wait shows.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.utils.checkpoint import checkpoint
+
+import memsched
+from memsched.early_update import EarlyUpdates
+from memsched.optimizer import HybridAdamW
+from policies.types import DEVICE, HOST
+from tests._numerics import LR, WD
+from tests.test_overlap import paused
+
+D = 32  # width of every probe model
+CHUNK = 1200  # elements per chunk: about one D x D linear layer (1056 elements) per chunk
+STEPS = 5
+OVERLAPS = [False, True, "backward"]
+POLICIES = ["cpu", "static", "auto"]
+
+
+@pytest.fixture
+def slow_worker(monkeypatch):
+    """Like tests/conftest.py's ``slow_early_worker`` with shorter delays (the file runs 171 cases): each
+    host-chunk update on the worker thread starts 5 ms late, each update during backward 2 ms late, so that a
+    forward that does not wait for its chunk reads the parameters before their update. Returns the delays in
+    seconds, which a test may raise."""
+    main = threading.get_ident()
+    delays = {"host": 0.005, "early": 0.002}
+    original_host, original_early = HybridAdamW._update_host, EarlyUpdates._run
+
+    def slowed_host(self, *args, **kwargs):
+        if threading.get_ident() != main:
+            time.sleep(delays["host"])
+        return original_host(self, *args, **kwargs)
+
+    def slowed_early(self, *args, **kwargs):
+        time.sleep(delays["early"])
+        return original_early(self, *args, **kwargs)
+
+    monkeypatch.setattr(HybridAdamW, "_update_host", slowed_host)
+    monkeypatch.setattr(EarlyUpdates, "_run", slowed_early)
+    return delays
+
+
+def placement(policy: str, auto_capacity: str) -> dict:
+    if policy == "cpu":
+        return dict(policy="cpu", device="sim:64MiB")
+    if policy == "static":
+        return dict(policy="static", device="sim:64MiB", policy_options={"offload_optim_frac": 0.5})
+    return dict(policy="auto", device=f"sim:{auto_capacity}")
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)) for _ in range(n)]
+
+
+def mse(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def run_parity(make_model: Callable[[], nn.Module], policy: str, overlap, *,
+               loss_fn: Callable = mse, before: Callable[[int, nn.Module], None] | None = None,
+               steps: int = STEPS, auto_capacity: str = "79KiB", chunk_numel: int = CHUNK,
+               synchronize_first: bool = False):
+    """Train ``make_model()`` with memsched and a deepcopy with ``torch.optim.AdamW(fused=True)`` on the same
+    batches; ``before(i, model)`` runs on both models before step ``i``'s forward; ``synchronize_first``:
+    ``sched.synchronize()`` before each loss (the README's rule for reads outside a forward). Losses must be
+    equal at every step, parameters after every step (with overlap: after every odd step) and after
+    ``close()``.
+    Returns the set of chunk placements after warmup."""
+    torch.manual_seed(0)
+    model = make_model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    data = batches(steps)
+    what = f"{policy} overlap={overlap}"
+    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=chunk_numel, overlap=overlap,
+                            **placement(policy, auto_capacity))
+    with sched:
+        for i, b in enumerate(data):
+            if before is not None:
+                before(i, model)
+            if synchronize_first:
+                sched.synchronize()
+            loss = loss_fn(model, b)
+            sched.backward(loss)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                if before is not None:
+                    before(i, ref)
+                ref_loss = loss_fn(ref, b)
+                ref_loss.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                assert torch.equal(loss.detach(), ref_loss.detach()), f"{what}: loss of step {i}"
+            if overlap is False or i % 2 == 1:
+                sched.synchronize()
+                with paused(sched):
+                    assert_params_same(model, ref, f"{what}, step {i}")
+        places = {c.placement for c in sched.store.chunks}
+        early = sched.optimizer.early_updates
+        if overlap == "backward" and HOST in places:  # updates really were made during backward
+            assert early.committed > 0, f"{what}: no update made during backward was committed"
+    assert_params_same(model, ref, f"{what}, after close()")
+    if policy == "auto":  # the probe is meaningful only with chunks on both sides
+        assert places == {HOST, DEVICE}, f"auto placed every chunk on one side: {places}"
+    if policy == "static":
+        assert HOST in places
+    return places
+
+
+def assert_params_same(model: nn.Module, ref: nn.Module, what: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        if not torch.equal(p.detach(), q.detach()):
+            d = (p.detach() - q.detach()).abs().max().item()
+            raise AssertionError(f"{what}: {name} differs from the reference (max diff {d:.3g})")
+    for (name, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
+        assert torch.equal(b, c), f"{what}: buffer {name} differs from the reference"
+
+
+both = pytest.mark.parametrize("overlap", OVERLAPS, ids=["serial", "overlap", "backward"])
+policies = pytest.mark.parametrize("policy", POLICIES)
+
+
+# ---- 1. activation checkpointing -------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, ckpt: str | None = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, D)
+        self.fc2 = nn.Linear(D, D)
+        self.ckpt = ckpt
+
+    def inner(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+    def forward(self, x):
+        if self.ckpt is None:
+            return x + self.inner(x)
+        return x + checkpoint(self.inner, x, use_reentrant=self.ckpt == "reentrant")
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 2, ckpt: str | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.blocks = nn.ModuleList(Block(ckpt) for _ in range(n))
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+@both
+@policies
+@pytest.mark.parametrize("ckpt", ["non_reentrant", "reentrant"])
+def test_activation_checkpointing_in_blocks(ckpt, policy, overlap, slow_worker):
+    """Each block's inner layers run under torch.utils.checkpoint: their forward (and hooks) run again during
+    backward; with use_reentrant=True their gradients come from a nested backward pass."""
+    run_parity(lambda: Stack(2, ckpt), policy, overlap, auto_capacity="112KiB")
+
+
+class WholeModel(nn.Module):
+    """The root's own forward is checkpointed by the caller: the root's pre-hooks run again in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Stack(2)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@both
+@policies
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpoint_of_the_root_module(reentrant, policy, overlap, slow_worker):
+    """The loss function checkpoints the whole model: the root module's forward (memsched's step-begin,
+    gradient-binding and wait hooks) runs a second time inside backward."""
+    def loss_fn(model, batch):
+        x, y = batch
+        if reentrant:  # the reentrant variant needs an input that requires grad to backpropagate at all
+            x = x.clone().requires_grad_(True)
+        return F.mse_loss(checkpoint(model, x, use_reentrant=reentrant), y)
+
+    run_parity(WholeModel, policy, overlap, loss_fn=loss_fn, auto_capacity="112KiB")
+
+
+# ---- 2. call order different from registration order, and changing between steps -------------------------
+
+class Ordered(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D, D) for _ in range(n))
+        self.order = list(range(n))
+
+    def forward(self, x):
+        for k in self.order:
+            x = torch.tanh(self.layers[k](x))
+        return x
+
+
+def reverse_always(i, model):
+    model.order = [3, 2, 1, 0]
+
+
+def order_changes(i, model):
+    model.order = [[0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1], [1, 3, 0, 2]][i % 4]
+
+
+@both
+@policies
+@pytest.mark.parametrize("before", [reverse_always, order_changes], ids=["reversed", "changing"])
+def test_layer_order(before, policy, overlap, slow_worker):
+    """A ModuleList applied in reverse (the trace's first-use order is the reverse of registration), and an
+    order that changes every step (the warmup trace saw the registration order)."""
+    run_parity(Ordered, policy, overlap, before=before)
+
+
+# ---- 3. parameters read by a module that does not own them, or only in the loss ---------------------------
+
+class ParentReads(nn.Module):
+    """``mode`` "direct": ``proj`` is never called, the parent reads its weight and bias with F.linear.
+    "direct_then_call": the parent reads ``proj.weight`` first, then also calls ``proj``.
+    "called_in_warmup": ``proj`` is called in the warmup step (the trace sees it run), later read directly."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.mid = nn.Linear(D, D)
+        self.proj = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+        self.mode = mode
+        self.call_proj = True
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.mode == "direct" or (self.mode == "called_in_warmup" and not self.call_proj):
+            h = torch.tanh(F.linear(h, self.proj.weight, self.proj.bias))
+        elif self.mode == "called_in_warmup":
+            h = torch.tanh(self.proj(h))
+        else:  # direct_then_call
+            h = torch.tanh(F.linear(h, self.proj.weight)) + torch.tanh(self.proj(h))
+        h = torch.tanh(self.mid(h))
+        return self.out(h)
+
+
+def proj_after_warmup(i, model):
+    model.call_proj = i == 0
+
+
+@both
+@policies
+@pytest.mark.parametrize("mode", ["direct", "direct_then_call", "called_in_warmup"])
+def test_parent_reads_child_parameter(mode, policy, overlap, slow_worker):
+    """"direct" passes: the never-called ``proj``'s parameters are given to the nearest traced ancestor (the
+    root), whose pre-hook waits. "direct_then_call" and "called_in_warmup" fail under overlap with ``proj``'s
+    chunk on the host: the trace saw ``proj`` run, so its parameters' wait is at ``proj``'s pre-hook
+    (memsched/first_use.py:51), but the parent's F.linear reads ``proj.weight`` before that hook (or with no
+    call to ``proj`` at all), while the worker has not yet updated the chunk: the forward reads the previous
+    step's value and the loss differs from the first unsynchronised overlapped forward on."""
+    slow_worker["host"] = 0.02  # the stale read must not depend on the machine's load
+    run_parity(lambda: ParentReads(mode), policy, overlap,
+               before=proj_after_warmup if mode == "called_in_warmup" else None,
+               auto_capacity="86KiB" if mode == "direct_then_call" else "79KiB")
+
+
+class WithExtra(nn.Module):
+    """``extra`` (a root parameter) and ``aux.weight`` (a never-called submodule's) are read only by the loss
+    function, outside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Stack(2)
+        self.aux = nn.Linear(D, D, bias=False)
+        self.extra = nn.Parameter(torch.randn(D, D) * 0.1)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def loss_reading_after_forward(model, batch):
+    x, y = batch
+    loss = F.mse_loss(model(x), y)
+    return loss + model.extra.pow(2).sum() * 1e-2 + (model.aux.weight @ x.T).square().mean()
+
+
+def loss_reading_before_forward(model, batch):
+    x, y = batch
+    penalty = model.extra.pow(2).sum() * 1e-2 + (model.aux.weight @ x.T).square().mean()
+    return penalty + F.mse_loss(model(x), y)
+
+
+@both
+@policies
+def test_parameters_read_only_in_the_loss_after_the_forward(policy, overlap, slow_worker):
+    """``loss + model.extra.pow(2).sum()``: the parameters are read after the model's forward (whose root
+    pre-hook waited for their chunks)."""
+    run_parity(WithExtra, policy, overlap, loss_fn=loss_reading_after_forward, auto_capacity="152KiB")
+
+
+@both
+@policies
+def test_parameters_read_only_in_the_loss_before_the_forward(policy, overlap, slow_worker):
+    """The same penalty computed before ``model(x)`` in the loss function: the first read of ``extra`` and
+    ``aux.weight`` in the step happens before any module forward, outside what memsched.read_guard covers
+    (the root's forward). The README's rule for reads outside a forward is ``sched.synchronize()`` first;
+    with it the run is exact."""
+    slow_worker["host"] = 0.02
+    run_parity(WithExtra, policy, overlap, loss_fn=loss_reading_before_forward, auto_capacity="152KiB",
+               synchronize_first=True)
+
+
+# ---- 4. one layer applied several times per forward (ALBERT) ------------------------------------------
+
+class Albert(nn.Module):
+    def __init__(self, ckpt: str | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.shared = Block()
+        self.out = nn.Linear(D, D)
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(3):
+            if self.ckpt is None:
+                h = self.shared(h)
+            else:
+                h = checkpoint(self.shared, h, use_reentrant=self.ckpt == "reentrant")
+        return self.out(h)
+
+
+@both
+@policies
+@pytest.mark.parametrize("ckpt", [None, "reentrant"], ids=["plain", "reentrant"])
+def test_layer_shared_across_depth(ckpt, policy, overlap, slow_worker):
+    """One block applied three times per forward; with reentrant checkpointing each application is recomputed
+    and accumulates into the shared gradients in its own nested backward (each completes the shared chunk)."""
+    cap = "80KiB" if ckpt == "reentrant" else "92KiB"
+    run_parity(lambda: Albert(ckpt), policy, overlap, auto_capacity=cap)
+
+
+# ---- 5. branches taken on some steps only ------------------------------------------------------------------
+
+class Branch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.out = nn.Linear(D, D)
+        self.use_b = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
+        if self.use_b:
+            h = h + torch.tanh(self.b(h))
+        return self.out(h)
+
+
+def b_on_even_steps(i, model):
+    model.use_b = i % 2 == 0
+
+
+def b_after_warmup(i, model):
+    model.use_b = i in (2, 3, 5)
+
+
+@both
+@policies
+@pytest.mark.parametrize("before", [b_on_even_steps, b_after_warmup], ids=["even_steps", "not_in_warmup"])
+def test_branch_on_some_steps(before, policy, overlap, slow_worker):
+    """``b`` gets no gradient on some steps (torch's AdamW skips it then); in the second case the warmup trace
+    never saw it run."""
+    run_parity(Branch, policy, overlap, before=before)
+
+
+# ---- 6. others: parametrizations, buffers updated in forward, tied weights read first by a bare module -----
+
+class Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(0, 1)
+
+
+class Parametrized(nn.Module):
+    """``lin.weight`` is symmetric via torch.nn.utils.parametrize (the trainable tensor is
+    ``lin.parametrizations.weight.original``, read by a ParametrizationList module called from ``lin``);
+    ``wn`` uses parametrizations.weight_norm (two originals)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.lin = nn.Linear(D, D)
+        parametrize.register_parametrization(self.lin, "weight", Symmetric())
+        self.wn = nn.utils.parametrizations.weight_norm(nn.Linear(D, D))
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.wn(torch.tanh(self.lin(torch.tanh(self.inp(x)))))))
+
+
+@both
+@policies
+def test_parametrizations(policy, overlap, slow_worker):
+    run_parity(Parametrized, policy, overlap, auto_capacity="87KiB")
+
+
+class Normed(nn.Module):
+    """BatchNorm1d (running stats updated in every training forward), LayerNorm, and the legacy
+    torch.nn.utils.spectral_norm (a forward pre-hook of its own computes ``weight`` from the parameter
+    ``weight_orig`` and updates the buffers ``weight_u``/``weight_v`` by power iteration)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.bn = nn.BatchNorm1d(D)
+        self.mid = nn.utils.spectral_norm(nn.Linear(D, D))
+        self.ln = nn.LayerNorm(D)
+        self.out = nn.Linear(D, D)
+
+    def forward(self, x):
+        return self.out(self.ln(torch.tanh(self.mid(self.bn(self.inp(x))))))
+
+
+@both
+@policies
+def test_buffers_updated_in_forward(policy, overlap, slow_worker):
+    """Parameters bit-exact, and the running statistics and power-iteration vectors equal too (they depend on
+    the parameters read)."""
+    run_parity(Normed, policy, overlap, auto_capacity="77KiB")
+
+
+class TwoPart(nn.Module):
+    """The training loop never calls the root: it calls ``body`` and then ``head`` (memsched's root hooks, the
+    step's start and the re-binding of dropped gradients, never run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Stack(1)
+        self.head = nn.Linear(D, D)
+
+
+def loss_without_root(model, batch):
+    x, y = batch
+    return F.mse_loss(model.head(torch.tanh(model.body(x))), y)
+
+
+@both
+@policies
+def test_root_module_never_called(policy, overlap, slow_worker):
+    run_parity(TwoPart, policy, overlap, loss_fn=loss_without_root, auto_capacity="89KiB")
+
+
+class TiedBare(nn.Module):
+    """``a`` and ``b`` share one weight and have no other parameter. The warmup step calls ``a`` first, later
+    steps call ``b`` first (which owns no chunk of its own: it has no wait hook of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.a = nn.Linear(D, D, bias=False)
+        self.b = nn.Linear(D, D, bias=False)
+        self.b.weight = self.a.weight
+        self.out = nn.Linear(D, D)
+        self.a_first = True
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        first, second = (self.a, self.b) if self.a_first else (self.b, self.a)
+        h = torch.tanh(first(h))
+        h = torch.tanh(second(h * 0.5))
+        return self.out(h)
+
+
+def a_first_in_warmup(i, model):
+    model.a_first = i == 0
+
+
+@both
+@policies
+def test_tied_weight_read_first_by_the_other_module(policy, overlap, slow_worker):
+    """Fails under overlap: the shared weight's wait is at ``a``'s pre-hook only (``a`` ran first in the
+    warmup trace: memsched/first_use.py:53 keeps the first-called owner), ``b`` gets no wait hook
+    (memsched/waits.py:75-85 installs hooks for owners only), so when ``b`` runs first it reads the weight
+    before the worker updated its host chunk."""
+    slow_worker["host"] = 0.02
+    run_parity(TiedBare, policy, overlap, before=a_first_in_warmup, auto_capacity="63KiB")
