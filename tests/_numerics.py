@@ -166,3 +166,23 @@ def count_grad_copies(monkeypatch, copies: list) -> None:
         return original(self, p, c)
 
     monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
+
+
+class Branchy(nn.Module):
+    """``b`` runs only when ``use_b``: its parameters get no gradient in some steps. With chunk_numel=400
+    chunk 1 holds a.bias (always used), b (sometimes) and out (always used), chunk 0 inp and a.weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+        self.use_b = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
+        if self.use_b:
+            h = h + torch.tanh(self.b(h))
+        return self.out(h)

@@ -22,7 +22,7 @@ import memsched
 import memsched.checkpoint
 from memsched.optimizer import HybridAdamW
 from policies.types import HOST
-from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
+from tests._numerics import LR, WD, Branchy, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
 from tests.test_overlap import PLACEMENTS, accumulated, paused
 
 CPU = dict(PLACEMENTS["cpu"])
@@ -57,26 +57,6 @@ def assert_params_same(model, ref_model, what: str) -> None:
 
 
 # ---- 1. parameters that get no gradient in some steps ----------------------------------------------------
-
-class Branchy(nn.Module):
-    """``b`` runs only when ``use_b``; with chunk_numel=400 chunk 1 holds a.bias (always used), b (sometimes)
-    and out (always used), chunk 0 inp and a.weight (always used)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, 16)
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 4)
-        self.use_b = True
-
-    def forward(self, x):
-        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
-        if self.use_b:
-            h = h + torch.tanh(self.b(h))
-        return self.out(h)
-
 
 def branchy_batches(n: int):
     g = torch.Generator().manual_seed(3)

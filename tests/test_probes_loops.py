@@ -35,7 +35,7 @@ from torch import nn
 import memsched
 from memsched.models.gpt import GPT, GPTConfig
 from policies.types import DEVICE, HOST
-from tests._numerics import LR, WD, gpt_batches, gpt_loss, tiny_gpt
+from tests._numerics import LR, WD, Branchy, gpt_batches, gpt_loss, tiny_gpt
 from tests.test_overlap import PLACEMENTS, paused
 
 POLICIES = ["cpu", "static", "auto"]
@@ -149,25 +149,6 @@ def test_module_zero_grad_right_after_step(placement, overlap, set_to_none, slow
                 pair.ref.zero_grad(set_to_none=set_to_none)
             pair.check(f"step {i}")
         pair.check_state("end")
-
-
-class Branchy(nn.Module):
-    """``b`` runs only when ``use_b``: its parameters get no gradient in some steps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, 16)
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 4)
-        self.use_b = True
-
-    def forward(self, x):
-        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
-        if self.use_b:
-            h = h + torch.tanh(self.b(h))
-        return self.out(h)
 
 
 @pytest.mark.parametrize("zero", ["module-zeros", "module-none", "opt-zeros", "opt-none"])
