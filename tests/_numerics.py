@@ -169,16 +169,17 @@ def count_grad_copies(monkeypatch, copies: list) -> None:
 
 
 class Branchy(nn.Module):
-    """``b`` runs only when ``use_b``: its parameters get no gradient in some steps. With chunk_numel=400
-    chunk 1 holds a.bias (always used), b (sometimes) and out (always used), chunk 0 inp and a.weight."""
+    """``b`` runs only when ``use_b``: its parameters get no gradient in some steps. With the default sizes
+    and chunk_numel=400 chunk 1 holds a.bias (always used), b (sometimes) and out (always used), chunk 0 inp
+    and a.weight."""
 
-    def __init__(self) -> None:
+    def __init__(self, d_in: int = 8, width: int = 16, d_out: int = 4) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.inp = nn.Linear(8, 16)
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 4)
+        self.inp = nn.Linear(d_in, width)
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+        self.out = nn.Linear(width, d_out)
         self.use_b = True
 
     def forward(self, x):

@@ -37,7 +37,7 @@ import memsched
 from memsched.early_update import EarlyUpdates
 from memsched.optimizer import HybridAdamW
 from policies.types import DEVICE, HOST
-from tests._numerics import LR, WD
+from tests._numerics import LR, WD, Branchy
 from tests.test_overlap import paused
 
 D = 32  # width of every probe model
@@ -378,22 +378,6 @@ def test_layer_shared_across_depth(ckpt, policy, overlap, slow_worker):
 
 # ---- 5. branches taken on some steps only ------------------------------------------------------------------
 
-class Branch(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.a = nn.Linear(D, D)
-        self.b = nn.Linear(D, D)
-        self.out = nn.Linear(D, D)
-        self.use_b = True
-
-    def forward(self, x):
-        h = torch.tanh(self.a(torch.tanh(self.inp(x))))
-        if self.use_b:
-            h = h + torch.tanh(self.b(h))
-        return self.out(h)
-
-
 def b_on_even_steps(i, model):
     model.use_b = i % 2 == 0
 
@@ -408,7 +392,7 @@ def b_after_warmup(i, model):
 def test_branch_on_some_steps(before, policy, overlap, slow_worker):
     """``b`` gets no gradient on some steps (torch's AdamW skips it then); in the second case the warmup trace
     never saw it run."""
-    run_parity(Branch, policy, overlap, before=before)
+    run_parity(lambda: Branchy(D, D, D), policy, overlap, before=before)
 
 
 # ---- 6. others: parametrizations, buffers updated in forward, tied weights read first by a bare module -----
