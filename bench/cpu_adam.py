@@ -5,7 +5,7 @@ Run ``python bench/cpu_adam.py [--numel N] [--repeats R]`` (from the repository 
 
 What runs, in ONE process, on the same total parameter count (fp32, ``--numel`` elements):
 
-* ``memsched_chunk<K>M``: :func:`memsched.adam.fused_adamw_` once per flat chunk of ``K`` Mi elements,
+* ``memsched_chunk<K>M``: :func:`memsched.optim.adam.fused_adamw_` once per flat chunk of ``K`` Mi elements,
   which is what memsched's hybrid optimizer runs for host-resident chunks (idea: PatrickStar chunks +
   ZeRO-Offload's CPU Adam). Several chunk sizes, one of them (``--chunk-numel``) the headline.
 * ``torch_fused`` / ``torch_foreach`` / ``torch_forloop``: ``torch.optim.AdamW`` over per-parameter tensors
@@ -61,7 +61,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's 
 
 from bench._harness import summarize
 from bench._machine import write_result  # noqa: E402
-from memsched.adam import fused_adamw_  # noqa: E402
+from memsched.optim.adam import fused_adamw_  # noqa: E402
 from policies.units import format_bytes  # noqa: E402
 
 MI = 2**20

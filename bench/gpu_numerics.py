@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and 
 import memsched  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from bench.gpu_step_time import gpu_slug  # noqa: E402
-from memsched.transfers import Streams  # noqa: E402
+from memsched.devices.transfers import Streams  # noqa: E402
 from policies.types import HOST  # noqa: E402
 from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt  # noqa: E402
 

@@ -93,7 +93,7 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 def split_overlap(spec: str) -> tuple[str, bool | str]:
     """``"auto+overlap"`` -> ``("auto", True)``; ``"auto+backward"`` -> ``("auto", "backward")`` (the update
-    starts during backward, :mod:`memsched.early_update`); ``"auto"`` -> ``("auto", False)``."""
+    starts during backward, :mod:`memsched.optim.early_update`); ``"auto"`` -> ``("auto", False)``."""
     for suffix, overlap in (("+overlap", True), ("+backward", "backward")):
         if spec.endswith(suffix):
             return spec[: -len(suffix)], overlap

@@ -4,8 +4,8 @@ Run ``python bench/overlap_step.py`` from the repository root (about a minute). 
 thread (``torch.set_num_threads(1)``) and, with ``overlap``, one CPU-update thread. Three copies of an MLP
 train side by side on three stand-in devices with the ``static`` policy (``--offload`` of the optimizer
 state on the host: the last-used chunks), with ``overlap=False``, ``overlap=True`` (the CPU update overlaps
-the next forward) and ``overlap="backward"`` (it starts during backward, :mod:`memsched.early_update`), in
-interleaved blocks of ``--block`` steps (serial block, overlapped block, ...), so all see the same machine
+the next forward) and ``overlap="backward"`` (it starts during backward, :mod:`memsched.optim.early_update`),
+in interleaved blocks of ``--block`` steps (serial block, overlapped block, ...), so all see the same machine
 load. Blocks, not single steps: an overlapped run's CPU update must not run during another run's step. Each
 block ends with ``sched.synchronize()`` (the last update is inside the block's time). The batch and the
 offloaded share are sized so that the CPU update of the host chunks takes about as long as the forward.
@@ -47,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's 
 import memsched  # noqa: E402
 from bench._harness import summarize  # noqa: E402
 from bench._machine import write_result  # noqa: E402
-from memsched.exports.perfetto import write_perfetto  # noqa: E402
+from memsched.report.exports.perfetto import write_perfetto  # noqa: E402
 
 
 def mlp(width: int, depth: int) -> nn.Sequential:
@@ -168,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backward_dropped": runs["backward"]["sched"].optimizer.early_updates.dropped,
         "runs": out,
     }
-    # The cost model (memsched.cost_model) against the measured steps: from the warmup step alone, and with
-    # the steady-state forward and backward of the serial run.
+    # The cost model (memsched.planning.cost_model) against the measured steps: from the warmup step alone,
+    # and with the steady-state forward and backward of the serial run.
     for name, run in runs.items():
         sched = run["sched"]
         host = sum(c.hi - c.lo for c in sched.store.chunks if c.placement == "host")

@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's 
 from bench._harness import summarize  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from memsched.models.gpt import build_gpt  # noqa: E402
-from memsched.read_guard import ReadGuard  # noqa: E402
+from memsched.runtime.read_guard import ReadGuard  # noqa: E402
 
 
 class _Count(TorchFunctionMode):

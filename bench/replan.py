@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's 
 import memsched  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from memsched.models.gpt import build_gpt, lm_loss  # noqa: E402
-from memsched.prediction import gpt_workload, trace_step  # noqa: E402
+from memsched.planning.prediction import gpt_workload, trace_step  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

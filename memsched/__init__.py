@@ -4,8 +4,8 @@
 chunks, traces the first step(s), plans where each optimizer-state chunk lives and trains with
 ``sched.optimizer`` (a :class:`HybridAdamW`); see :mod:`memsched.scheduler`.
 
-The names below are imported on first use (PEP 562), not with the package: ``import memsched.cli`` (and so
-``memsched --help``) must not pay for importing torch.
+The names below are imported on first use (PEP 562), not with the package: ``import memsched.cli.main`` (and
+so ``memsched --help``) must not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from memsched.optimizer import HybridAdamW
+    from memsched.optim.hybrid_adamw import HybridAdamW
     from memsched.scheduler import Scheduler, attach
 
 # Public name -> the module that defines it.
-_LAZY = {"HybridAdamW": "memsched.optimizer", "Scheduler": "memsched.scheduler",
+_LAZY = {"HybridAdamW": "memsched.optim.hybrid_adamw", "Scheduler": "memsched.scheduler",
          "attach": "memsched.scheduler"}
 
 __all__ = ["HybridAdamW", "Scheduler", "attach", "__version__"]

@@ -1,5 +1,5 @@
 import sys
 
-from memsched.cli import main
+from memsched.cli.main import main
 
 sys.exit(main())

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from memsched.distributed.layout import param_shards
-from memsched.hyperparams import FROZEN_KEY
+from memsched.optim.hyperparams import FROZEN_KEY
 
 OPT_KEYS = ("exp_avg", "exp_avg_sq", "master")
 

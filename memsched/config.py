@@ -2,8 +2,8 @@
 
 ``attach`` keeps its keyword API; :func:`make_config` maps it onto :class:`SchedulerConfig` and is the one
 place each value is checked (the checks themselves live with what they check: policies in
-:mod:`policies`, the ratio in :func:`policies.types.check_ratio`, devices in :mod:`memsched.devices`,
-hyper-parameters in :mod:`memsched.hyperparams`, ZeRO options in :mod:`memsched.distributed`).
+:mod:`policies`, the ratio in :func:`policies.types.check_ratio`, devices in :mod:`memsched.devices.spec`,
+hyper-parameters in :mod:`memsched.optim.hyperparams`, ZeRO options in :mod:`memsched.distributed`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 import policies
-from memsched.devices import DeviceSpec, parse_device
-from memsched.hyperparams import check_hyperparameters, hyperparameter_groups
-from memsched.precision import check_dtype
+from memsched.devices.spec import DeviceSpec, parse_device
+from memsched.optim.hyperparams import check_hyperparameters, hyperparameter_groups
+from memsched.optim.precision import check_dtype
 from policies.types import check_ratio
 
 
@@ -65,7 +65,7 @@ class SchedulerConfig:
     chunk_numel: int | None
     overlap: bool = False
     replan: str = "auto"
-    early_update: bool = False  # overlap="backward" (memsched.early_update)
+    early_update: bool = False  # overlap="backward" (memsched.optim.early_update)
 
 
 def _check_warmup(n: Any) -> int:
@@ -123,7 +123,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
         TypeError: ``model`` is not an ``nn.Module``.
     """
     from memsched.distributed import as_timedelta, check_build_mode, check_zero_options
-    from memsched.early_update import check_overlap
+    from memsched.optim.early_update import check_overlap
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")

@@ -1,5 +1,5 @@
 """``memsched.attach``: trace during warmup, plan, then train with the hybrid optimizer (re-planning as the
-inputs' shapes change: :mod:`memsched.elastic`).
+inputs' shapes change: :mod:`memsched.planning.elastic`).
 
 The life of a :class:`Scheduler` (PatrickStar's warmup-then-schedule, arXiv 2108.05818 section 5; ColossalAI
 Gemini's warmup phase):
@@ -14,13 +14,15 @@ Gemini's warmup phase):
    the numbers), that error is raised from that ``step()``, whose update is nonetheless complete; the state
    stays on the host and training can go on.
 4. steady state: with ``replan="auto"`` each step's inputs may re-plan before their forward
-   (:mod:`memsched.elastic`); with ``overlap=True`` host chunks update on a worker (:mod:`memsched.overlap`).
+   (:mod:`memsched.planning.elastic`); with ``overlap=True`` host chunks update on a worker
+   (:mod:`memsched.optim.host_updates`).
 
-Devices (see :mod:`memsched.devices`): ``device=None`` picks CUDA when present, else the CPU. On the CPU, host
-and device memory are one: every chunk is device-resident from the start, no copies are made, and the plan is
-trivially "everything on the device" (the policy is not consulted; the warmup trace still runs for reports).
-On the stand-in ``sim:SIZE`` device the capacity is enforced by :class:`memsched.simdevice.SimDevice`, whose
-accounting is active from attach until :meth:`Scheduler.close` (or the end of ``with memsched.attach(...)``).
+Devices (see :mod:`memsched.devices.spec`): ``device=None`` picks CUDA when present, else the CPU. On the CPU,
+host and device memory are one: every chunk is device-resident from the start, no copies are made, and the
+plan is trivially "everything on the device" (the policy is not consulted; the warmup trace still runs for
+reports). On the stand-in ``sim:SIZE`` device the capacity is enforced by
+:class:`memsched.devices.simdevice.SimDevice`, whose accounting is active from attach until
+:meth:`Scheduler.close` (or the end of ``with memsched.attach(...)``).
 """
 
 from __future__ import annotations
@@ -36,21 +38,21 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import policies
 from memsched.chunks import Allocator, ChunkStore
-from memsched.compile_stance import EagerDuringWarmup
 from memsched.config import SchedulerConfig, make_config
-from memsched.cost_model import WarmupCosts
-from memsched.devices import DeviceSpec
-from memsched.elastic import Elastic, PlanChange
-from memsched.optimizer import HybridAdamW
-from memsched.ownership import ATTACHED, Installed, claim, release, weak_method
-from memsched.parallel import DataParallel
-from memsched.precision import LossScaler
-from memsched.scheduler_planning import PlanningMixin
-from memsched.scheduler_warmup import Phase, WarmupMixin
-from memsched.simdevice import OUT_OF_MEMORY, SimDevice
-from memsched.step_timeline import StepTimeline
-from memsched.transfers import Streams, TransferStats
-from memsched.waits import H2DWaits
+from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
+from memsched.devices.spec import DeviceSpec
+from memsched.devices.transfers import Streams, TransferStats
+from memsched.distributed.base import DataParallel
+from memsched.optim.hybrid_adamw import HybridAdamW
+from memsched.optim.precision import LossScaler
+from memsched.planning.cost_model import WarmupCosts
+from memsched.planning.elastic import Elastic, PlanChange
+from memsched.planning.planner import PlanningMixin
+from memsched.runtime.compile_stance import EagerDuringWarmup
+from memsched.runtime.waits import H2DWaits
+from memsched.runtime.warmup import Phase, WarmupMixin
+from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
+from memsched.telemetry.step_timeline import StepTimeline
 from policies.types import DEVICE, HOST, PlacementPlan
 
 
@@ -68,9 +70,10 @@ class Scheduler(WarmupMixin, PlanningMixin):
     (optimizer steps taken, skipped fp16 steps included), ``plan`` (the :class:`policies.PlacementPlan` in
     force; ``None`` until there is one), ``problem`` (the :class:`policies.PlacementProblem` it solved;
     ``None`` until warmup ends), ``timeline`` (the warmup trace; ``None`` until warmup ends), ``device``
-    (:class:`memsched.devices.DeviceSpec`), ``sim`` (the stand-in device or ``None``), ``store`` (the chunks),
-    ``dp`` (the data parallelism: :class:`memsched.parallel.DataParallel`, one rank or ZeRO), ``plan_history``
-    (:class:`memsched.elastic.PlanChange` list, oldest first: the end-of-warmup plan, then each re-plan).
+    (:class:`memsched.devices.spec.DeviceSpec`), ``sim`` (the stand-in device or ``None``), ``store`` (the
+    chunks), ``dp`` (the data parallelism: :class:`memsched.distributed.base.DataParallel`, one rank or ZeRO),
+    ``plan_history`` (:class:`memsched.planning.elastic.PlanChange` list, oldest first: the end-of-warmup
+    plan, then each re-plan).
     """
 
     def __init__(self, model: torch.nn.Module, config: SchedulerConfig) -> None:
@@ -144,9 +147,10 @@ class Scheduler(WarmupMixin, PlanningMixin):
         self.optimizer = HybridAdamW(
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
             transfers=self.transfers, scaler=self.scaler,
-            capacity_check=self.sim.require if self.sim is not None else None, names=self.names)
+            capacity_check=self.sim.require if self.sim is not None else None, names=self.names,
+            dp=self.dp)
         self.optimizer.owner_thread = threading.get_ident()
-        self.store.on_grads_ready_cb = self.optimizer.grads_ready
+        self.store.observe_grads_ready(self.optimizer.grads_ready)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
@@ -161,7 +165,8 @@ class Scheduler(WarmupMixin, PlanningMixin):
         self._finalizer = weakref.finalize(self, inst.remove)
         self.waits.install(())
         self.plan_history: list[PlanChange] = []
-        self.warmup_costs: WarmupCosts | None = None  # measured in the last warmup step (memsched.cost_model)
+        # measured in the last warmup step (memsched.planning.cost_model)
+        self.warmup_costs: WarmupCosts | None = None
         self.predicted_step: dict[str, Any] | None = None  # the modelled step of the plan in force
         self.optimizer.timeline.start()  # warmup steps are recorded too: the cost model reads the last one
         self.elastic: Elastic | None = None
@@ -184,13 +189,13 @@ class Scheduler(WarmupMixin, PlanningMixin):
 
     @property
     def step_timeline(self) -> StepTimeline:
-        """The last steps' time spans after warmup (:class:`memsched.step_timeline.StepTimeline`):
+        """The last steps' time spans after warmup (:class:`memsched.telemetry.step_timeline.StepTimeline`):
         ``.records``, ``.summaries()``, ``.mean_summary()``, ``.to_perfetto_events()``."""
         return self.optimizer.timeline
 
     def _install_h2d_waits(self) -> None:
-        """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.waits.H2DWaits`), also where
-        copies are synchronous (tests check where the waits are)."""
+        """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.runtime.waits.H2DWaits`),
+        also where copies are synchronous (tests check where the waits are)."""
         self.waits.needed = True
         self.waits.install(self.traced_modules())
 
@@ -202,7 +207,7 @@ class Scheduler(WarmupMixin, PlanningMixin):
         ``close()`` wait by themselves.
 
         Raises:
-            memsched.overlap.OverlapError: the overlapped update failed.
+            memsched.optim.host_updates.OverlapError: the overlapped update failed.
         """
         self.waits.synchronize()
 
@@ -217,7 +222,8 @@ class Scheduler(WarmupMixin, PlanningMixin):
                 self.optimizer.note_scaled_backward()
         except OUT_OF_MEMORY:
             if self.elastic is not None:
-                self.elastic.on_oom()  # nothing was updated; the next step makes room (memsched.elastic)
+                # nothing was updated; the next step makes room (memsched.planning.elastic)
+                self.elastic.on_oom()
             raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -249,8 +255,8 @@ class Scheduler(WarmupMixin, PlanningMixin):
         return self.transfers.as_dict()
 
     def report(self, **kwargs: Any) -> Any:
-        """Render the memory report (timeline + plan + transfer volumes) with :mod:`memsched.report`."""
-        from memsched.report import render_report
+        """Render the memory report (timeline + plan + transfer volumes) with :mod:`memsched.report.text`."""
+        from memsched.report.text import render_report
 
         if self.timeline is None:
             raise ValueError("no timeline yet: the report is available after the warmup steps")
@@ -271,7 +277,7 @@ class Scheduler(WarmupMixin, PlanningMixin):
                 c.wait_d2h()
             self._stop_tracer()  # keeps the warmup timeline
         finally:
-            self._finalizer()  # removes everything else (memsched.ownership.Installed.remove)
+            self._finalizer()  # removes everything else (memsched.teardown.Installed.remove)
 
     def __enter__(self) -> Scheduler:
         return self
@@ -316,13 +322,15 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             :mod:`memsched.distributed.build`.
         overlap: after warmup, ``optimizer.step()`` returns once the device chunks are updated; the host
             chunks are updated on a CPU worker thread while the next forward runs, each module waiting only
-            for its own chunks (:mod:`memsched.overlap`). Bit-identical to the serial step. ``"backward"``:
-            also each host chunk's update starts during backward, as soon as its gradients are complete, into
-            a spare host state that ``step()`` swaps in when it equals the step's own update
-            (:mod:`memsched.early_update`; one rank; costs a second host copy of the host chunks' state).
+            for its own chunks (:mod:`memsched.optim.host_updates`). Bit-identical to the serial step.
+            ``"backward"``: also each host chunk's update starts during backward, as soon as its gradients are
+            complete, into a spare host state that ``step()`` swaps in when it equals the step's own update
+            (:mod:`memsched.optim.early_update`; one rank; costs a second host copy of the host chunks'
+            state).
         replan: ``"auto"`` (default): after warmup the plan follows the inputs' shapes and out-of-memory
-            errors, re-planned before the forward that needs it (:mod:`memsched.elastic`; the changes are in
-            ``sched.plan_history``); ``"off"``: the warmup plan stays. Nothing to plan on ``device="cpu"``.
+            errors, re-planned before the forward that needs it (:mod:`memsched.planning.elastic`; the changes
+            are in ``sched.plan_history``); ``"off"``: the warmup plan stays. Nothing to plan on
+            ``device="cpu"``.
 
     Returns:
         the :class:`Scheduler`; train with ``sched.backward(loss); sched.optimizer.step();
@@ -335,7 +343,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             bad dtype or hyper-parameter, a ``chunk_numel`` below the largest parameter.
         TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: memsched (or a :class:`tracer.MemoryTracer`) is already attached to ``model``.
-        memsched.simdevice.SimOutOfMemoryError: the stand-in cannot even hold the chunk buffers.
+        memsched.devices.simdevice.SimOutOfMemoryError: the stand-in cannot even hold the chunk buffers.
         ValueError (ZeRO): a ``zero_stage``, ``fetch`` or ``chunk_build`` not among the allowed values.
         memsched.distributed.ZeroCommError: another rank did not reach attach within ``dist_timeout``.
     """

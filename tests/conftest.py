@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from memsched.early_update import EarlyUpdates
-from memsched.optimizer import HybridAdamW
+from memsched.optim.early_update import EarlyUpdates
+from memsched.optim.hybrid_adamw import HybridAdamW
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from memsched.chunks import (
     search_chunk_size,
 )
 from memsched.chunks.layout import _greedy_waste
-from memsched.planning import build_problem
+from memsched.planning.problem import build_problem
 from policies.types import DEVICE, HOST
 
 
@@ -243,7 +243,7 @@ def test_build_problem_on_meta_matches_the_real_chunks():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
     from memsched.chunks import pinned_bytes
-    from memsched.planning import build_problem
+    from memsched.planning.problem import build_problem
     from policies.types import HOST
 
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))

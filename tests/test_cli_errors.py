@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memsched.cli import main
+from memsched.cli.main import main
 from tracer.timeline import SCHEMA, VERSION
 
 

@@ -10,12 +10,12 @@ import textwrap
 
 import pytest
 
-from memsched.cli import COMMANDS
+from memsched.cli.main import COMMANDS
 
 # Run in a fresh interpreter: this test process has imported torch long ago.
 PROBE = textwrap.dedent("""
     import contextlib, io, json, sys
-    from memsched.cli import build_parser, main
+    from memsched.cli.main import build_parser, main
     build_parser()
     helps = {}
     for argv in [["--help"], *[[name, "--help"] for name in sys.argv[1:]]]:
@@ -49,7 +49,7 @@ def test_python_dash_m_memsched_help() -> None:
 def test_lazy_names_still_import() -> None:
     import memsched
     import memsched.models
-    from memsched.optimizer import HybridAdamW
+    from memsched.optim.hybrid_adamw import HybridAdamW
     from memsched.scheduler import attach
 
     assert memsched.attach is attach and memsched.HybridAdamW is HybridAdamW
@@ -64,8 +64,8 @@ def test_lazy_names_still_import() -> None:
 def test_the_parsers_choices_match_what_the_commands_run() -> None:
     import torch
 
-    from memsched.commands import parsers, plan
-    from memsched.prediction import ATTENTION
+    from memsched.cli import parsers, plan
+    from memsched.planning.prediction import ATTENTION
 
     assert parsers.ATTENTION == ATTENTION
     assert plan.DTYPES == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -75,7 +75,7 @@ def test_demo_overlap_takes_an_optional_mode():
     """``--overlap`` alone is attach(overlap=True); ``--overlap backward`` is attach(overlap="backward")."""
     import argparse
 
-    from memsched.commands.parsers import add_demo
+    from memsched.cli.parsers import add_demo
 
     ap = argparse.ArgumentParser()
     add_demo(ap.add_subparsers(dest="cmd"))

@@ -23,10 +23,10 @@ from unittest import mock
 import pytest
 import torch
 
-from memsched import exports
-from memsched.cli import COMMANDS, build_parser, main
-from memsched.commands import demo
-from memsched.report import module_label, peak_total
+from memsched.cli import demo
+from memsched.cli.main import COMMANDS, build_parser, main
+from memsched.report import exports
+from memsched.report.text import module_label, peak_total
 from policies.units import format_bytes
 from tracer.timeline import MemoryTimeline
 
@@ -154,7 +154,7 @@ def test_trace_json_has_the_timelines_numbers_and_the_exports(runs, scratch) -> 
     doc = _document(runs, "trace")
     _, _, err = runs["trace"]
     assert "building the chatty model" in err and "one chatty step" in err  # the TARGET's prints: stderr
-    assert doc["schema"] == "memsched.report" and doc["version"] == 1 and doc["command"] == "trace"
+    assert doc["schema"] == "memsched.report.text" and doc["version"] == 1 and doc["command"] == "trace"
     kinds = {"json", "perfetto", "memory_viz"} | ({"png"} if exports.png_available() else set())
     assert set(doc["exports"]) == kinds
     assert all(Path(path).is_file() for path in doc["exports"].values())
@@ -247,7 +247,7 @@ def test_demo_json_is_the_runs_report_plan_and_exports(runs, scratch) -> None:
     doc = _document(runs, "demo")
     _, _, err = runs["demo"]
     assert "memsched demo: GPT tiny" in _plain(err)  # the header (and the progress) went to stderr
-    assert doc["schema"] == "memsched.report" and doc["command"] == "demo"
+    assert doc["schema"] == "memsched.report.text" and doc["command"] == "demo"
     out = scratch / "demo"
     assert doc["exports"]["json"] == str(out / "trace.json")
     assert doc["exports"]["plan"] == str(out / "plan.json")

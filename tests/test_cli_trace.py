@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from memsched.cli import main
+from memsched.cli.main import main
 from memsched.target import Workload, build_workload, load_target
 from policies.units import format_bytes
 from tracer.timeline import MemoryTimeline

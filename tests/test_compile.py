@@ -96,10 +96,10 @@ class _Probe:
 
 
 def test_elastic_pre_hook_compiles_to_nothing_when_no_replan_is_needed():
-    """The re-planning pre-hook under Dynamo (memsched.elastic): a measured signature within the plan in
-    force passes with no graph break and no recompilation; a larger input or a pending out-of-memory error
+    """The re-planning pre-hook under Dynamo (memsched.planning.elastic): a measured signature within the plan
+    in force passes with no graph break and no recompilation; a larger input or a pending out-of-memory error
     runs the eager check (which re-plans) through one graph break."""
-    from memsched.elastic import Elastic
+    from memsched.planning.elastic import Elastic
 
     torch._dynamo.reset()
     counters.clear()

@@ -340,7 +340,7 @@ def test_compiled_code_in_an_eager_forward_waits_for_the_update_in_flight(how):
 ELASTIC_DYNAMIC = """
 import torch
 from torch._dynamo.utils import counters
-from memsched.elastic import Elastic
+from memsched.planning.elastic import Elastic
 
 class Probe:
     base = None

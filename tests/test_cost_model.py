@@ -1,12 +1,12 @@
-"""memsched.cost_model: the predicted step of a plan from the warmup step's record."""
+"""memsched.planning.cost_model: the predicted step of a plan from the warmup step's record."""
 
 from __future__ import annotations
 
 import pytest
 
 import memsched
-from memsched.cost_model import WarmupCosts
-from memsched.step_timeline import CPU_UPDATE, MAIN, Span, StepRecord
+from memsched.planning.cost_model import WarmupCosts
+from memsched.telemetry.step_timeline import CPU_UPDATE, MAIN, Span, StepRecord
 from tests._numerics import LR, WD, gpt_batches, gpt_loss, tiny_gpt
 
 

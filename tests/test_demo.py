@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memsched.cli import main
-from memsched.commands import demo
+from memsched.cli import demo
+from memsched.cli.main import main
 from tracer.timeline import MemoryTimeline
 
 SMALL = ["--size", "tiny", "--batch-size", "8", "--seq-len", "64"]
@@ -44,8 +44,8 @@ def test_demo_loss_goes_down_and_writes_exports(tmp_path: Path, capsys) -> None:
 
 def test_stand_in_capacity_gives_auto_a_real_split() -> None:
     import policies
-    from memsched.commands.plan import gpt_workload, trace_step
-    from memsched.planning import build_problem
+    from memsched.cli.plan import gpt_workload, trace_step
+    from memsched.planning.problem import build_problem
 
     cap = demo.stand_in_capacity("tiny", 8, 64)
     assert cap % demo.STAND_IN_GRANULE == 0

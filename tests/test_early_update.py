@@ -1,6 +1,7 @@
 """overlap="backward": host chunks are updated during backward into spare state and committed at the step
-only when that equals the step's own update (memsched.early_update): bit for bit torch.optim.AdamW(fused=True)
-whatever happens between backward and step, and the committed updates really were made during backward.
+only when that equals the step's own update (memsched.optim.early_update): bit for bit
+torch.optim.AdamW(fused=True) whatever happens between backward and step, and the committed updates really
+were made during backward.
 
 The worker is slowed down (a sleep before each update during backward and each update at the step) so that
 a missing wait shows as a wrong number.

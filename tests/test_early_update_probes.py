@@ -1,4 +1,4 @@
-"""Probes of overlap="backward" (memsched.early_update) with user behaviour the main tests do not cover:
+"""Probes of overlap="backward" (memsched.optim.early_update) with user behaviour the main tests do not cover:
 parameters without a gradient in some steps, tied weights with accumulation and ``model.zero_grad()``,
 checkpoints and state dicts between backward and step, LR schedulers and tensor hyper-parameters, bf16 and
 fp16 with an overflow, exceptions between backward and step, and reads between backward and step. Each run is
@@ -20,7 +20,7 @@ from torch import nn
 
 import memsched
 import memsched.checkpoint
-from memsched.optimizer import HybridAdamW
+from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import HOST
 from tests._numerics import LR, WD, Branchy, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
 from tests.test_overlap import PLACEMENTS, accumulated, paused

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import memsched
-from memsched.elastic import exceeds, signature
+from memsched.devices.simdevice import SimOutOfMemoryError
 from memsched.models.gpt import GPT, GPTConfig, lm_loss
-from memsched.simdevice import SimOutOfMemoryError
+from memsched.planning.elastic import exceeds, signature
 from policies.types import DEVICE, HOST
 from tests._dist_utils import run_ranks
 
@@ -280,7 +280,7 @@ def test_shrinks_back_after_a_run_of_smaller_steps():
 
 
 def test_seen_signatures_stay_the_maximal_few():
-    from memsched.elastic import add_maximal
+    from memsched.planning.elastic import add_maximal
 
     seen: list = []
     for seq in [32, 16, 64, 48, 128, 8]:  # every batch its own length

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memsched import exports
+from memsched.report import exports
 from tracer.timeline import MemoryTimeline, Sample
 
 MiB = 2**20

@@ -1,5 +1,6 @@
-"""The plan's machine inputs: the host memory budget (memsched.host_memory, the stand-in's ``host=SIZE``, the
-check at the end of warmup) and the allocator fragmentation measured from CUDA samples (memsched.planning)."""
+"""The plan's machine inputs: the host memory budget (memsched.devices.host_memory, the stand-in's
+``host=SIZE``, the check at the end of warmup) and the allocator fragmentation measured from CUDA samples
+(memsched.planning.problem)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from torch import nn
 
 import memsched
 import policies
-from memsched.devices import parse_device
-from memsched.host_memory import host_budget, local_world_size, memlock_limit_bytes
-from memsched.parallel import DataParallel
-from memsched.planning import machine_inputs, measured_fragmentation_bytes
+from memsched.devices.host_memory import host_budget, local_world_size, memlock_limit_bytes
+from memsched.devices.spec import parse_device
+from memsched.distributed.base import DataParallel
+from memsched.planning.problem import machine_inputs, measured_fragmentation_bytes
 from policies.types import DEVICE, HOST
 from tracer.timeline import MemoryTimeline, Sample
 
@@ -257,8 +258,8 @@ def test_ranks_agree_on_the_smallest_host_budget_and_refuse_together() -> None:
 
 def test_initial_host_state_over_the_budget_is_refused_with_the_numbers():
     """On CUDA all optimizer state is pinned at attach, before any plan: the scheduler checks it first
-    (memsched.host_memory.check_initial_host_state; the CUDA path itself needs a GPU)."""
-    from memsched.host_memory import check_initial_host_state
+    (memsched.devices.host_memory.check_initial_host_state; the CUDA path itself needs a GPU)."""
+    from memsched.devices.host_memory import check_initial_host_state
 
     budget = host_budget(pinned=True, read_available=lambda: 3 * GiB)
     check_initial_host_state(3 * GiB, budget)  # fits: nothing raised

@@ -13,7 +13,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memsched
-from memsched.simdevice import SimOutOfMemoryError
+from memsched.devices.simdevice import SimOutOfMemoryError
 
 
 def net() -> nn.Module:

@@ -12,8 +12,8 @@ from torch import nn
 
 import memsched
 from memsched.chunks import Allocator, ChunkStore
-from memsched.optimizer import HybridAdamW
-from memsched.transfers import Streams, TransferStats
+from memsched.devices.transfers import Streams, TransferStats
+from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import DEVICE, HOST
 
 RTOL = 1e-6

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import memsched
-from memsched.optimizer import HybridAdamW
-from memsched.overlap import OverlapError
+from memsched.optim.host_updates import OverlapError
+from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import HOST
 from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
 
@@ -310,7 +310,7 @@ def test_compute_stream_waits_for_the_gradient_copies_after_an_overlapped_step(m
     waits for each itself); the compute stream must wait for them, or an in-place write memsched cannot see
     (``model.zero_grad(set_to_none=False)``) would change the gradients under a copy. Here copies are
     synchronous: every copy returns a stand-in event, and the stream waits are recorded."""
-    from memsched.transfers import Streams
+    from memsched.devices.transfers import Streams
 
     class Event:
         def synchronize(self) -> None:
@@ -358,9 +358,9 @@ class _ParentReadsChild(torch.nn.Module):
 
 
 def test_a_read_before_its_module_waits_at_the_read_and_the_guard_leaves(slow_worker):
-    """The read guard (memsched.read_guard) waits for the chunk at the functional read (a span of the step
-    timeline says so), results equal torch's, and no torch function mode is left after the forward, after a
-    forward that raised, or after close()."""
+    """The read guard (memsched.runtime.read_guard) waits for the chunk at the functional read (a span of the
+    step timeline says so), results equal torch's, and no torch function mode is left after the forward, after
+    a forward that raised, or after close()."""
     model = _ParentReadsChild()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from memsched.console import DEFAULT_WIDTH, make_console, output_width
-from memsched.progress import StepStats, TrainingProgress
+from memsched.report.console import DEFAULT_WIDTH, make_console, output_width
+from memsched.report.progress import StepStats, TrainingProgress
 
 # Variables that make rich treat any output as a terminal; CI systems set some of them.
 FORCING = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "JUPYTER_COLUMNS", "COLUMNS")

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from memsched.chunks import STEP_BYTES
-from memsched.cli import main
-from memsched.commands.argtypes import positive_int_list
-from memsched.commands.plan import (
+from memsched.cli.argtypes import positive_int_list
+from memsched.cli.main import main
+from memsched.cli.plan import (
     VERDICTS,
     fake_device,
     gpt_workload,
@@ -20,7 +20,7 @@ from memsched.commands.plan import (
     trace_step,
     verdict,
 )
-from memsched.gpus import get_gpu, gpu_names
+from memsched.devices.gpus import get_gpu, gpu_names
 from memsched.models import build_gpt
 from policies.units import format_bytes
 
@@ -133,7 +133,7 @@ def test_bf16_adds_the_fp32_master_and_keeps_ties() -> None:
 def test_module_to_works_on_fake_models() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memsched.commands.plan import fake_module_conversions
+    from memsched.cli.plan import fake_module_conversions
 
     with FakeTensorMode(), fake_module_conversions():
         model = build_gpt("tiny")

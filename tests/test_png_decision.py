@@ -14,8 +14,8 @@ from torch import nn
 
 import memsched
 import policies
-from memsched import exports
-from memsched.plan_report import DecisionFigures, plan_panel
+from memsched.report import exports
+from memsched.report.plan import DecisionFigures, plan_panel
 from policies.types import DEVICE, HOST, ChunkSpec, PlacementProblem
 from policies.units import format_bytes
 from tracer.timeline import MemoryTimeline, Sample

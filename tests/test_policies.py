@@ -631,7 +631,7 @@ def test_static_suggestion_always_fits(p: PlacementProblem, frac: float) -> None
 
 
 def test_cli_lists_one_line_per_policy(capsys: pytest.CaptureFixture[str]) -> None:
-    from memsched.cli import main
+    from memsched.cli.main import main
 
     assert main(["policies"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -645,7 +645,7 @@ def test_cli_lists_one_line_per_policy(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_cli_verbose_and_json(capsys: pytest.CaptureFixture[str], scratch: list[str]) -> None:
-    from memsched.cli import main
+    from memsched.cli.main import main
 
     scratch.append("zz-custom")
     policies.register("zz-custom", options={"n": (int, 2, "how many")}, help="A custom one.")(

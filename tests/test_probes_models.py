@@ -1,12 +1,12 @@
 """Probes of unusual model structures against ``torch.optim.AdamW(fused=True)``, bit for bit.
 
 memsched installs per-module forward pre-hooks (the overlapped update's waits, placed at the first traced
-module that may read a parameter: :mod:`memsched.first_use`), post-accumulate-grad hooks (which parameters
-have a gradient, when a chunk's gradients are complete for ``overlap="backward"``) and a warmup tracer. Each
-probe below is a model whose structure strains one of those assumptions: activation checkpointing (forward
-hooks run again during backward; ``use_reentrant=True`` runs nested backward passes), layers called out of
-registration order or in an order that changes between steps, parameters read by a module that does not own
-them or only in the loss, one layer applied several times per forward, branches taken on some steps only,
+module that may read a parameter: :mod:`memsched.planning.first_use`), post-accumulate-grad hooks (which
+parameters have a gradient, when a chunk's gradients are complete for ``overlap="backward"``) and a warmup
+tracer. Each probe below is a model whose structure strains one of those assumptions: activation checkpointing
+(forward hooks run again during backward; ``use_reentrant=True`` runs nested backward passes), layers called
+out of registration order or in an order that changes between steps, parameters read by a module that does not
+own them or only in the loss, one layer applied several times per forward, branches taken on some steps only,
 parametrizations, buffers updated in forward, and tied weights read first by a module without parameters of
 its own.
 
@@ -34,8 +34,8 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import checkpoint
 
 import memsched
-from memsched.early_update import EarlyUpdates
-from memsched.optimizer import HybridAdamW
+from memsched.optim.early_update import EarlyUpdates
+from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import DEVICE, HOST
 from tests._numerics import LR, WD, Branchy
 from tests.test_overlap import paused
@@ -338,9 +338,9 @@ def test_parameters_read_only_in_the_loss_after_the_forward(policy, overlap, slo
 @policies
 def test_parameters_read_only_in_the_loss_before_the_forward(policy, overlap, slow_worker):
     """The same penalty computed before ``model(x)`` in the loss function: the first read of ``extra`` and
-    ``aux.weight`` in the step happens before any module forward, outside what memsched.read_guard covers
-    (the root's forward). The README's rule for reads outside a forward is ``sched.synchronize()`` first;
-    with it the run is exact."""
+    ``aux.weight`` in the step happens before any module forward, outside what memsched.runtime.read_guard
+    covers (the root's forward). The README's rule for reads outside a forward is ``sched.synchronize()``
+    first; with it the run is exact."""
     slow_worker["host"] = 0.02
     run_parity(WithExtra, policy, overlap, loss_fn=loss_reading_before_forward, auto_capacity="152KiB",
                synchronize_first=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memsched
-from memsched.simdevice import SimOutOfMemoryError
+from memsched.devices.simdevice import SimOutOfMemoryError
 from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
 
 BATCHES = gpt_batches(4, batch=1, seq=4)  # small activations: the chunk buffers dominate the device memory

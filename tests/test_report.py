@@ -7,8 +7,8 @@ import io
 import pytest
 from rich.console import Console
 
-from memsched.category_bars import CATEGORY_COLORS, CATEGORY_SYMBOLS, StackedBar
-from memsched.report import (
+from memsched.report.category_bars import CATEGORY_COLORS, CATEGORY_SYMBOLS, StackedBar
+from memsched.report.text import (
     module_label,
     render_report,
     report_renderables,
@@ -302,7 +302,7 @@ def test_transfer_stats_dict_shows_last_step_and_chunk_moves():
         "last_h2d_bytes": 4 * MiB,
         "last_d2h_bytes": 2 * MiB,
         "chunk_moves_bytes": 5 * MiB,
-    }  # memsched.transfers.TransferStats.as_dict()
+    }  # memsched.devices.transfers.TransferStats.as_dict()
     console = record(100)
     render_report(make_timeline(), transfers=stats, console=console)
     text = console.export_text()

@@ -10,7 +10,7 @@ from torch import nn
 
 import memsched
 import policies
-from memsched.devices import parse_device
+from memsched.devices.spec import parse_device
 from policies.types import DEVICE, HOST
 
 
@@ -102,8 +102,8 @@ def test_device_none_without_cuda_is_the_cpu():
 
 
 def test_report_renders():
-    if importlib.util.find_spec("memsched.report") is None:
-        pytest.skip("memsched.report not there yet")
+    if importlib.util.find_spec("memsched.report.text") is None:
+        pytest.skip("memsched.report.text not there yet")
     from rich.console import Console
 
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import memsched
-from memsched.devices import parse_device
+from memsched.devices.spec import parse_device
 from policies.types import DEVICE, HOST
 
 pytestmark = [pytest.mark.cuda,
@@ -174,7 +174,8 @@ def test_torch_zero_grad_in_place_right_after_an_overlapped_step():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_compiled_on_cuda_bit_exact_with_one_graph_break(overlap):
     """torch.compile on CUDA with host chunks: the per-module H2D waits compile to nothing and the root waits
-    for every chunk once, eagerly (memsched.waits): one graph break, one graph per side of it, bit-exact."""
+    for every chunk once, eagerly (memsched.runtime.waits): one graph break, one graph per side of it,
+    bit-exact."""
     from torch._dynamo.utils import counters
 
     from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt

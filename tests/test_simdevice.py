@@ -8,8 +8,8 @@ from torch import nn
 
 import memsched
 import policies
-from memsched.devices import parse_device
-from memsched.simdevice import SimDevice, SimOutOfMemoryError
+from memsched.devices.simdevice import SimDevice, SimOutOfMemoryError
+from memsched.devices.spec import parse_device
 from policies.types import DEVICE, HOST
 
 
@@ -136,7 +136,7 @@ def test_step_that_does_not_fit_raises_before_changing_anything():
 
 
 def test_cuda_capacity_leaves_out_the_context_and_other_processes():
-    from memsched.devices import usable_bytes
+    from memsched.devices.spec import usable_bytes
 
     gib = 2**30
     # 80 GiB card: 1 GiB CUDA context + 9 GiB another process; this process's allocator holds 2 GiB

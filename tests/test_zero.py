@@ -359,7 +359,7 @@ def _report_rank(rank: int, world: int, path: str) -> dict | None:
 
     from rich.console import Console
 
-    from memsched.distributed.report import rank_summary, write_rank_reports
+    from memsched.report.ranks import rank_summary, write_rank_reports
     from policies.units import format_bytes
 
     model = make_model()

@@ -15,8 +15,8 @@ The package has these layers:
 * :mod:`.chunk` and :mod:`.store`: the runtime objects (:class:`Chunk`, :class:`ChunkStore`) that own them.
 
 Data parallelism: a chunk's optimizer state covers a shard ``[lo, hi)`` of the chunk (one rank: the whole
-chunk). The store tells its :class:`memsched.parallel.DataParallel` when a chunk's gradients are ready (a
-reduce-scatter goes there) and after its update (an all-gather goes there); re-packing
+chunk). The store tells its :class:`memsched.distributed.base.DataParallel` when a chunk's gradients are ready
+(a reduce-scatter goes there) and after its update (an all-gather goes there); re-packing
 (:meth:`ChunkStore.repack`) assumes whole-chunk shards, so it runs between unsharding and sharding.
 """
 

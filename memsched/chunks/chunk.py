@@ -64,8 +64,8 @@ class Chunk:
         self.d2h_event = None  # CUDA event of the in-flight D2H copy of the gradients (at step)
         self.h2d_event = None  # CUDA event of the in-flight H2D copy of the updated parameters
         self.initial_master = initial_master  # fp32 host values until the first init_state (mixed precision)
-        # A second host state of the same layout (overlap="backward", memsched.early_update): the update made
-        # during backward is written there and swapped in at the step (swap_spare), or dropped.
+        # A second host state of the same layout (overlap="backward", memsched.optim.early_update): the update
+        # made during backward is written there and swapped in at the step (swap_spare), or dropped.
         self.spare: dict[str, torch.Tensor | None] | None = None
 
     @property
@@ -147,7 +147,8 @@ class Chunk:
         self.staging = new["staging"]
         self.d2h_event = None
 
-    # -- spare host state (memsched.early_update) -----------------------------------------------------------
+    # -- spare host state (memsched.optim.early_update)
+    # -----------------------------------------------------------
     def alloc_spare(self, alloc: Allocator) -> None:
         """Allocate the spare host state (the layout of the host state; pinned like it) if missing.
 

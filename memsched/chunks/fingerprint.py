@@ -1,7 +1,7 @@
 """Exact fingerprints of gradient buffers: did anything write them between two moments?
 
-The early D2H copy of a host chunk's gradients (during backward, :mod:`memsched.optimizer`) is only used at
-the step if the gradients did not change in between (clipping, an unscale, ``p.grad.mul_()``, a second
+The early D2H copy of a host chunk's gradients (during backward, :mod:`memsched.optim.hybrid_adamw`) is only
+used at the step if the gradients did not change in between (clipping, an unscale, ``p.grad.mul_()``, a second
 backward). Version counters cannot tell (they do not move through ``.data`` or under a dispatch mode), so
 the buffer itself is fingerprinted, on its own device, from the bit patterns of its elements ``x_i`` (as
 integers):

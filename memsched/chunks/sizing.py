@@ -50,8 +50,8 @@ def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
     """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
 
     Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
-    on the device and a compute-dtype H2D staging buffer on the host. Used by :mod:`memsched.planning` and
-    checked against the real tensors of :class:`Chunk` in the tests.
+    on the device and a compute-dtype H2D staging buffer on the host. Used by :mod:`memsched.planning.problem`
+    and checked against the real tensors of :class:`Chunk` in the tests.
     """
     shard = chunk_numel if shard_numel is None else shard_numel
     cb = dtype_bytes(compute_dtype)

@@ -8,8 +8,8 @@ import torch
 
 from memsched.chunks.buffers import Allocator
 from memsched.chunks.chunk import Chunk
+from memsched.chunks.events import ChunkEvents, OneProcess
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
-from memsched.parallel import DataParallel
 from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
 from tracer.ops import graph_task_id
@@ -24,10 +24,11 @@ class ChunkStore:
         alloc: where buffers come from.
         compute_dtype: dtype of the compute and gradient buffers (fp32 masters are kept when it is not fp32).
         chunk_numel: chunk size override (elements); ``None`` = searched.
-        on_grads_ready: ``f(chunk)`` called when all of a chunk's gradients are complete in a backward.
-        dp: the data parallelism (:class:`memsched.parallel.DataParallel`; default one rank): told when a
-            chunk's gradients are ready, after its update and before gradients are zeroed; its ``align``
-            aligns the parameters in the chunks (:func:`build_layout`).
+        on_grads_ready: an observer (:meth:`observe_grads_ready`), or ``None``.
+        dp: the data parallelism (:class:`memsched.chunks.events.ChunkEvents`, implemented by
+            :class:`memsched.distributed.base.DataParallel`; default one process): told when a chunk's
+            gradients are ready, after its update and before gradients are zeroed; its ``align`` aligns the
+            parameters in the chunks (:func:`build_layout`).
 
     Raises:
         ValueError: a parameter is on the meta device or the groups are empty.
@@ -36,13 +37,15 @@ class ChunkStore:
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
                  compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
                  on_grads_ready: Callable[[Chunk], None] | None = None,
-                 dp: DataParallel | None = None) -> None:
+                 dp: ChunkEvents | None = None) -> None:
         self.groups = [list(g) for g in groups]
         self.alloc = alloc
         self.compute_dtype = compute_dtype
-        self.dp = dp if dp is not None else DataParallel()
+        self.dp: ChunkEvents = dp if dp is not None else OneProcess()
         self._views: dict[tuple[str, int], torch.Tensor] = {}
-        self.on_grads_ready_cb = on_grads_ready  # an observer (tests, reports); data parallelism is ``dp``
+        self._grads_ready_observers: list[Callable[[Chunk], None]] = []  # after ``dp`` (the optimizer)
+        if on_grads_ready is not None:
+            self._grads_ready_observers.append(on_grads_ready)
         self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
         self.closed = False
         # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
@@ -323,8 +326,13 @@ class ChunkStore:
     def on_grads_ready(self, chunk: Chunk) -> None:
         """All of ``chunk``'s gradients are complete in this backward (a reduce-scatter goes there)."""
         self.dp.grads_ready(chunk)
-        if self.on_grads_ready_cb is not None:
-            self.on_grads_ready_cb(chunk)
+        for observer in self._grads_ready_observers:
+            observer(chunk)
+
+    def observe_grads_ready(self, observer: Callable[[Chunk], None]) -> None:
+        """Call ``observer(chunk)`` whenever all of a chunk's gradients are complete in a backward, after the
+        data parallelism was told (its reduction is launched first)."""
+        self._grads_ready_observers.append(observer)
 
     def after_update(self, chunk: Chunk) -> None:
         """``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes there)."""

@@ -2,7 +2,7 @@
 (ZeRO stages 0/1/2): see :mod:`memsched.distributed.engine` for the layout, the stages, gradient accumulation
 and its cost; :mod:`memsched.distributed.layout` for the sharding arithmetic; :mod:`memsched.distributed.comm`
 for collectives, errors and timeouts; :mod:`memsched.distributed.build` for where chunks are built at attach;
-:mod:`memsched.distributed.report` for per-rank reports; :mod:`memsched.checkpoint` for sharded checkpoints.
+:mod:`memsched.report.ranks` for per-rank reports; :mod:`memsched.checkpoint` for sharded checkpoints.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from memsched.distributed.base import DataParallel
 from memsched.distributed.build import BUILD_MODES, check_build_mode, plan_build, stage_params
 from memsched.distributed.comm import Comm, ZeroCommError, as_timedelta
 from memsched.distributed.engine import FETCH_MODES, ZERO_STAGES, ZeroEngine, check_zero_options
 from memsched.distributed.grad_reduction import ZeroAccumulationWarning
 from memsched.distributed.layout import padded_chunk_numel, param_shards, shard_range, shard_state_numel
-from memsched.parallel import DataParallel
 
 if TYPE_CHECKING:
     from memsched.config import DataParallelConfig
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 def make_engine(config: DataParallelConfig, device: torch.device | None = None) -> DataParallel:
     """The data parallelism :func:`memsched.attach` uses, from its checked options
-    (:class:`memsched.config.DataParallelConfig`): a one-rank :class:`memsched.parallel.DataParallel` when
-    there is one rank (``torch.distributed`` not initialised, or a group of size 1), else a
+    (:class:`memsched.config.DataParallelConfig`): a one-rank :class:`memsched.distributed.base.DataParallel`
+    when there is one rank (``torch.distributed`` not initialised, or a group of size 1), else a
     :class:`ZeroEngine`: one code path for every world size. NCCL collectives run on ``device`` (the compute
     device of attach; see :class:`Comm`).
 

@@ -130,7 +130,7 @@ def prepare(groups: Sequence[Sequence[torch.nn.Parameter]], chunk_numel: int, de
     (:func:`plan_build`) and put its parameters there (:func:`stage_params`).
 
     Args:
-        device: the :class:`memsched.devices.DeviceSpec` of attach.
+        device: the :class:`memsched.devices.spec.DeviceSpec` of attach.
         free_bytes: the free device memory (bytes); default 90 % of what CUDA reports free (the rest kept for
             the allocator), or the capacity of another device.
         align: parameter alignment in chunks (elements), as the store will use.

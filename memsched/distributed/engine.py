@@ -51,10 +51,10 @@ from typing import Any
 import torch
 
 from memsched.chunks import SHARD_ALIGN, Chunk, ChunkStore, ordered_groups, search_chunk_size
+from memsched.distributed.base import DataParallel
 from memsched.distributed.comm import Comm, ZeroCommError
 from memsched.distributed.grad_reduction import GradientReduction
 from memsched.distributed.layout import padded_chunk_numel, shard_range
-from memsched.parallel import DataParallel
 
 ZERO_STAGES = (0, 1, 2)
 FETCH_MODES = ("all_gather", "all_reduce")
@@ -78,9 +78,9 @@ def check_zero_options(zero_stage: Any, fetch: Any) -> tuple[int, str]:
 
 
 class ZeroEngine(GradientReduction, DataParallel):
-    """The ZeRO machinery of one rank: :class:`memsched.parallel.DataParallel` over ``torch.distributed``. The
-    chunks and the optimizer call it at the moments the interface names; built by :func:`memsched.attach` when
-    the world size is above 1.
+    """The ZeRO machinery of one rank: :class:`memsched.distributed.base.DataParallel` over
+    ``torch.distributed``. The chunks and the optimizer call it at the moments the interface names; built by
+    :func:`memsched.attach` when the world size is above 1.
 
     Args:
         comm: the process group (:class:`Comm`).

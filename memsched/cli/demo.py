@@ -1,0 +1,239 @@
+"""`memsched demo`: the main job end to end. Train the built-in GPT on real text (the Python standard
+library's sources, byte-level) under memsched: warmup trace, placement plan, hybrid CPU/device AdamW; then the
+report, the plan and the exports (``--json``: the report, ``plan.json``'s and ``demo.json``'s contents and the
+exports' paths as one JSON document on stdout).
+
+Device: CUDA when present. Without a GPU the stand-in accelerator ``sim:SIZE`` is used, sized by
+:func:`stand_in_capacity` from a fake trace of the same model and batch so that about half of the optimizer
+state fits the ``auto`` policy's budget: the plan is a real device/host split, with real H2D/D2H traffic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+import memsched
+import policies
+from memsched.cli import parsers
+from memsched.cli.report import print_json, report_dict
+from memsched.data import TextCorpus, batches, load_stdlib_corpus
+from memsched.devices.spec import ALLOWED as DEVICE_FORMS
+from memsched.devices.spec import parse_device
+from memsched.models import config_for, lm_loss
+from memsched.models.gpt import build_gpt
+from memsched.planning.problem import build_problem
+from memsched.report.console import make_console
+from memsched.report.progress import StepStats, TrainingProgress
+from policies.types import check_ratio
+from policies.units import format_bytes
+from tracer.timeline import atomic_write_text
+
+# The defaults live with the parser (memsched.cli.parsers), which --help reads without torch.
+DEFAULT_SIZE = parsers.DEMO_SIZE
+DEFAULT_STEPS = parsers.DEMO_STEPS
+DEFAULT_BATCH_SIZE = parsers.DEMO_BATCH_SIZE
+DEFAULT_SEQ_LEN = parsers.DEMO_SEQ_LEN
+DEFAULT_LR = parsers.DEMO_LR
+DEFAULT_OUT = parsers.DEMO_OUT
+EVAL_BATCHES = 4
+# torch.OutOfMemoryError exists from torch 2.5; torch 2.4 has the same class under torch.cuda.
+_OOM: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+# Headroom of the stand-in over the predicted resident + peak non-model data: the warmup trace of the real run
+# (memsched's own buffers, the batches) differs a little from the fake trace of the plain model.
+STAND_IN_SLACK = 0.01
+
+
+STAND_IN_GRANULE = 64 * 2**10  # bytes
+
+
+def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: float = 0.8) -> int:
+    """Capacity of the stand-in device (bytes, a whole number of 64 KiB: a MiB is too coarse for the smallest
+    models, where it is several chunks) at which ``auto`` offloads about half of
+    the optimizer state of GPT ``size`` trained on ``[batch_size, seq_len]`` batches.
+
+    From a fake trace (:func:`memsched.planning.prediction.trace_step`) and the placement problem:
+    ``base = (peak non-model + resident model data) x (1 + STAND_IN_SLACK)``; ``auto``'s budget is
+    ``ratio x (margin - reserve_frac x capacity)``, so a budget of half the optimizer-state bytes needs
+    ``capacity = (base + optimizer / (2 ratio)) / (1 - reserve_frac)``. With ratio 0 nothing can go to the
+    device and the capacity is just ``base / (1 - reserve_frac)``.
+
+    Raises:
+        ValueError: unknown size, bad batch/sequence, or a ratio outside [0, 1].
+    """
+    from memsched.planning.prediction import gpt_workload, trace_step
+    from policies.builtin import DEFAULT_RESERVE_FRAC
+
+    gpu_margin_mem_ratio = check_ratio(gpu_margin_mem_ratio)
+    prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True, device="cpu")
+    problem, _ = build_problem(prediction.model, prediction.peak_non_model_bytes, 1,
+                               gpu_margin_mem_ratio=gpu_margin_mem_ratio, param_order=prediction.param_order)
+    base = (problem.peak_non_model_bytes + problem.resident_model_bytes) * (1 + STAND_IN_SLACK)
+    optimizer = sum(c.device_bytes for c in problem.chunks)
+    room = optimizer / (2 * gpu_margin_mem_ratio) if gpu_margin_mem_ratio > 0 else 0.0
+    capacity = (base + room) / (1 - DEFAULT_RESERVE_FRAC)
+    return int(math.ceil(capacity / STAND_IN_GRANULE)) * STAND_IN_GRANULE
+
+
+def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_len: int,
+             device: torch.device, *, seed: int = 0, n_batches: int = EVAL_BATCHES) -> float:
+    """Mean loss (nats per token) of ``model`` over ``n_batches`` fixed batches of ``tokens``, no grad."""
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for x, y in batches(tokens, batch_size, seq_len, seed=seed, steps=n_batches):
+            total += float(lm_loss(model, x.to(device), y.to(device)))
+    model.train(was_training)
+    return total / n_batches
+
+
+def _choose_device(args: argparse.Namespace) -> str:
+    """The device string for attach; validates ``--device`` (ValueError naming it and the allowed forms)."""
+    text = args.device
+    if text is None:
+        text = "cuda" if torch.cuda.is_available() else "sim"
+    if text.strip().lower() == "sim":
+        cap = stand_in_capacity(args.size, args.batch_size, args.seq_len,
+                                gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        return f"sim:{cap}"
+    try:
+        parse_device(text)
+    except ValueError as e:
+        raise ValueError(f"{e} (allowed: {DEVICE_FORMS}, or 'sim' to size the stand-in "
+                         "automatically)") from None
+    return text
+
+
+def run(args: argparse.Namespace) -> int:
+    # ---- validate everything before any work ---------------------------------------------------------------
+    config = config_for(args.size)  # ValueError listing the known sizes
+    if args.seq_len > config.block_size:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds the {args.size!r} model's block size "
+                         f"{config.block_size}")
+    if args.policy not in policies.names():
+        raise ValueError(f"unknown policy {args.policy!r}: known policies are {', '.join(policies.names())}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a folder")
+
+    console = make_console(stderr=args.json)  # under --json stdout carries the JSON document alone
+    device = _choose_device(args)
+    corpus = load_stdlib_corpus()
+    torch.manual_seed(args.seed)
+    model = build_gpt(args.size)
+    n_params = sum(p.numel() for p in model.parameters())
+    console.print(f"[bold]memsched demo[/bold]: GPT [cyan]{args.size}[/cyan] ({n_params:,} parameters), "
+                  f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes of the Python standard "
+                  f"library ({corpus.files} files), policy [cyan]{args.policy}[/cyan], device "
+                  f"[cyan]{_device_label(device)}[/cyan]")
+    val_before = evaluate(model, corpus.val, args.batch_size, args.seq_len, torch.device("cpu"),
+                          seed=args.seed)
+
+    try:
+        summary = _train(args, model, corpus, device, console)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: training stopped, no exports written[/yellow]")
+        return 130
+    except _OOM as e:
+        console.print(f"[red]memsched demo: the device ran out of memory[/red]: {e}\n"
+                      "try a larger device (--device sim:SIZE) or leave --device out to size the stand-in "
+                      "automatically")
+        return 1
+    sched = summary.pop("_sched")
+    tdev = sched.device.torch_device
+    summary["val_loss_before"] = val_before
+    summary["val_loss_after"] = evaluate(model, corpus.val, args.batch_size, args.seq_len, tdev,
+                                         seed=args.seed)
+
+    # ---- report, plan, exports ----------------------------------------------------------------------------
+    from memsched.report.exports import write_all
+    from memsched.report.text import render_report
+
+    step_summary = sched.step_timeline.mean_summary()
+    summary["step_timeline"] = step_summary
+    report: dict[str, Any] = {"plan": sched.plan, "transfers": sched.transfers.as_dict(),
+                              "step_summary": step_summary, "plan_history": sched.plan_history}
+    if not args.json:
+        render_report(sched.timeline, console=console, problem=sched.problem, **report)
+        losses = summary["losses"]
+        console.print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out loss {val_before:.3f} -> "
+                      f"{summary['val_loss_after']:.3f} (nats per byte)")
+    paths = write_all(sched.timeline, out, stem="trace", step_timelines=[sched.step_timeline],
+                      plan=sched.plan, problem=sched.problem,  # the PNG names --device as given, if it was
+                      device=args.device if args.device == device else None)
+    plan_path, summary_path = out / "plan.json", out / "demo.json"
+    plan_dict = _plan_dict(sched)
+    atomic_write_text(plan_path, json.dumps(plan_dict, indent=2) + "\n")
+    atomic_write_text(summary_path, json.dumps(summary, indent=2) + "\n")
+    written = [*paths.items(), ("plan", plan_path), ("summary", summary_path)]
+    if args.json:
+        # The report's figures (plan.json's plan and history among them), plan.json's placement problem,
+        # demo.json's run, and where every export went.
+        print_json({**report_dict(sched.timeline, **report), "command": "demo",
+                    "problem": plan_dict.get("problem"), "run": summary,
+                    "exports": {kind: str(path) for kind, path in written}})
+        return 0
+    console.print(f"exports written to [bold]{out}[/bold]:")
+    for kind, path in written:
+        console.print(f"  {kind:<10} {path}")
+    return 0
+
+
+def _device_label(device: str) -> str:
+    if device.startswith("sim:"):
+        return f"stand-in sim:{format_bytes(int(device[4:]))}" if device[4:].isdigit() else device
+    return device
+
+
+def _train(args: argparse.Namespace, model: torch.nn.Module, corpus: TextCorpus, device: str,
+           console: Console) -> dict[str, Any]:
+    sched = memsched.attach(model, policy=args.policy, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
+                            device=device, lr=args.lr, overlap=args.overlap)
+    tdev = sched.device.torch_device
+    tokens = args.batch_size * args.seq_len
+    steps: list[dict[str, Any]] = []
+    with sched, TrainingProgress(args.steps, console=console) as bar:
+        data = batches(corpus.train, args.batch_size, args.seq_len, seed=args.seed, steps=args.steps)
+        for x, y in data:
+            t0 = time.perf_counter()
+            loss = lm_loss(model, x.to(tdev, non_blocking=True), y.to(tdev, non_blocking=True))
+            sched.backward(loss)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            value = float(loss.detach())  # synchronises with the device
+            stats = StepStats(value, time.perf_counter() - t0, tokens, sched.transfers.last_h2d_bytes,
+                              sched.transfers.last_d2h_bytes)
+            bar.update(stats)
+            steps.append({"loss": value, "seconds": stats.seconds, "tokens_per_s": stats.tokens_per_s,
+                          "h2d_bytes": stats.h2d_bytes, "d2h_bytes": stats.d2h_bytes})
+    return {
+        "_sched": sched,
+        "size": args.size, "parameters": sum(p.numel() for p in model.parameters()), "device": device,
+        "capacity_bytes": sched.device.capacity_bytes, "policy": args.policy,
+        "gpu_margin_mem_ratio": args.gpu_margin_mem_ratio, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed, "overlap": args.overlap,
+        "losses": [s["loss"] for s in steps], "steps": steps, "transfers": sched.transfers.as_dict(),
+    }
+
+
+def _plan_dict(sched: memsched.Scheduler) -> dict[str, Any]:
+    problem = getattr(sched, "problem", None)
+    out: dict[str, Any] = {"plan": sched.plan.to_dict() if sched.plan is not None else None,
+                           "history": [h.to_dict() for h in sched.plan_history]}
+    if problem is not None:
+        out["problem"] = {"capacity_bytes": problem.capacity_bytes,
+                          "peak_non_model_bytes": problem.peak_non_model_bytes,
+                          "resident_model_bytes": problem.resident_model_bytes,
+                          "margin_bytes": problem.margin_bytes,
+                          "gpu_margin_mem_ratio": problem.gpu_margin_mem_ratio,
+                          "chunks": [{"index": c.index, "device_bytes": c.device_bytes,
+                                      "host_bytes": c.host_bytes, "numel": c.numel} for c in problem.chunks]}
+    return out

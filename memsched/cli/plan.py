@@ -1,0 +1,241 @@
+"""`memsched plan`: predict one training step's memory without a GPU, then plan placement for a device size.
+
+The prediction is :mod:`memsched.planning.prediction` (a trace under ``FakeTensorMode``), the verdicts
+:mod:`memsched.planning.capacity`, the parser :func:`memsched.cli.parsers.add_plan`; this module runs and
+renders.
+
+``--seq-len 512,1024,2048`` (or ``--batch-size 4,8``) traces each size and prints, per size, the peak
+non-model data and the verdicts of ``auto`` and ``cpu``, then the largest size that fits with each
+(:func:`memsched.planning.capacity.sweep_dict`). One size prints exactly what it always did.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import policies
+from memsched.cli import parsers
+from memsched.devices.gpus import get_gpu, gpu_names
+from memsched.models import sizes
+from memsched.planning.capacity import (  # noqa: F401 (re-exported for the command's users)
+    SCHEMA,
+    SWEEP_POLICIES,
+    SWEEP_SCHEMA,
+    VERDICTS,
+    VERSION,
+    CapacityPlan,
+    plan_for_capacity,
+    result_dict,
+    sweep_dict,
+    verdict,
+)
+from memsched.planning.prediction import (  # noqa: F401 (re-exported for the command's users)
+    ATTENTION,
+    Prediction,
+    WorkloadFn,
+    fake_device,
+    fake_module_conversions,
+    first_use_order,
+    gpt_workload,
+    trace_step,
+)
+from memsched.report.console import make_console
+from policies.units import format_bytes
+
+# The parser (memsched.cli.parsers) names the dtypes and the defaults without importing torch.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, dt) for name, dt in parsers.DTYPE_NAMES.items()}
+DEFAULT_BATCH_SIZE = parsers.PLAN_BATCH_SIZE
+DEFAULT_SEQ_LEN = parsers.PLAN_SEQ_LEN
+
+
+def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
+    if args.capacity is not None:
+        return args.capacity, None
+    if args.gpu is not None:
+        gpu = get_gpu(args.gpu)
+        return gpu.memory_bytes, gpu.name
+    if torch.cuda.is_available():
+        from memsched.devices.spec import cuda_capacity_bytes
+
+        return cuda_capacity_bytes(torch.device("cuda")), torch.cuda.get_device_name()
+    raise ValueError(f"no GPU here: give --capacity SIZE (e.g. 24GiB) or --gpu NAME "
+                     f"({', '.join(gpu_names())})")
+
+
+def run(args: argparse.Namespace) -> int:
+    # ---- validate everything before the (possibly long) trace ----------------------------------------------
+    if (args.target is None) == (args.model is None):
+        raise ValueError("give either a TARGET (file.py:function or module:function) or --model SIZE "
+                         f"(one of {', '.join(sizes())}), not both or neither")
+    if args.policy not in policies.names():
+        raise ValueError(f"unknown policy {args.policy!r}: known policies are {', '.join(policies.names())}")
+    capacity, gpu = _capacity(args)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    over: str | None = None  # the swept key when several sizes are given
+    if args.model is not None:
+        batches = args.batch_size or [DEFAULT_BATCH_SIZE]
+        seqs = args.seq_len or [DEFAULT_SEQ_LEN]
+        if len(batches) > 1 and len(seqs) > 1:
+            raise ValueError(f"give several values to --seq-len or to --batch-size, not both (got "
+                             f"--batch-size {','.join(map(str, batches))} and --seq-len "
+                             f"{','.join(map(str, seqs))}): the largest size that fits is defined along one")
+        over = "batch_size" if len(batches) > 1 else "seq_len" if len(seqs) > 1 else None
+        # Every workload is made (and checked: block size) before the first, possibly long, trace.
+        runs: list[tuple[str | WorkloadFn, dict[str, Any]]] = [
+            (gpt_workload(args.model, b, s), {"model": args.model, "batch_size": b, "seq_len": s})
+            for b in batches for s in seqs]
+    else:
+        if args.batch_size is not None or args.seq_len is not None:
+            raise ValueError("--batch-size and --seq-len apply to --model only; a TARGET's loss_fn makes "
+                             "its own batch")
+        runs = [(args.target, {"target": args.target})]
+
+    console = make_console(stderr=args.json)
+    entries: list[tuple[int, dict[str, Any], CapacityPlan]] = []
+    for build, what in runs:
+        label = f" ({over} {what[over]})" if over else ""
+        if not args.json and not console.is_terminal:  # a log: rich's spinner would print nothing
+            console.print(f"tracing one training step with fake tensors{label} ...", highlight=False)
+        with console.status(f"tracing one training step with fake tensors{label} ...") \
+                if not args.json and console.is_terminal else contextlib.nullcontext():
+            prediction = trace_step(build, dtype=dtype or (torch.float32 if args.model else None),
+                                    attention=args.attention)
+        cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)
+        entries.append((what[over] if over else 0, result, cplan))
+    if over is None:
+        result = entries[0][1]
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            render(result, console)
+        return 0
+    sweep = sweep_dict(over, entries)
+    if args.json:
+        print(json.dumps(sweep, indent=2))
+    else:
+        render_sweep(sweep, console)
+    return 0
+
+
+# ---- rendering -------------------------------------------------------------------------------------------
+def render(result: dict[str, Any], console: Console) -> None:
+    """Print a :func:`result_dict` as rich tables."""
+    w, tr, md = result["workload"], result["trace"], result["model_data"]
+    fb = format_bytes
+    head = Table(title="Workload and trace", show_header=False, title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("workload",
+                 w.get("target") or f"GPT {w['model']}, batch {w['batch_size']} x seq {w['seq_len']}")
+    head.add_row("parameters", f"{w['parameters']:,} ({w['dtype']})")
+    stand_in = " standing in for CUDA" if tr["device"] == "cpu" else ""
+    head.add_row("traced on", f"fake {tr['device']}{stand_in} (attention: {tr['attention']}), "
+                              f"{tr['elapsed_s']:.1f} s")
+    where = ""
+    if tr["peak_module"] is not None:
+        where = f" in {tr['peak_module'] or '(root)'} ({tr['peak_phase']})"
+    head.add_row("peak non-model data", f"{fb(tr['peak_non_model_bytes'])}{where}")
+    head.add_row("all on the device", f"{fb(result['verdict']['needed_all_on_device_bytes'])} (peak "
+                 "non-model + resident model data + all optimizer states)")
+    console.print(head)
+
+    chunks = result["chunks"]
+    # The chunks' padding is allocated with the parameters, gradients and optimizer states but holds no
+    # parameter: its own row, so a small model's parameter bytes are its parameters'.
+    pad = chunks.get("padding") or {"numel": 0, "parameter": 0, "gradient": 0, "optimizer_state": 0}
+    elements = chunks["count"] * chunks["numel"]
+    share = f", {100 * pad['numel'] / elements:.1f} % padding" if elements else ""
+    data = Table(title=f"Model data ({chunks['count']} chunks of {chunks['numel']:,} elements{share})",
+                 title_justify="left")
+    data.add_column("category")
+    data.add_column("bytes", justify="right")
+    data.add_column("where")
+    data.add_row("parameters", fb(md["parameter"] - pad["parameter"]), "device (resident)")
+    data.add_row("gradients", fb(md["gradient"] - pad["gradient"]), "device (resident)")
+    data.add_row("buffers + frozen parameters", fb(md["other"]), "device (resident)")
+    data.add_row("optimizer states (AdamW)", fb(md["optimizer_state"] - pad["optimizer_state"]),
+                 "placed by the policy")
+    data.add_row("chunk padding", fb(pad["parameter"] + pad["gradient"] + pad["optimizer_state"]),
+                 f"{pad['numel']:,} elements: {fb(pad['parameter'] + pad['gradient'])} resident, "
+                 f"{fb(pad['optimizer_state'])} placed")
+    console.print(data)
+
+    cap = fb(result["capacity_bytes"]) + (f" ({result['gpu']})" if result["gpu"] else "")
+    plans = Table(title=f"Plans for {cap}: GPU margin {fb(result['margin_bytes'])}, "
+                        f"gpu_margin_mem_ratio {result['gpu_margin_mem_ratio']:g}", title_justify="left")
+    for col in ("policy", "chunks on device", "device bytes", "chunks on host", "pinned host bytes"):
+        plans.add_column(col, justify="left" if col == "policy" else "right")
+    errors = []
+    for name, plan in result["plans"].items():
+        if "error" in plan:
+            plans.add_row(name, "[red]no plan[/red]", "-", "-", "-")
+            errors.append((name, plan["error"]))
+            continue
+        n_dev = plan["placement"].count(policies.DEVICE)
+        plans.add_row(name, str(n_dev), fb(plan["device_bytes"]), str(len(plan["placement"]) - n_dev),
+                      fb(plan["host_bytes"]))
+    console.print(plans)
+    if result["margin_bytes"] < 0:
+        errors = errors[:1]  # every policy fails for the same reason: say it once
+    for name, message in errors:
+        console.print(f"[red]{name}[/red]: {message}")
+    chosen = result["plans"].get(result["verdict"]["policy"], {})
+    for reason in chosen.get("reasons", []):
+        console.print(f"  [dim]{result['verdict']['policy']}:[/dim] {reason}")
+
+    v = result["verdict"]
+    style = {"fits": "bold green", "offload": "bold yellow", "does_not_fit": "bold red"}[v["status"]]
+    console.print(f"[{style}]Verdict ({v['policy']}):[/{style}] {v['message']}")
+
+
+def _status_text(v: dict[str, Any]) -> str:
+    """A policy's :func:`verdict` in a sweep's cell."""
+    status = v["status"]
+    if status == "fits":
+        return "[green]fits[/green], all on the device"
+    if status == "offload":
+        return f"[yellow]fits[/yellow], {format_bytes(v['offloaded_bytes'])} offloaded"
+    short = f", short {format_bytes(v['short_bytes'])}" if v["short_bytes"] else ""
+    return f"[red]does not fit[/red]{short}"
+
+
+def render_sweep(sweep: dict[str, Any], console: Console) -> None:
+    """Print a :func:`memsched.planning.capacity.sweep_dict`: one row per size, then the largest that fits."""
+    over, fb = sweep["over"], format_bytes
+    name = over.replace("_", " ")
+    w = sweep["sizes"][0]["result"]["workload"]
+    fixed = "seq" if over == "batch_size" else "batch"
+    fixed_value = w["seq_len"] if over == "batch_size" else w["batch_size"]
+    cap = fb(sweep["capacity_bytes"]) + (f" ({sweep['gpu']})" if sweep["gpu"] else "")
+    table = Table(title=f"GPT {w['model']} ({w['parameters']:,} parameters, {w['dtype']}), {fixed} "
+                        f"{fixed_value}, on {cap}, gpu_margin_mem_ratio {sweep['gpu_margin_mem_ratio']:g}",
+                  title_justify="left")
+    table.add_column(name, justify="right")
+    table.add_column("peak non-model data", justify="right")
+    table.add_column("GPU margin", justify="right")
+    shown = list(sweep["sizes"][0]["verdicts"])
+    for policy in shown:
+        table.add_column(policy)
+    for size in sweep["sizes"]:
+        cells = [_status_text(size["verdicts"][policy]) for policy in shown]
+        table.add_row(str(size[over]), fb(size["peak_non_model_bytes"]), fb(size["margin_bytes"]), *cells)
+    console.print(table)
+    largest = sweep["largest_fitting"]
+
+    def say(value: int | None) -> str:
+        return "none" if value is None else str(value)
+
+    line = f"Largest {name} that fits {cap}: {say(largest['auto'])} with auto, {say(largest['cpu'])} with cpu"
+    if largest["auto_all_on_device"] is not None:
+        line += f" (auto keeps all optimizer state on the device up to {largest['auto_all_on_device']})"
+    elif largest["auto"] is not None:
+        line += " (auto offloads optimizer state at every size that fits)"
+    console.print(f"[bold]{line}[/bold]")

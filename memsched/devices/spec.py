@@ -1,0 +1,139 @@
+"""Which device memsched computes on, and how much memory it has.
+
+``device`` strings: ``"cuda"`` / ``"cuda:N"`` (a real GPU), ``"cpu"`` (no accelerator: host and device memory
+are the same, every chunk stays where it is), ``"sim:8GiB"`` (the stand-in accelerator of
+:mod:`memsched.devices.simdevice`: tensors on the CPU, capacity accounted and enforced like a GPU's). ``None``
+means ``"cuda"`` when CUDA is available, else ``"cpu"``.
+
+``"sim:8GiB,host=2GiB"`` also gives the stand-in machine's host memory: the plan's host part must fit it (as
+well as the real machine's available memory, see :mod:`memsched.devices.host_memory`), so the host-memory
+check can be exercised on any machine, whatever its RAM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from policies.units import parse_bytes
+
+ALLOWED = ("'cuda', 'cuda:N', 'cpu', 'sim:SIZE' or 'sim:SIZE,host=SIZE' (e.g. 'sim:8GiB', "
+           "'sim:8GiB,host=2GiB'; units B, KiB, MiB, GiB, KB, MB, GB) or None")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A parsed compute device.
+
+    Attributes:
+        kind: ``"cuda"``, ``"cpu"`` or ``"sim"``.
+        torch_device: where the tensors live (``cpu`` for ``sim``).
+        capacity_bytes: memory usable by this process, bytes (CUDA: :func:`usable_bytes` at attach, without
+            the CUDA context and other processes, capped by the per-process memory fraction when one is set;
+            cpu: the machine's memory; sim: the given size).
+        name: the device name in traces (``"cuda:0"``, ``"cpu"``, ``"sim"``).
+        host_capacity_bytes: the stand-in machine's host memory (``sim:SIZE,host=SIZE``), bytes; ``None``
+            elsewhere (the real machine's memory is read when planning, :mod:`memsched.devices.host_memory`).
+    """
+
+    kind: str
+    torch_device: torch.device
+    capacity_bytes: int
+    name: str
+    host_capacity_bytes: int | None = None
+
+    @property
+    def is_sim(self) -> bool:
+        return self.kind == "sim"
+
+
+def usable_bytes(total: int, free: int, reserved: int, fraction: float | None = None) -> int:
+    """Device memory this process can still fill, bytes: what is free plus what its own caching allocator
+    holds (``free + reserved``: the CUDA context, other processes and memory held outside the allocator are
+    not usable), and at most ``fraction * total`` when a per-process memory fraction is set."""
+    usable = free + reserved
+    if fraction is not None:
+        usable = min(usable, int(total * fraction))
+    return int(max(0, usable))
+
+
+def cuda_capacity_bytes(device: torch.device) -> int:
+    """:func:`usable_bytes` of a CUDA device now. The per-process fraction
+    (``torch.cuda.set_per_process_memory_fraction``) is read where this torch exposes it (torch >= 2.5 has
+    ``get_per_process_memory_fraction``); with an older torch a fraction set by the user is not seen."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = None
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
+    if get_fraction is not None:
+        try:
+            fraction = float(get_fraction(device))
+        except (RuntimeError, TypeError, ValueError):
+            fraction = None
+    return usable_bytes(int(total), int(free), int(torch.cuda.memory_reserved(device)), fraction)
+
+
+def _parse_size(device: str, what: str, text: str) -> int:
+    """``text`` as bytes > 0; errors name the device string, ``what`` the size is, and the allowed forms."""
+    if not text.strip():
+        raise ValueError(f"device {device!r} lacks a size for {what}; allowed: {ALLOWED}")
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"bad device {device!r}: {e}; allowed: {ALLOWED}") from None
+    if value <= 0:
+        raise ValueError(f"device {device!r}: {what} must be > 0 bytes")
+    return value
+
+
+def _parse_sim(device: str, spec: str) -> DeviceSpec:
+    """``SIZE`` or ``SIZE,host=SIZE`` after ``sim:``."""
+    size, sep, rest = spec.partition(",")
+    cap = _parse_size(device, "the capacity", size)
+    host = None
+    if sep:
+        key, eq, value = rest.partition("=")
+        if key.strip().lower() != "host" or not eq:
+            raise ValueError(f"bad device {device!r}: after the size the stand-in takes only 'host=SIZE' "
+                             f"(its host memory), got {rest.strip()!r}; allowed: {ALLOWED}")
+        host = _parse_size(device, "the host memory (host=SIZE)", value)
+    return DeviceSpec("sim", torch.device("cpu"), cap, "sim", host)
+
+
+def parse_device(device: str | torch.device | None) -> DeviceSpec:
+    """Parse a ``device`` argument of :func:`memsched.attach`.
+
+    Raises:
+        ValueError: the text is none of the allowed forms (the message names it and lists them), a CUDA device
+            was asked for without CUDA, the CUDA index is out of range, or a ``sim`` size (capacity or
+            ``host=``) is not > 0.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, torch.device):
+        device = str(device)
+    if not isinstance(device, str):
+        raise ValueError(f"device must be one of {ALLOWED}; got {device!r}")
+    text = device.strip()
+    low = text.lower()
+    if low.startswith("sim:") or low == "sim":
+        return _parse_sim(device, text[4:] if low.startswith("sim:") else "")
+    if low == "cpu":
+        return DeviceSpec("cpu", torch.device("cpu"), int(psutil.virtual_memory().total), "cpu")
+    if low == "cuda" or low.startswith("cuda:"):
+        try:
+            dev = torch.device(low)
+        except RuntimeError:
+            raise ValueError(f"bad device {device!r}; allowed: {ALLOWED}") from None
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} needs CUDA, but CUDA is not available here "
+                             "(torch.cuda.is_available() is False); use 'cpu' or a stand-in such as "
+                             "'sim:8GiB'")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices "
+                             f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+        dev = torch.device("cuda", index)
+        return DeviceSpec("cuda", dev, cuda_capacity_bytes(dev), str(dev))
+    raise ValueError(f"bad device {device!r}; allowed: {ALLOWED}")

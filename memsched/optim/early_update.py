@@ -1,0 +1,212 @@
+"""The CPU update of host chunks during backward (``memsched.attach(..., overlap="backward")``), exact.
+
+With ``overlap=True`` the CPU update of the host chunks overlaps the *next forward*
+(:mod:`memsched.optim.host_updates`). The placement keeps the first-used chunks on the device, so the host
+chunks are the last used: their gradients are complete first in backward. ``overlap="backward"`` starts each
+host chunk's update as soon as its gradients are complete, on the same CPU worker, while backward goes on, and
+the step only commits it:
+
+1. **Speculate** (:meth:`EarlyUpdates.start`, from the store's gradients-ready signal, training thread): the
+   chunk's gradients are copied to its host buffer (on CUDA by the early D2H copy, whose exact fingerprint
+   :mod:`memsched.chunks.fingerprint` is taken on the device; on the stand-in by the worker). The worker then
+   copies the chunk's optimizer state into a *spare* host state of the same layout (:meth:`Chunk.alloc_spare`)
+   and runs the very same fused AdamW on it, with the hyper-parameters and the fp16 inverse scale in force,
+   recording the state allocation's version counter around its reads.
+2. **Commit** (:meth:`EarlyUpdates.commit`, in ``optimizer.step()``): the update is swapped in
+   (:meth:`Chunk.swap_spare`, no copy) only if it is the update ``step()`` would make now: the gradients are
+   bit for bit the ones it used (``torch.equal`` on the stand-in, the fingerprint on CUDA: clipping,
+   ``p.grad.mul_()``, another backward, ``zero_grad()`` all show), no clip coefficient is pending (fp16
+   clipping), the group's hyper-parameters and the inverse scale are equal, every parameter of the chunk has a
+   gradient, and nothing wrote the chunk's state since (its version counter: ``load_state_dict``, a
+   checkpoint, a user's write to a parameter). Otherwise the spare result is dropped and the chunk is updated
+   at the step as without it. The state in force is never written before the step, so anything that reads it
+   between backward and step (``state_dict()``, a checkpoint) reads the state before the step.
+
+The price is host memory: the spare state doubles the host chunks' optimizer state (master, moments, host
+gradient buffer). If it cannot be allocated, a warning says so and host chunks are updated at the step.
+Not under data parallelism (the gradients are reduced first) and not during warmup.
+
+The idea of updating offloaded state during backward comes from ZeRO-Offload's one-step delayed parameter
+update (arXiv 2101.06840, section 5), which is not exact; here the update is exact because it is only kept
+when it equals the one the step would make.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memsched.chunks import Chunk
+from memsched.telemetry.step_timeline import CPU_UPDATE
+from policies.types import HOST
+
+OVERLAP_MODES = (False, True, "backward")
+
+
+def check_overlap(overlap: Any) -> tuple[bool, bool]:
+    """``(overlap with the next forward, update during backward)`` for an ``overlap`` argument.
+
+    Raises:
+        ValueError: ``overlap`` is not ``False``, ``True`` or ``"backward"``.
+    """
+    if overlap is False or overlap is True:
+        return overlap, False
+    if overlap == "backward":
+        return True, True
+    raise ValueError(f"overlap must be False, True or 'backward', got {overlap!r}")
+
+
+@dataclass
+class Ticket:
+    """One speculative update of a chunk: what it was computed with, and what the worker recorded."""
+
+    hp: dict[str, Any]
+    inv_scale: torch.Tensor | None
+    snapshot: torch.Tensor  # the host copy of the gradients the update read
+    state: torch.Tensor  # the chunk's exp_avg when it started: the same allocation at the commit, or none
+    future: Future | None = None
+    version: int | None = None  # the state's version counter after the worker read it (None: changed)
+    error: BaseException | None = None
+
+
+@dataclass
+class EarlyUpdates:
+    """The speculative host-chunk updates of the backward in progress (see the module docstring).
+
+    Args:
+        submit: runs a function on the CPU-update worker (after what it already has), returns its future.
+        adamw: ``adamw(chunk, master, grad, exp_avg, exp_avg_sq, steps, hp)``: the optimizer's fused AdamW
+            over every parameter of ``chunk`` with the given fp32 state tensors (``[hi - lo]``, ``steps``
+            ``[len(params)]``).
+        fp32_grad: ``fp32_grad(g, out, inv_scale, coefs)``: the optimizer's upcast and unscale.
+        span: the step timeline's ``span``.
+        alloc: the chunks' allocator (the spare state is allocated like the host state).
+    """
+
+    submit: Callable[[Callable[[], None]], Future]
+    adamw: Callable[..., None]
+    fp32_grad: Callable[..., torch.Tensor]
+    span: Callable[..., None]
+    alloc: Any
+    enabled: bool = False
+    tickets: dict[int, Ticket] = field(default_factory=dict)
+    committed: int = 0  # updates committed (statistics)
+    committed_bytes: int = 0  # their fp32 state elements x 4, bytes (statistics)
+    dropped: int = 0  # updates made during backward and not committed (statistics)
+
+    def enable(self, world: int, chunks: list[Chunk]) -> None:
+        """Start (at the end of warmup): with one rank, allocate the spare host state of the host chunks
+        among ``chunks`` now rather than at their first update in backward (a pinned allocation synchronises
+        the device); with more, warn that the updates wait for the step (the gradients are reduced first)."""
+        if world > 1:
+            warnings.warn(f"memsched: overlap='backward' needs one rank; with {world} ranks host chunks are "
+                          "updated after the gradient reduction, overlapping the next forward",
+                          RuntimeWarning, stacklevel=3)
+            return
+        self.enabled = True
+        for c in chunks:
+            if self.enabled and c.placement == HOST:
+                self._alloc_spare(c)
+
+    def _alloc_spare(self, c: Chunk) -> bool:
+        try:
+            with self.alloc.host_context():
+                c.alloc_spare(self.alloc)
+            return True
+        except RuntimeError as e:  # out of (pinned) host memory: update at the step instead
+            self.enabled = False
+            warnings.warn(f"memsched: overlap='backward' could not allocate the spare host state of chunk "
+                          f"{c.index} ({c.state_nbytes()} bytes; {e}); host chunks are updated after "
+                          "backward from now on", RuntimeWarning, stacklevel=3)
+            return False
+
+    def start(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,
+              copy_event: Any = None) -> None:
+        """Speculate the update of host chunk ``c`` whose gradients are complete (training thread).
+        ``copy_event``: the CUDA event of the early D2H copy already issued, or ``None`` (the worker
+        copies)."""
+        if not self._alloc_spare(c):
+            return
+        snapshot = c.staging if c.staging is not None else c.host_grad
+        ticket = Ticket(hp, inv_scale, snapshot, c.exp_avg)
+        self.tickets[c.index] = ticket  # a later backward (accumulation) replaces it; the worker keeps order
+        ticket.future = self.submit(lambda: self._run(c, ticket, copy_event))
+
+    def _run(self, c: Chunk, ticket: Ticket, copy_event: Any) -> None:
+        """The worker: copy the gradients (stand-in), then the state into the spare, then update the spare."""
+        t0 = t1 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                if copy_event is not None:
+                    copy_event.synchronize()
+                else:
+                    ticket.snapshot.copy_(c.grad[c.lo:c.hi])
+                before = c.state_version()
+                spare = c.spare
+                assert spare is not None and c.master is not None
+                for k in ("master", "exp_avg", "exp_avg_sq", "steps"):
+                    spare[k].copy_(getattr(c, k))
+                if c.state_version() != before:  # written while being read: not the state of the step
+                    return
+                t1 = time.perf_counter()
+                g = ticket.snapshot  # fp32 and unscaled: read as it is (the kernel does not write it)
+                if g.dtype != torch.float32 or ticket.inv_scale is not None:
+                    g = self.fp32_grad(g, spare["host_grad"], ticket.inv_scale, [])
+                self.adamw(c, spare["master"], g, spare["exp_avg"], spare["exp_avg_sq"], spare["steps"],
+                           ticket.hp)
+                if spare["staging"] is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
+                    spare["staging"].copy_(spare["master"])
+                ticket.version = before
+        except BaseException as e:  # the step updates the chunk as without it
+            ticket.error = e
+        finally:  # the copies (gradients on the stand-in, state into the spare), then the update
+            t2 = time.perf_counter()
+            self.span(CPU_UPDATE, "copy in backward", t0, t1, chunk=c.index)
+            self.span(CPU_UPDATE, "update in backward", t1, t2, chunk=c.index)
+
+    def wait(self) -> None:
+        """Block until the worker is done with every speculative update (nothing is committed)."""
+        for t in list(self.tickets.values()):
+            if t.future is not None:
+                t.future.result()
+
+    def commit(self, chunks: list[Chunk], hps: list[dict[str, Any]], inv_scale: torch.Tensor | None,
+               coefs: list[torch.Tensor], active: set[int],
+               grads_equal: Callable[[Chunk, Ticket], bool]) -> set[int]:
+        """At ``step()``, after everything that may change the update was applied: swap in each speculative
+        update that equals the one the step would make now (see the module docstring); returns the indices of
+        the chunks committed. Every ticket is consumed."""
+        self.wait()
+        tickets, self.tickets = self.tickets, {}
+        done: set[int] = set()
+        for c in chunks:
+            t = tickets.get(c.index)
+            if t is None:
+                continue
+            same_scale = (t.inv_scale is None) == (inv_scale is None) and (
+                inv_scale is None or torch.equal(t.inv_scale, inv_scale))
+            if (t.error is None and t.version is not None and t.state is c.exp_avg and c.spare is not None
+                    and t.version == c.state_version() and not coefs
+                    and same_scale and t.hp == hps[c.group] and all(id(p) in active for p in c.params)
+                    and grads_equal(c, t)):
+                c.swap_spare()
+                done.add(c.index)
+                self.committed += 1
+                self.committed_bytes += 4 * (c.hi - c.lo)
+            else:
+                self.dropped += 1
+        return done
+
+    def discard(self) -> None:
+        """Drop every speculative update (after the worker is done with them)."""
+        self.wait()
+        # A skipped step (fp16 overflow) drops them: they count as dropped, as in commit(), so that
+        # committed + dropped accounts for every update the step consumed (bench/overlap_step.py reports it).
+        self.dropped += len(self.tickets)
+        self.tickets = {}

@@ -1,0 +1,203 @@
+"""From a model and a trace summary to a :class:`policies.PlacementProblem` (shared by ``memsched.attach`` and
+``memsched plan``).
+
+Works from parameter numels and element sizes only, so the model may live on the meta device or under
+``FakeTensorMode``. The bytes per chunk come from :func:`memsched.chunks.chunk_bytes`, the same arithmetic the
+chunks use, and the GPU margin follows PatrickStar (arXiv 2108.05818, section 5):
+``margin = capacity - peak non-model data - resident model data``.
+
+:func:`machine_inputs` adds what ``attach`` knows of the machine and ``memsched plan`` does not: the host
+memory budget (:mod:`memsched.devices.host_memory`) and the allocator fragmentation measured in warmup
+(:func:`measured_fragmentation_bytes`), agreed over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
+from memsched.devices.host_memory import HostBudget, host_budget, local_world_size
+from memsched.optim.hyperparams import hyperparameter_groups
+from policies.types import HOST, ChunkSpec, PlacementProblem
+
+if TYPE_CHECKING:
+    from memsched.chunks import ChunkStore
+    from memsched.devices.spec import DeviceSpec
+    from memsched.distributed.base import DataParallel
+    from tracer.timeline import MemoryTimeline
+
+
+def trainable_groups(model: torch.nn.Module,
+                     param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None,
+                     ) -> list[list[torch.nn.Parameter]]:
+    """Trainable parameters per group (default: one group, ``model.parameters()``, which lists tied parameters
+    once); frozen ones dropped, a group without trainable parameters kept empty (chunk group indices are the
+    optimizer's): :func:`memsched.optim.hyperparams.hyperparameter_groups`, the one normalisation of param
+    groups.
+
+    Raises:
+        ValueError: there is no trainable parameter.
+    """
+    raw = None if param_groups is None else [{"params": list(g)} for g in param_groups]
+    return [g["params"] for g in hyperparameter_groups(raw, model)]
+
+
+def resident_extra_bytes(model: torch.nn.Module, trainable: Sequence[Sequence[torch.nn.Parameter]]) -> int:
+    """Model data outside the chunks that stays on the device (frozen parameters, buffers), bytes."""
+    ids = {id(p) for g in trainable for p in g}
+    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in ids)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return frozen + buffers
+
+
+def build_problem(
+    model: torch.nn.Module,
+    peak_non_model_bytes: int,
+    capacity_bytes: int,
+    *,
+    gpu_margin_mem_ratio: float = 0.8,
+    master_weights: bool = False,
+    param_order: Sequence[torch.nn.Parameter] | None = None,
+    chunk_numel: int | None = None,
+    world_size: int = 1,
+    param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None,
+    compute_dtype: torch.dtype | None = None,
+    host_capacity_bytes: int | None = None,
+    align: int = 1,
+    pinned: bool = False,
+    host_capacity_source: str | None = None,
+    fragmentation_bytes: int | None = None,
+) -> tuple[PlacementProblem, ChunkLayout]:
+    """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
+
+    Args:
+        model: the model (real, meta or fake parameters: only ``numel``/``element_size``/``dtype`` are read).
+        peak_non_model_bytes: peak non-model data on the device from a trace, bytes.
+        capacity_bytes: device capacity, bytes.
+        gpu_margin_mem_ratio: share of the GPU margin policies may fill, in [0, 1].
+        master_weights: mixed precision (fp32 master weights next to the compute parameters). Implied when the
+            compute dtype is not float32.
+        param_order: parameters in first-use order (from the trace); ``None`` = registration order.
+        chunk_numel: chunk size override (elements); ``None`` = :func:`memsched.chunks.search_chunk_size`.
+        world_size: ZeRO data-parallel ranks; each rank holds the optimizer state of ``ceil(chunk / world)``.
+        param_groups: trainable parameters per param group (a chunk belongs to one group); default one group.
+        compute_dtype: dtype of the compute parameters; default the parameters' dtype, or bfloat16 when
+            ``master_weights`` is set and the parameters are float32.
+        host_capacity_bytes: host memory the host-placed chunks may take, bytes (``None`` = unknown); see
+            :func:`machine_inputs`.
+        align: parameters start at multiples of ``align`` elements in their chunk (ZeRO:
+            :data:`memsched.chunks.SHARD_ALIGN`).
+        pinned: host-placed state lives in pinned memory (a CUDA device): each chunk's host bytes are those
+            of its one pinned allocation as PyTorch's caching host allocator rounds it
+            (:func:`memsched.chunks.pinned_bytes`), not the bytes of its tensors.
+        host_capacity_source: what sets ``host_capacity_bytes``, in words (named when a plan exceeds it).
+        fragmentation_bytes: allocator fragmentation measured in warmup, bytes (``None`` = not measured);
+            ``auto`` sizes its reserve from it.
+
+    Returns:
+        ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
+
+    Raises:
+        ValueError: no trainable parameters, a bad ``chunk_numel``/``world_size``, or a bad ratio / byte count
+            (the latter from :class:`PlacementProblem`).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    groups = ordered_groups(trainable_groups(model, param_groups), param_order)
+    layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel, align=align)
+    if compute_dtype is None:
+        compute_dtype = next(p for g in groups for p in g).dtype  # a group may be empty (all frozen)
+        if master_weights and compute_dtype == torch.float32:
+            compute_dtype = torch.bfloat16
+    shard = math.ceil(layout.chunk_numel / world_size)
+    specs = []
+    for i, slots in enumerate(layout.chunks):  # the step counts make chunks differ by 4 bytes per parameter
+        cb = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype, shard_numel=shard,
+                         master_weights=master_weights or None, n_params=len(slots))
+        specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes,
+                               host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
+                               numel=layout.chunk_numel))
+    resident = layout.n_chunks * cb.resident_bytes + resident_extra_bytes(model, groups)
+    problem = PlacementProblem(
+        capacity_bytes=int(capacity_bytes),
+        peak_non_model_bytes=int(peak_non_model_bytes),
+        resident_model_bytes=int(resident),
+        chunks=tuple(specs),
+        gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+        host_capacity_bytes=host_capacity_bytes,
+        host_capacity_source=host_capacity_source,
+        fragmentation_bytes=fragmentation_bytes,
+    )
+    return problem, layout
+
+
+def measured_fragmentation_bytes(timeline: MemoryTimeline | None, device: str | None = None) -> int | None:
+    """The caching allocator's fragmentation at the peak of non-model data of ``timeline`` on ``device``
+    (default: the traced device), bytes; ``None`` when the samples carry no CUDA figures (CPU, stand-in, a
+    fake trace) or there is no timeline.
+
+    It is ``reserved - peak_allocated`` of the sample that closes the interval holding the peak, at least 0:
+    ``reserved`` never shrinks by itself (only ``empty_cache`` or an out-of-memory retry release blocks), so
+    there it is at least what the allocator held at the peak, and ``peak_allocated`` is the most it had in
+    use, the peak itself. The sample's own ``allocated`` would not do: it is read after the interval, once the
+    peak's temporaries are freed, and would count reusable cached blocks as fragmentation. When the process
+    had a higher peak before the trace (the allocator's high-water mark is never reset), the figure is low;
+    ``auto`` never reserves less than its ``reserve_frac`` share of the capacity anyway.
+    """
+    if timeline is None:
+        return None
+    sample = timeline.peak_non_model_sample(device)
+    cuda = sample.cuda if sample is not None else None
+    if not cuda or cuda.get("reserved") is None or cuda.get("peak_allocated") is None:
+        return None
+    return max(0, int(cuda["reserved"]) - int(cuda["peak_allocated"]))
+
+
+_NO_BUDGET = 2**62  # "no host budget" in the integer reduction over ranks (larger than any real one)
+
+
+def _agree(dp: DataParallel, values: list[int], op: str, what: str) -> list[int]:
+    """``values`` reduced over the data-parallel ranks with ``op`` (``"min"``/``"max"``), so that every rank
+    plans the same problem (the plans are checked equal, and a rank refusing alone would leave the others
+    waiting in a collective). One rank: unchanged."""
+    comm = getattr(dp, "comm", None)  # ZeroEngine's communicator; the one-rank base class has none
+    if dp.world <= 1 or comm is None:
+        return values
+    return comm.reduce_ints(values, op, what=what)
+
+
+def machine_inputs(timeline: MemoryTimeline | None, device: DeviceSpec, store: ChunkStore,
+                   dp: DataParallel, *, budget: Callable[..., HostBudget] = host_budget) -> dict[str, Any]:
+    """The :func:`build_problem` arguments that come from this machine and this warmup:
+    ``host_capacity_bytes`` and ``host_capacity_source`` (:func:`memsched.devices.host_memory.host_budget`;
+    none on the CPU device, where nothing is placed on the host) and ``fragmentation_bytes``
+    (:func:`measured_fragmentation_bytes`), agreed over the ranks: the smallest budget, the largest
+    fragmentation.
+
+    Args:
+        timeline: the warmup trace (``None``: no fragmentation figure).
+        device: the compute device; a stand-in's ``host=SIZE`` caps the budget.
+        store: the chunks; those on the host now count as available to the plan (moving them frees them).
+        dp: the data parallelism (its ranks agree; ranks on one machine share its available memory).
+        budget: the host-budget function (injectable for tests), called with :func:`host_budget`'s arguments.
+    """
+    b = None
+    if device.kind != "cpu":
+        pin = store.alloc.pin
+        held = sum(pinned_bytes(c.state_nbytes(), pinned=pin) for c in store.chunks if c.placement == HOST)
+        b = budget(pinned=pin, held_bytes=held, local_ranks=local_world_size() if dp.world > 1 else 1,
+                   stand_in_bytes=device.host_capacity_bytes)
+    frag = measured_fragmentation_bytes(timeline)
+    # One collective: the smallest budget and the largest fragmentation (negated, so "min" finds it). In the
+    # integers, _NO_BUDGET and +1 stand for "none" (every rank has the same kind of device, so all or none).
+    mine = [_NO_BUDGET if b is None else b.capacity_bytes, 1 if frag is None else -frag]
+    cap, neg_frag = _agree(dp, mine, "min", "agreeing on the host budget and the allocator fragmentation")
+    source = None
+    if b is not None:
+        source = b.source if cap == b.capacity_bytes else f"the smallest host budget over {dp.world} ranks"
+    return {"host_capacity_bytes": None if b is None else cap, "host_capacity_source": source,
+            "fragmentation_bytes": None if neg_frag > 0 else -neg_frag}

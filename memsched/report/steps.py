@@ -1,0 +1,37 @@
+"""The step-time section of the report: where a steady-state step's time went
+(:meth:`memsched.telemetry.step_timeline.StepTimeline.mean_summary`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from memsched.telemetry.step_timeline import PHASES
+
+
+def step_table(summary: Mapping[str, Any]) -> Table:
+    """A table of the mean step: its phases, the CPU update (total and exposed), the waits, the ideal step
+    and the overlap efficiency (ideal / measured). Times in milliseconds."""
+    step = summary["step_s"]
+    mode = "overlapped" if summary.get("overlap") else "serial"
+    title = f"Step time (mean of {summary.get('steps', 1)} steps after warmup, {mode} CPU update)"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("part")
+    table.add_column("ms", justify="right")
+    table.add_column("of the step", justify="right")
+
+    def row(name: str, seconds: float) -> None:
+        table.add_row(name, f"{seconds * 1e3:.1f}", f"{100 * seconds / step:.0f} %" if step > 0 else "-")
+
+    row("step", step)
+    for phase in PHASES:
+        row(f"  {phase}", summary["phases_s"][phase])
+    row("CPU update of host chunks", summary["cpu_update_s"])
+    row("  exposed (the training thread waited or ran it)", summary["exposed_cpu_s"])
+    row("ideal step (max of the overlapped parts)", summary["ideal_s"])
+    table.caption = (f"overlap efficiency {summary['overlap_efficiency']:.2f} (ideal / measured); host "
+                     "clocks: on CUDA, GPU work not yet reached is not in them")
+    return table

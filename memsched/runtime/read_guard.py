@@ -1,0 +1,74 @@
+"""A parameter read before its module's wait waits at the read itself.
+
+The forward pre-hooks of :mod:`memsched.runtime.waits` wait for each host chunk at the first traced module
+that may read its parameters (:mod:`memsched.planning.first_use`, from the warmup trace). Code can read a
+parameter before that module runs: a parent reads a child's weight and then calls the child, a tied weight is
+read first by the other module on some steps, a module's weight is read directly on steps where the module is
+not called. That read would see the previous step's values (the chunk's overlapped CPU update, or its H2D copy
+on CUDA, still in flight): a silently wrong model. So while the root module's forward runs with host chunks
+not yet waited for in it, a ``TorchFunctionMode`` (``torch.overrides``) looks at the tensors each torch
+function receives (also inside list and tuple arguments: ``torch.cat``, the flat weights of ``nn.LSTM``) and
+waits for the chunk of any such parameter before the function runs. It is entered at the root's forward
+pre-hook, left at the first module wait after which every guarded chunk was waited for, else at the root's
+forward hook.
+
+Not covered: reads outside the root's forward (a loss term computed before ``model(x)``, an EMA after
+``step()``): call ``sched.synchronize()`` first (:meth:`memsched.Scheduler.synchronize`). Not in compiled
+code: there the root (or each compiled region) waits for every chunk before it starts
+(:mod:`memsched.runtime.waits`). DeepSpeed ZeRO-3 meets the same problem with ``register_external_parameter``,
+declared by the user; here the reads find themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class ReadGuard(TorchFunctionMode):
+    """Waits for the chunk of a parameter a torch function reads, while that chunk is in ``unwaited``.
+
+    Args:
+        wait_chunk: ``wait_chunk(chunk_index, what)``: block (overlapped CPU update) and make the compute
+            stream wait (H2D copy) for one chunk; ``what`` names the read for the step timeline.
+    """
+
+    def __init__(self, wait_chunk: Callable[[int, str], None]) -> None:
+        super().__init__()
+        self.wait_chunk = wait_chunk
+        self.unwaited: dict[int, int] = {}  # id(parameter) -> its chunk, not yet waited for in this forward
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.unwaited and not torch.compiler.is_compiling():
+            self._wait_for(args, func)
+            self._wait_for(kwargs.values(), func)
+        return func(*args, **kwargs)
+
+    def _wait_for(self, values: Iterable[Any], func: Any) -> None:
+        for a in values:
+            if type(a) in (list, tuple):
+                self._wait_for(a, func)
+                continue
+            i = self.unwaited.get(id(a))
+            if i is not None:  # wait_chunk drops every parameter of chunk i from unwaited
+                self.wait_chunk(i, getattr(func, "__name__", str(func)))
+
+    def push(self) -> None:
+        """Enter the mode (the root's forward pre-hook)."""
+        self.__enter__()
+
+    def on_top(self) -> bool:
+        """Whether the mode is the innermost torch function mode of this thread (it can be left now)."""
+        n = torch._C._len_torch_function_stack()
+        return n > 0 and torch._C._get_function_stack_at(n - 1) is self
+
+    def pop(self) -> None:
+        """Leave the mode (the root's forward hook). If a mode entered in the forward was not left (ours is no
+        longer on top of the stack), the guard stays there but only forwards calls from then on."""
+        self.unwaited.clear()
+        if self.on_top():
+            self.__exit__(None, None, None)

@@ -1,0 +1,223 @@
+"""The next forward waits for the parameters it may read: for the overlapped CPU update of their chunk
+(``overlap=True``, :mod:`memsched.optim.host_updates`; the host blocks) and for its H2D copy (CUDA; the
+compute stream waits, the host does not). Without either, copies are synchronous and nothing is installed.
+
+Forward pre-hooks make the compute stream wait for a chunk's H2D copy at the first traced module that may read
+its parameters (:mod:`memsched.planning.first_use`). Before the trace exists (warmup) every module holding
+chunk parameters, and the root, waits for all chunks. A parameter read earlier in the root's forward than its
+module's wait waits at the read (:mod:`memsched.runtime.read_guard`). ``model.state_dict()`` and
+``model.load_state_dict()`` wait for all chunks too. Anything else that reads or writes parameters outside the
+root's forward (an EMA, a loss term computed before it, ``nn.init`` under ``no_grad``) calls
+:meth:`H2DWaits.synchronize` (``sched.synchronize()``) first.
+
+Under ``torch.compile`` these hooks are traced into the model's graph. Where waits are needed (CUDA, or
+``overlap=True``) the per-module waits compile to nothing and the root waits for every chunk, eagerly, before
+the forward (one graph break at its start); without them nothing of this module is in the graph. Where only
+part of the forward is compiled (``model.blocks[0].compile()``, a submodule replaced by ``torch.compile(...)``
+after warmup, a compiled function that calls submodules) and the root runs eagerly, a module whose wait is in
+compiled code waits for every chunk, eagerly, at its start (one graph break there per compiled region).
+
+Before each forward, gradients set to None since the last step (``model.zero_grad()``) go back into their
+chunk views (:meth:`memsched.chunks.ChunkStore.bind_dropped_grads`). The root module's forward hooks also mark
+the forward phase of the step timeline
+(:mod:`memsched.telemetry.step_timeline`), and with data parallelism finish the follow-ups of the overlapped
+update (ZeRO all-gathers) before backward, so every rank issues its collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from memsched.chunks import ChunkStore
+from memsched.devices.transfers import Streams
+from memsched.optim.host_updates import HostUpdates
+from memsched.planning.first_use import first_use_owners
+from memsched.runtime.read_guard import ReadGuard
+from memsched.telemetry.step_timeline import WAITS, StepTimeline
+from policies.types import HOST
+from tracer.hook_handles import Detachable
+
+
+class H2DWaits:
+    """The wait hooks of one scheduler (see the module docstring); removed by :meth:`remove`."""
+
+    def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams,
+                 updates: HostUpdates | None = None, timeline: StepTimeline | None = None,
+                 drain_after_forward: bool = False, needed: bool = True) -> None:
+        self.model, self.store, self.streams = model, store, streams
+        self.needed = needed  # False: synchronous copies, no overlap: only the step timeline's hooks
+        self.updates = updates if updates is not None else HostUpdates(store.alloc.device)
+        self.timeline = timeline if timeline is not None else StepTimeline()
+        self.drain_after_forward = drain_after_forward
+        self._handles: list[Any] = []
+        # True from the root's compiled wait (every chunk waited for) to the end of the root's compiled
+        # forward: a module wait traced inside it has nothing left to wait for. False while the root runs
+        # eagerly: a module wait traced there (a compiled submodule or function) is the only wait its
+        # parameters get, so it must wait eagerly (see _hook). Dynamo guards on it; it is constant at each
+        # point of a step, so it causes no recompilation.
+        self._root_compiled = False
+        # reads before their module's wait (memsched.runtime.read_guard)
+        self.guard = ReadGuard(self._wait_read)
+        self._guarded = False  # the guard is entered (a plain flag: Dynamo reads it in the root's hooks)
+
+    def install(self, traced: Sequence[str]) -> None:
+        """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup)."""
+        self.remove()
+        begin = Detachable(lambda *_a: self.timeline.forward_begin())
+        self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
+        end = Detachable(lambda *_a: self._forward_end())
+        self._handles.append(self.model.register_forward_hook(end, always_call=True))
+        bind = Detachable(lambda *_a: self._bind_dropped_grads())
+        self._handles.append(self.model.register_forward_pre_hook(bind))
+        if not self.needed:
+            return
+        store = self.store
+        by_module: dict[str, set[int]] = {}
+        if traced:
+            owners = first_use_owners(self.model, traced, list(store.params()))
+            for p in store.params():
+                by_module.setdefault(owners[id(p)], set()).add(store.param_chunk[id(p)].index)
+        else:
+            every = set(range(len(store.chunks)))
+            for name, m in self.model.named_modules():
+                if name == "" or any(id(p) in store.param_chunk for p in m.parameters(recurse=False)):
+                    by_module[name] = every
+        modules = dict(self.model.named_modules())
+        for name, indices in by_module.items():
+            hook = Detachable(self._hook(name, sorted(indices)))
+            self._handles.append(modules[name].register_forward_pre_hook(hook, prepend=True))
+        if traced:  # steady state (in warmup the root itself waits for every chunk)
+            guard = Detachable(lambda *_a: self._guard_begin())
+            self._handles.append(self.model.register_forward_pre_hook(guard, prepend=True))
+        compiled = Detachable(lambda *_a: self._compiled_wait())
+        self._handles.append(self.model.register_forward_pre_hook(compiled, prepend=True))
+        sync = Detachable(lambda *_a, **_k: self.synchronize())
+        self._handles.append(self.model.register_state_dict_pre_hook(sync))
+        self._handles.append(self.model.register_load_state_dict_pre_hook(sync))
+
+    def _hook(self, name: str, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
+        label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+
+        def wait(_module: torch.nn.Module, _args: Any) -> None:
+            if torch.compiler.is_compiling():
+                # Inside a compiled root forward the root waited for everything (_compiled_wait). Otherwise
+                # this module runs compiled inside an eager root forward: compiling the wait to nothing would
+                # let it read parameters whose CPU update or H2D copy is still in flight.
+                if not self._root_compiled:
+                    _synchronize_eager(self)
+                return
+            if self.updates.pending:
+                t0 = time.perf_counter()
+                if self.updates.wait(indices) > 0:
+                    self.timeline.span(WAITS, label, t0, time.perf_counter(), chunks=indices)
+            chunks = self.store.chunks
+            self.streams.wait([chunks[i].h2d_event for i in indices])
+            if self._guarded:
+                self._mark_waited(indices)
+                if not self.guard.unwaited and self.guard.on_top():  # nothing left to guard: calls run bare
+                    self._guarded = False
+                    self.guard.pop()
+        return wait
+
+    def _guard_begin(self) -> None:
+        """The root's forward starts: the host chunks with an update or H2D copy still to wait for are guarded
+        against reads before their module's wait (:mod:`memsched.runtime.read_guard`)."""
+        if torch.compiler.is_compiling() or self._guarded:
+            return
+        pending = set(self.updates.unfinished())
+        unwaited = {id(p): c.index for c in self.store.chunks
+                    if c.placement == HOST and (c.index in pending or _in_flight(c.h2d_event))
+                    for p in c.params}
+        if unwaited:
+            self.guard.unwaited = unwaited
+            self.guard.push()
+            self._guarded = True
+
+    def _wait_read(self, i: int, what: str) -> None:
+        """A torch function (``what``) reads a parameter of chunk ``i`` before its module waited for it."""
+        if self.updates.pending:
+            t0 = time.perf_counter()
+            if self.updates.wait([i]) > 0:
+                self.timeline.span(WAITS, f"{what} (read) <- chunk {i}", t0, time.perf_counter(), chunks=[i])
+        self.streams.wait([self.store.chunks[i].h2d_event])
+        self._mark_waited([i])
+
+    def _mark_waited(self, indices: Sequence[int]) -> None:
+        unwaited = self.guard.unwaited
+        chunks = self.store.chunks
+        for i in indices:
+            for p in chunks[i].params:
+                unwaited.pop(id(p), None)
+
+    def _compiled_wait(self) -> None:
+        """In compiled code only: the per-module waits compile to nothing (they would split the forward's
+        graph at every module that waits); the root waits for every chunk once, eagerly, before the forward:
+        one graph break at its start. Correct, but a compiled forward does not overlap the CPU update."""
+        if torch.compiler.is_compiling():
+            _root_synchronize_eager(self)
+        else:  # an eager root forward: module waits in compiled code wait for themselves (see _hook)
+            self._root_compiled = False
+
+    def _bind_dropped_grads(self) -> None:
+        """Gradients set to None since the last step go back into their chunk views (after any D2H copy that
+        still reads the buffers). Not in compiled code (it would break the graph): there backward allocates
+        the gradient and the store's post-accumulate hook copies it into the chunk view."""
+        if torch.compiler.is_compiling():
+            return
+        with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
+            dropped = any(p.grad is None for p in self.store.params())
+        if dropped:
+            self.streams.wait([c.d2h_event for c in self.store.chunks])
+            self.store.bind_dropped_grads()
+
+    def _forward_end(self) -> None:
+        if self._guarded:
+            self._guarded = False
+            self.guard.pop()
+        if torch.compiler.is_compiling():  # a compiled submodule called after this forward waits again
+            self._root_compiled = False
+        if self.drain_after_forward and self.updates.pending:
+            t0 = time.perf_counter()
+            if self.updates.wait_all() > 0:
+                self.timeline.span(WAITS, "end of forward <- all chunks", t0, time.perf_counter())
+        self.timeline.forward_end()
+
+    def synchronize(self) -> None:
+        """Block until the overlapped CPU update (if any) is done, then make the current stream wait for every
+        pending H2D copy (no stream wait without CUDA)."""
+        if self.updates.pending:
+            t0 = time.perf_counter()
+            if self.updates.wait_all() > 0:
+                self.timeline.span(WAITS, "synchronize() <- all chunks", t0, time.perf_counter())
+        self.streams.wait([c.h2d_event for c in self.store.chunks])
+        self.guard.unwaited.clear()  # every chunk is waited for
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._guarded:  # removed during a forward (close() in it, a failed forward)
+            self._guarded = False
+            self.guard.pop()
+
+
+def _in_flight(event: Any) -> bool:
+    """A chunk's H2D copy (a CUDA event, or ``None``) may still be running."""
+    return event is not None and not event.query()
+
+
+@torch.compiler.disable
+def _synchronize_eager(waits: H2DWaits) -> None:
+    waits.synchronize()
+
+
+@torch.compiler.disable
+def _root_synchronize_eager(waits: H2DWaits) -> None:
+    # Set here, eagerly, before the graph break's resume function runs the rest of the root's forward:
+    # Dynamo reads the real value when it traces that function.
+    waits._root_compiled = True
+    waits.synchronize()
