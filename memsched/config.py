@@ -8,7 +8,6 @@ hyper-parameters in :mod:`memsched.optim.hyperparams`, ZeRO options in :mod:`mem
 
 from __future__ import annotations
 
-import datetime
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,6 +17,13 @@ import torch
 
 import policies
 from memsched.devices.spec import DeviceSpec, parse_device
+from memsched.distributed.options import (
+    DataParallelConfig,
+    as_timedelta,
+    check_build_mode,
+    check_zero_options,
+)
+from memsched.optim.early_update import check_overlap
 from memsched.optim.hyperparams import check_hyperparameters, hyperparameter_groups
 from memsched.optim.precision import check_dtype
 from policies.types import check_ratio
@@ -39,18 +45,6 @@ class AdamWConfig:
 
     defaults: dict[str, Any]
     groups: list[dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class DataParallelConfig:
-    """ZeRO options (ignored with one rank): stage, how updated shards are fetched, the group, the attach
-    barrier's timeout, where chunks are built."""
-
-    zero_stage: int
-    fetch: str
-    process_group: Any
-    timeout: datetime.timedelta | None
-    chunk_build: str
 
 
 @dataclass(frozen=True)
@@ -122,9 +116,6 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
         ValueError: as :func:`memsched.attach` documents (each message names the value and what is allowed).
         TypeError: ``model`` is not an ``nn.Module``.
     """
-    from memsched.distributed import as_timedelta, check_build_mode, check_zero_options
-    from memsched.optim.early_update import check_overlap
-
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"memsched.attach needs an nn.Module, got {type(model).__name__}")
     placement = PlacementConfig(policies.get(policy, **(policy_options or {})),

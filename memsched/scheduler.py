@@ -43,14 +43,15 @@ from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
+from memsched.lifecycle import Phase
 from memsched.optim.hybrid_adamw import HybridAdamW
 from memsched.optim.precision import LossScaler
 from memsched.planning.cost_model import WarmupCosts
-from memsched.planning.elastic import Elastic, PlanChange
-from memsched.planning.planner import PlanningMixin
-from memsched.runtime.compile_stance import EagerDuringWarmup
+from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
+from memsched.planning.planner import Planner, check_host_room
+from memsched.runtime.elastic_hooks import install_elastic_hooks
 from memsched.runtime.waits import H2DWaits
-from memsched.runtime.warmup import Phase, WarmupMixin
+from memsched.runtime.warmup import WarmupTrace
 from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
 from memsched.telemetry.step_timeline import StepTimeline
 from policies.types import DEVICE, HOST, PlacementPlan
@@ -63,17 +64,23 @@ def _check_not_meta(model: torch.nn.Module) -> None:
                              "model.to_empty(device='cpu') and initialise it) before memsched.attach")
 
 
-class Scheduler(WarmupMixin, PlanningMixin):
-    """The scheduler :func:`attach` returns, built from a checked :class:`memsched.config.SchedulerConfig`.
+class Scheduler:
+    """The scheduler :func:`attach` returns, built from a checked :class:`memsched.config.SchedulerConfig`: a
+    facade over the components it composes (the chunks, the data parallelism, the optimizer, the warmup trace,
+    the planner, the H2D waits, the elastic re-planner, what it installed).
 
-    Attributes: ``model``, ``optimizer`` (:class:`HybridAdamW`), ``phase`` (:class:`Phase`), ``steps``
-    (optimizer steps taken, skipped fp16 steps included), ``plan`` (the :class:`policies.PlacementPlan` in
-    force; ``None`` until there is one), ``problem`` (the :class:`policies.PlacementProblem` it solved;
-    ``None`` until warmup ends), ``timeline`` (the warmup trace; ``None`` until warmup ends), ``device``
-    (:class:`memsched.devices.spec.DeviceSpec`), ``sim`` (the stand-in device or ``None``), ``store`` (the
-    chunks), ``dp`` (the data parallelism: :class:`memsched.distributed.base.DataParallel`, one rank or ZeRO),
-    ``plan_history`` (:class:`memsched.planning.elastic.PlanChange` list, oldest first: the end-of-warmup
-    plan, then each re-plan).
+    Attributes: ``model``, ``optimizer`` (:class:`HybridAdamW`), ``phase``
+    (:class:`memsched.lifecycle.Phase`), ``steps`` (optimizer steps taken, skipped fp16 steps included),
+    ``plan`` (the :class:`policies.PlacementPlan` in force; ``None`` until there is one), ``problem`` (the
+    :class:`policies.PlacementProblem` it solved; ``None`` until warmup ends), ``timeline`` (the warmup trace;
+    ``None`` until warmup ends), ``device`` (:class:`memsched.devices.spec.DeviceSpec`), ``sim`` (the stand-in
+    device or ``None``), ``store`` (the chunks), ``dp`` (the data parallelism:
+    :class:`memsched.distributed.base.DataParallel`, one rank or ZeRO), ``planner``
+    (:class:`memsched.planning.planner.Planner`), ``warmup`` (:class:`memsched.runtime.warmup.WarmupTrace`),
+    ``waits`` (:class:`memsched.runtime.waits.H2DWaits`), ``elastic``
+    (:class:`memsched.planning.elastic.Elastic` or ``None``), ``plan_history``
+    (:class:`memsched.planning.elastic.PlanChange` list, oldest first: the end-of-warmup plan, then each
+    re-plan).
     """
 
     def __init__(self, model: torch.nn.Module, config: SchedulerConfig) -> None:
@@ -84,7 +91,6 @@ class Scheduler(WarmupMixin, PlanningMixin):
         self.config = config
         self.device: DeviceSpec = config.device
         self.compute_dtype = config.compute_dtype
-        self.policy = config.placement.policy
         self.gpu_margin_mem_ratio = config.placement.gpu_margin_mem_ratio
         self.warmup_steps = config.placement.warmup_steps
         self.chunk_numel = config.chunk_numel
@@ -104,19 +110,13 @@ class Scheduler(WarmupMixin, PlanningMixin):
         self.model = model
         self.phase = Phase.WARMUP
         self.steps = 0
-        self.plan: PlacementPlan | None = None
-        self.problem: policies.PlacementProblem | None = None
-        self.plan_error: Exception | None = None
-        self.timeline = None
         self.transfers = TransferStats()
-        self._installed = Installed(model)
-        self._installed.params = [p for g in groups for p in g["params"]]
-        self._handles = self._installed.handles
+        installed = self._installed = Installed(model, [p for g in groups for p in g["params"]])
         tdev = self.device.torch_device
 
         # ---- the stand-in device's accounting starts before any device buffer is made ---------------------
         self.sim: SimDevice | None = SimDevice(self.device.capacity_bytes) if self.device.is_sim else None
-        self._installed.sim = self.sim
+        installed.track(sim=self.sim)
         trainable = {id(p) for g in groups for p in g["params"]}
         try:
             if self.sim is not None:
@@ -134,7 +134,7 @@ class Scheduler(WarmupMixin, PlanningMixin):
             self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
             self.dp.shard(self.store)  # each chunk's own shard
             if initial == HOST and alloc.pin:  # pinned now, before any plan checks the host budget
-                self._check_host_room(alloc)
+                check_host_room(self.store, config, alloc)
             for c in self.store.chunks:
                 c.init_state(initial, alloc)
         except BaseException:
@@ -148,38 +148,141 @@ class Scheduler(WarmupMixin, PlanningMixin):
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
             transfers=self.transfers, scaler=self.scaler,
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names,
-            dp=self.dp)
-        self.optimizer.owner_thread = threading.get_ident()
+            dp=self.dp, owner_thread=threading.get_ident())
         self.store.observe_grads_ready(self.optimizer.grads_ready)
+        self.planner = Planner(config, model, self.store, self.dp, self.transfers,
+                               self.optimizer.wait_updates)
+        self.warmup = WarmupTrace(model, self.optimizer, self.device)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
-        self._handles.append(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
+        installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
         self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
                               self.optimizer.timeline, drain_after_forward=self.dp.world > 1,
                               needed=self.streams.cuda or config.overlap)
-        inst = self._installed
-        inst.store, inst.optimizer, inst.waits = self.store, self.optimizer, self.waits
+        installed.track(store=self.store, optimizer=self.optimizer, waits=self.waits, warmup=self.warmup)
         # A scheduler dropped without close() (an exception escaped the training function) cleans up when it
         # is garbage-collected: nothing it installed outlives it.
-        self._finalizer = weakref.finalize(self, inst.remove)
+        self._finalizer = weakref.finalize(self, installed.remove)
         self.waits.install(())
-        self.plan_history: list[PlanChange] = []
-        # measured in the last warmup step (memsched.planning.cost_model)
-        self.warmup_costs: WarmupCosts | None = None
-        self.predicted_step: dict[str, Any] | None = None  # the modelled step of the plan in force
         self.optimizer.timeline.start()  # warmup steps are recorded too: the cost model reads the last one
         self.elastic: Elastic | None = None
         if config.replan == "auto" and self.device.kind != "cpu":
-            self._install_elastic()
-        self._eager = self._installed.eager = EagerDuringWarmup()  # torch.compile: eager while tracing
-        self._eager.start()
+            self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max,
+                                   PeakProbe(self.device.torch_device, self.sim), world=self.dp.world)
+            for h in install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad):
+                installed.add_handle(h)
         try:
-            self._start_tracer()
+            self.warmup.start()
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
             self.close()
             raise
         ATTACHED.add(model)
+
+    # ---- the components' state, read through the facade --------------------------------------------------
+    @property
+    def policy(self) -> policies.Policy:
+        """The placement policy (:mod:`policies`)."""
+        return self.planner.policy
+
+    @property
+    def plan(self) -> PlacementPlan | None:
+        """The :class:`policies.PlacementPlan` in force; ``None`` until there is one."""
+        return self.planner.plan
+
+    @property
+    def problem(self) -> policies.PlacementProblem | None:
+        """The :class:`policies.PlacementProblem` the plan in force solved; ``None`` until warmup ends."""
+        return self.planner.problem
+
+    @property
+    def plan_error(self) -> Exception | None:
+        """The :class:`policies.PlacementError` of the end of warmup, or ``None``."""
+        return self.planner.plan_error
+
+    @property
+    def plan_history(self) -> list[PlanChange]:
+        """The end-of-warmup plan, then each re-plan (:class:`memsched.planning.elastic.PlanChange`)."""
+        return self.planner.history
+
+    @property
+    def warmup_costs(self) -> WarmupCosts | None:
+        """The last warmup step's measurements (:mod:`memsched.planning.cost_model`), or ``None``."""
+        return self.planner.warmup_costs
+
+    @property
+    def predicted_step(self) -> dict[str, Any] | None:
+        """The modelled step of the plan in force (:mod:`memsched.planning.cost_model`), or ``None``."""
+        return self.planner.predicted_step
+
+    @property
+    def timeline(self) -> Any:
+        """The warmup trace (:class:`tracer.MemoryTimeline`); ``None`` until warmup ends."""
+        return self.warmup.timeline
+
+    @property
+    def _tracer(self) -> Any:
+        return self.warmup.tracer
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.phase is Phase.WARMUP
+
+    def traced_modules(self) -> list[str]:
+        """Qualified names of the modules whose forward ran in the warmup trace, in first-call order; empty
+        before the trace exists."""
+        return self.warmup.traced_modules()
+
+    def first_use_order(self) -> list[torch.nn.Parameter]:
+        """Trainable parameters in first-use order from the warmup trace (:mod:`memsched.planning.first_use`);
+        empty before the trace exists."""
+        return self.warmup.first_use_order(list(self.store.params()))
+
+    def peak_non_model_bytes(self) -> int:
+        """Peak non-model data of the warmup trace on the compute device, bytes."""
+        return self.warmup.peak_non_model_bytes()
+
+    # ---- the end of each step, and of warmup --------------------------------------------------------------
+    def _global_post_hook(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if optimizer is self.optimizer:
+            self._after_step()
+
+    def _after_step(self) -> None:
+        """[Note: the end of warmup]
+        Inside the last warmup ``step()``, after its update: the tracer stops first (the trace is complete),
+        the last step's record gives the cost model its measurements (every chunk was updated on the host),
+        then the chunks are re-packed in first-use order, the H2D waits re-installed for that packing, and
+        the plan made and applied. Only then does the optimizer enter its steady state (overlap, early D2H,
+        updates during backward): none of them may run while chunks move."""
+        self.steps += 1
+        self.optimizer.timeline.step_end(self.steps)
+        if self.elastic is not None:
+            self.elastic.after_step()
+        if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
+            return
+        self.warmup.stop()
+        last = self.optimizer.timeline.take_last()
+        if last is not None:
+            host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
+            self.planner.measure_warmup(WarmupCosts.from_record(last, host))
+        self.phase = Phase.PLAN_FAILED  # until the plan is applied
+        self.planner.repack(self.first_use_order())
+        self.optimizer.record_param_versions()
+        self.waits.install(self.traced_modules())
+        self.planner.plan_initial(self.peak_non_model_bytes(), self.timeline, self.steps)
+        if self.elastic is not None and self.problem is not None:
+            self.elastic.start(self.problem.peak_non_model_bytes)
+        self.phase = Phase.PLANNED
+        # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
+        # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
+        # (the reduction comes first).
+        self.optimizer.enter_steady_state(overlap=self.config.overlap,
+                                          early_d2h=self.dp.world == 1 and self.streams.cuda,
+                                          early_update=self.config.early_update)
+
+    def _replan(self, peak: int | None, reason: str) -> None:
+        """Elastic placement's re-plan (:meth:`memsched.planning.planner.Planner.replan`)."""
+        self.planner.replan(peak, reason, self.steps)
 
     @property
     def zero(self) -> Any:
@@ -275,7 +378,7 @@ class Scheduler(WarmupMixin, PlanningMixin):
             for c in self.store.chunks:  # a read right after close() must see the updated parameters
                 c.wait_h2d()
                 c.wait_d2h()
-            self._stop_tracer()  # keeps the warmup timeline
+            self.warmup.stop()  # keeps the warmup timeline
         finally:
             self._finalizer()  # removes everything else (memsched.teardown.Installed.remove)
 

@@ -61,46 +61,54 @@ class Installed:
     never closed cleans up when it is garbage-collected (``weakref.finalize`` holds this, never the
     scheduler)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model_ref = weakref.ref(model)
-        self.params: list[torch.nn.Parameter] = []
-        self.handles: list[Any] = []
-        self.waits: Any = None
-        self.store: Any = None
-        self.optimizer: Any = None
-        self.sim: Any = None
-        self.tracer: Any = None
-        self.eager: Any = None  # memsched.runtime.compile_stance.EagerDuringWarmup
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        self._model_ref = weakref.ref(model)
+        self._params = list(params)  # claimed by claim(); released here
+        self._handles: list[Any] = []
+        self._waits: Any = None  # memsched.runtime.waits.H2DWaits
+        self._store: Any = None  # memsched.chunks.ChunkStore
+        self._optimizer: Any = None  # memsched.optim.hybrid_adamw.HybridAdamW
+        self._sim: Any = None  # memsched.devices.simdevice.SimDevice
+        self._warmup: Any = None  # memsched.runtime.warmup.WarmupTrace (its tracer and compiler stance)
+
+    def add_handle(self, handle: Any) -> None:
+        """A hook handle (anything with ``remove()``) to remove."""
+        self._handles.append(handle)
+
+    def track(self, *, sim: Any = None, store: Any = None, optimizer: Any = None, waits: Any = None,
+              warmup: Any = None) -> None:
+        """The components to take down, as they are built (a part given once; ``None`` leaves it as it is)."""
+        self._sim = sim if sim is not None else self._sim
+        self._store = store if store is not None else self._store
+        self._optimizer = optimizer if optimizer is not None else self._optimizer
+        self._waits = waits if waits is not None else self._waits
+        self._warmup = warmup if warmup is not None else self._warmup
 
     def remove(self) -> None:
         """Wait for copies in flight, then remove everything (idempotent)."""
         try:
-            if self.optimizer is not None:  # the overlapped update in flight finishes; no later step overlaps
-                self.optimizer.overlap = self.optimizer.early_d2h = False
-                self.optimizer.timeline.stop()
-                self.optimizer.host_updates.close()
-            if self.store is not None:
-                for c in self.store.chunks:  # a read right after this must see the updated parameters
-                    c.wait_h2d()
-                    c.wait_d2h()
-            tracer, self.tracer = self.tracer, None
-            if tracer is not None:
-                tracer.__exit__(None, None, None)
+            try:
+                # the overlapped update in flight finishes; none overlaps later
+                if self._optimizer is not None:
+                    self._optimizer.detach()
+                if self._store is not None:
+                    for c in self._store.chunks:  # a read right after this must see the updated parameters
+                        c.wait_h2d()
+                        c.wait_d2h()
+            finally:
+                if self._warmup is not None:
+                    self._warmup.stop()  # the tracer's hooks and modes, the compiler stance
         finally:
-            if self.eager is not None:
-                self.eager.stop()
-            for h in self.handles:
+            for h in self._handles:
                 h.remove()
-            self.handles.clear()
-            if self.waits is not None:
-                self.waits.remove()
-            if self.store is not None:
-                self.store.close()
-            if self.optimizer is not None:
-                self.optimizer.owner_thread = None
-            if self.sim is not None:
-                self.sim.stop()
-            release(self.params)
-            model = self.model_ref()
+            self._handles.clear()
+            if self._waits is not None:
+                self._waits.remove()
+            if self._store is not None:
+                self._store.close()
+            if self._sim is not None:
+                self._sim.stop()
+            release(self._params)
+            model = self._model_ref()
             if model is not None:
                 ATTACHED.discard(model)

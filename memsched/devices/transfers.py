@@ -43,6 +43,10 @@ class TransferStats(Mapping):
         self.d2h_bytes += nbytes
         self._cur_d2h += nbytes
 
+    def add_chunk_move(self, nbytes: int) -> None:
+        """A chunk's optimizer state moved between host and device to apply a plan (bytes)."""
+        self.chunk_moves_bytes += nbytes
+
     def end_step(self) -> None:
         """Close the current step: its bytes (its backward's D2H included) become the last-step values."""
         self.steps += 1

@@ -7,27 +7,31 @@ for collectives, errors and timeouts; :mod:`memsched.distributed.build` for wher
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from memsched.distributed.base import DataParallel
-from memsched.distributed.build import BUILD_MODES, check_build_mode, plan_build, stage_params
-from memsched.distributed.comm import Comm, ZeroCommError, as_timedelta
-from memsched.distributed.engine import FETCH_MODES, ZERO_STAGES, ZeroEngine, check_zero_options
+from memsched.distributed.build import plan_build, stage_params
+from memsched.distributed.comm import Comm, ZeroCommError
+from memsched.distributed.engine import ZeroEngine
 from memsched.distributed.grad_reduction import ZeroAccumulationWarning
 from memsched.distributed.layout import padded_chunk_numel, param_shards, shard_range, shard_state_numel
-
-if TYPE_CHECKING:
-    from memsched.config import DataParallelConfig
+from memsched.distributed.options import (
+    BUILD_MODES,
+    FETCH_MODES,
+    ZERO_STAGES,
+    DataParallelConfig,
+    as_timedelta,
+    check_build_mode,
+    check_zero_options,
+)
 
 
 def make_engine(config: DataParallelConfig, device: torch.device | None = None) -> DataParallel:
     """The data parallelism :func:`memsched.attach` uses, from its checked options
-    (:class:`memsched.config.DataParallelConfig`): a one-rank :class:`memsched.distributed.base.DataParallel`
-    when there is one rank (``torch.distributed`` not initialised, or a group of size 1), else a
-    :class:`ZeroEngine`: one code path for every world size. NCCL collectives run on ``device`` (the compute
-    device of attach; see :class:`Comm`).
+    (:class:`memsched.distributed.options.DataParallelConfig`): a one-rank
+    :class:`memsched.distributed.base.DataParallel` when there is one rank (``torch.distributed`` not
+    initialised, or a group of size 1), else a :class:`ZeroEngine`: one code path for every world size. NCCL
+    collectives run on ``device`` (the compute device of attach; see :class:`Comm`).
 
     Waits for every rank of the group (:meth:`Comm.check_peers`, bounded by the timeout or the group's
     timeout) before returning.

@@ -52,6 +52,10 @@ class DataParallel:
     def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:
         """Start every rank from the same parameters and buffers. One rank: nothing."""
 
+    def shard_of(self, chunk: Chunk) -> tuple[int, int]:
+        """``[lo, hi)`` of ``chunk`` this rank owns. One rank: the whole chunk."""
+        return 0, chunk.numel
+
     def shard(self, store: ChunkStore) -> None:
         """Set each chunk's shard before its optimizer state exists. One rank: the whole chunk already."""
 

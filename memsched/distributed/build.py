@@ -28,15 +28,7 @@ from typing import Any
 import torch
 
 from memsched.chunks import ChunkLayout, dtype_bytes
-
-BUILD_MODES = ("auto", "device", "cpu")
-
-
-def check_build_mode(mode: object) -> str:
-    """Raises ValueError naming ``mode`` and the allowed values unless it is one of :data:`BUILD_MODES`."""
-    if mode not in BUILD_MODES:
-        raise ValueError(f"chunk_build must be one of {BUILD_MODES}, got {mode!r}")
-    return str(mode)
+from memsched.distributed.options import BUILD_MODES, check_build_mode  # noqa: F401
 
 
 def plan_build(

@@ -24,24 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from memsched.distributed.options import as_timedelta
+
 
 class ZeroCommError(RuntimeError):
     """A collective of the ZeRO engine failed or timed out (a peer rank died, hung or disagrees)."""
-
-
-def as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
-    """``timeout`` (seconds or a timedelta; ``None`` = the process group's) as a timedelta.
-
-    Raises:
-        ValueError: not a positive number of seconds.
-    """
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        if timeout is not None and timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        return timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0 or a datetime.timedelta, got {timeout!r}")
-    return datetime.timedelta(seconds=float(timeout))
 
 
 def _pick(*names: str) -> Any:

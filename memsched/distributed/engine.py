@@ -45,6 +45,7 @@ are cut again.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,31 +54,12 @@ import torch
 from memsched.chunks import SHARD_ALIGN, Chunk, ChunkStore, ordered_groups, search_chunk_size
 from memsched.distributed.base import DataParallel
 from memsched.distributed.comm import Comm, ZeroCommError
-from memsched.distributed.grad_reduction import GradientReduction
+from memsched.distributed.grad_reduction import GradientReducer
 from memsched.distributed.layout import padded_chunk_numel, shard_range
-
-ZERO_STAGES = (0, 1, 2)
-FETCH_MODES = ("all_gather", "all_reduce")
+from memsched.distributed.options import FETCH_MODES, ZERO_STAGES, check_zero_options  # noqa: F401
 
 
-def check_zero_options(zero_stage: Any, fetch: Any) -> tuple[int, str]:
-    """Validate ``zero_stage`` and ``fetch`` of :func:`memsched.attach`.
-
-    Raises:
-        ValueError: ``zero_stage`` not in (0, 1, 2) or ``fetch`` not in ("all_gather", "all_reduce"); the
-            message names the value and the allowed ones.
-    """
-    if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
-        raise ValueError(
-            f"zero_stage must be one of {ZERO_STAGES} (0 = plain data parallel, 1 = optimizer "
-            f"state sharded, 2 = gradients sharded too), got {zero_stage!r}"
-        )
-    if fetch not in FETCH_MODES:
-        raise ValueError(f"fetch must be one of {FETCH_MODES}, got {fetch!r}")
-    return int(zero_stage), str(fetch)
-
-
-class ZeroEngine(GradientReduction, DataParallel):
+class ZeroEngine(DataParallel):
     """The ZeRO machinery of one rank: :class:`memsched.distributed.base.DataParallel` over
     ``torch.distributed``. The chunks and the optimizer call it at the moments the interface names; built by
     :func:`memsched.attach` when the world size is above 1.
@@ -98,15 +80,47 @@ class ZeroEngine(GradientReduction, DataParallel):
         self.rank, self.world = comm.rank, comm.world
         self.group = comm.group
         self.store: ChunkStore | None = None
-        self._sync = True
-        self._warned_accumulation = False
-        self._reset_round()
-        self._reduced: set[int] = set()  # chunks reduced since the last zero_grad
-        self._flushed_at: int | None = None  # store.grad_events at the last flush
+        self.reducer = GradientReducer(comm, self.stage)
         self._fetches: list[Any] = []
-        self.stats = {"reduce_bytes": 0, "fetch_bytes": 0, "reductions": 0, "fetches": 0}
+        self._fetch_bytes = 0
+        self._fetch_count = 0
         self.build_stats: dict[str, Any] = {}
         self.chunk_build = "auto"  # where chunks are built at attach (memsched.distributed.build)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Bytes this rank sent into collectives (``reduce_bytes``: gradient reductions, ``fetch_bytes``:
+        parameter fetches), and their counts (``reductions``, ``fetches``)."""
+        return {"reduce_bytes": self.reducer.reduce_bytes, "fetch_bytes": self._fetch_bytes,
+                "reductions": self.reducer.reductions, "fetches": self._fetch_count}
+
+    # ---- gradients: the reducer's (memsched.distributed.grad_reduction) -----------------------------------
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward inside only accumulates local gradients (:meth:`GradientReducer.no_sync`)."""
+        return self.reducer.no_sync()
+
+    def grads_ready(self, chunk: Chunk) -> None:
+        """All of ``chunk``'s gradients are complete in this backward: launch reductions in the fixed
+        order."""
+        self.reducer.grads_ready(chunk)
+
+    def before_update(self) -> None:
+        """Reduce whatever backward did not and wait for every reduction
+        (:meth:`GradientReducer.before_update`)."""
+        self.reducer.before_update()
+
+    def before_zero_grad(self) -> None:
+        """No reduction may still be writing into the gradient buffers."""
+        self.reducer.before_zero_grad()
+
+    def agree_with_grad(self, store: ChunkStore, with_grad: set[int]) -> set[int]:
+        """The parameters with a gradient on any rank (one small MAX all-reduce): their averaged gradient
+        exists on every rank, and every rank must update the same parameters."""
+        params = list(store.params())
+        flags = torch.tensor([id(p) in with_grad for p in params], dtype=torch.int32, device=self.comm.device)
+        self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX,
+                             what="agreeing on the parameters with gradients")
+        return {id(p) for p, f in zip(params, flags.tolist(), strict=True) if f}
 
     @property
     def sharded(self) -> bool:
@@ -162,6 +176,7 @@ class ZeroEngine(GradientReduction, DataParallel):
     def install(self, store: ChunkStore) -> None:
         """Know the chunks (the store calls this engine at its moments; see :class:`DataParallel`)."""
         self.store = store
+        self.reducer.install(store)
 
     def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:
         """Start every rank from group rank 0's parameters and buffers (as DistributedDataParallel does)."""
@@ -195,13 +210,13 @@ class ZeroEngine(GradientReduction, DataParallel):
         with torch.no_grad():
             if self.fetch == "all_gather":
                 work = self.comm.all_gather(c.data, c.data[c.lo : c.hi], what=what, async_op=True)
-                self.stats["fetch_bytes"] += (self.world - 1) * nbytes // self.world
+                self._fetch_bytes += (self.world - 1) * nbytes // self.world
             else:
                 c.data[: c.lo].zero_()
                 c.data[c.hi :].zero_()
                 work = self.comm.all_reduce(c.data, what=what, async_op=True)
-                self.stats["fetch_bytes"] += 2 * (self.world - 1) * nbytes // self.world
-        self.stats["fetches"] += 1
+                self._fetch_bytes += 2 * (self.world - 1) * nbytes // self.world
+        self._fetch_count += 1
         self._fetches.append((c.index, work))
 
     def end_step(self) -> None:
@@ -242,7 +257,7 @@ class ZeroEngine(GradientReduction, DataParallel):
                 what = f"gradient gather of chunk {c.index} for clipping"
                 self.comm.wait(self.comm.all_gather(c.grad, c.grad[c.lo : c.hi], what=what), what)
                 nbytes = c.grad.numel() * c.grad.element_size()
-                self.stats["reduce_bytes"] += (self.world - 1) * nbytes // self.world
+                self.reducer.add_reduce_bytes((self.world - 1) * nbytes // self.world)
         total = clip()
         with torch.no_grad():  # back to "zero outside the own shard", so a later backward reduces right
             for c in self.store.chunks:
@@ -262,8 +277,7 @@ class ZeroEngine(GradientReduction, DataParallel):
         self.check_same("chunk layout", (lay.chunk_numel, lay.chunk_groups,
                                          tuple((s.group, s.index, s.numel) for c in lay.chunks for s in c)))
         reshard(self, store)
-        self._reset_round()
-        self._reduced.clear()
+        self.reducer.reset()
 
     def full_state(self, c: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole chunk's fp32 master, ``exp_avg``, ``exp_avg_sq`` on every rank (all-gathered; a

@@ -2,7 +2,15 @@
 for the stages and the collective order): each chunk's gradients are all-reduced (stages 0, 1) or
 reduce-scattered into the owning shard (stage 2) as soon as backward completes them, launched in a fixed chunk
 order (last chunk first, DistributedDataParallel's in-order bucket launch), averaged, and finished before the
-update; ``no_sync`` accumulates without reducing. A mixin: the engine's state is its state."""
+update; ``no_sync`` accumulates without reducing. The engine holds one :class:`GradientReducer`.
+
+[Note: the order of gradient reductions]
+Every rank must issue the same collectives in the same order, but backward completes chunks in an order that
+may differ between ranks (a branch taken on one rank only). So reductions are launched in a fixed chunk
+order, last chunk first, and a chunk that is ready early waits for its predecessors; whatever backward did not
+complete is reduced, in that order, before the update (:meth:`GradientReducer.before_update`). A second
+backward in one step window first closes the round of the first.
+"""
 
 from __future__ import annotations
 
@@ -20,19 +28,43 @@ class ZeroAccumulationWarning(UserWarning):
     """ZeRO-2 with gradient accumulation: gradient sharding saves nothing there."""
 
 
-class GradientReduction:
-    """The gradient half of :class:`memsched.distributed.engine.ZeroEngine` (see the module docstring)."""
+class GradientReducer:
+    """The gradient reductions of one rank (see the module docstring).
 
-    # The engine's attributes this mixin reads and writes (set in ZeroEngine.__init__).
-    comm: Any
-    stage: int
-    world: int
-    store: ChunkStore | None
-    stats: dict[str, int]
-    _sync: bool
-    _warned_accumulation: bool
-    _reduced: set[int]
-    _flushed_at: int | None
+    Args:
+        comm: the process group (:class:`memsched.distributed.comm.Comm`).
+        stage: the ZeRO stage: 0 and 1 all-reduce whole gradients, 2 reduce-scatters them into the own shard.
+
+    Attributes:
+        reduce_bytes: bytes this rank sent into gradient collectives.
+        reductions: gradient collectives launched.
+    """
+
+    def __init__(self, comm: Any, stage: int) -> None:
+        self.comm = comm
+        self.stage = stage
+        self.world = comm.world
+        self.store: ChunkStore | None = None
+        self._sync = True
+        self._warned_accumulation = False
+        self._reduced: set[int] = set()  # chunks reduced since the last zero_grad
+        self._flushed_at: int | None = None  # store.grad_events at the last flush
+        self.reduce_bytes = 0
+        self.reductions = 0
+        self._reset_round()
+
+    def install(self, store: ChunkStore) -> None:
+        """Know the chunks."""
+        self.store = store
+
+    def add_reduce_bytes(self, nbytes: int) -> None:
+        """Bytes sent into a gradient collective outside a reduction (the gather of clipping at stage 2)."""
+        self.reduce_bytes += nbytes
+
+    def reset(self) -> None:
+        """Forget every round and reduction (the chunks were re-packed)."""
+        self._reset_round()
+        self._reduced.clear()
 
     def _reset_round(self) -> None:
         self._next = 0
@@ -87,7 +119,7 @@ class GradientReduction:
             what = f"gradient reduction of chunk {c.index}"
             if self.stage < 2:
                 work, out = self.comm.all_reduce(c.grad, what=what, async_op=True), None
-                self.stats["reduce_bytes"] += 2 * (w - 1) * c.grad.numel() * c.grad.element_size() // w
+                self.reduce_bytes += 2 * (w - 1) * c.grad.numel() * c.grad.element_size() // w
             else:
                 # NCCL reduces in place when the output is the own shard of the input; elsewhere a temporary.
                 out = (
@@ -96,8 +128,8 @@ class GradientReduction:
                     else torch.empty(c.shard_numel, dtype=c.grad.dtype, device=c.grad.device)
                 )
                 work = self.comm.reduce_scatter(out, c.grad, what=what, async_op=True)
-                self.stats["reduce_bytes"] += (w - 1) * c.grad.numel() * c.grad.element_size() // w
-        self.stats["reductions"] += 1
+                self.reduce_bytes += (w - 1) * c.grad.numel() * c.grad.element_size() // w
+        self.reductions += 1
         self._launched.add(c.index)
         self._pending.append((c, work, out))
 
@@ -147,12 +179,3 @@ class GradientReduction:
         self._reset_round()
         self._reduced.clear()
         self._flushed_at = None
-
-    def agree_with_grad(self, store: ChunkStore, with_grad: set[int]) -> set[int]:
-        """The parameters with a gradient on any rank (one small MAX all-reduce): their averaged gradient
-        exists on every rank, and every rank must update the same parameters."""
-        params = list(store.params())
-        flags = torch.tensor([id(p) in with_grad for p in params], dtype=torch.int32, device=self.comm.device)
-        self.comm.all_reduce(flags, op=torch.distributed.ReduceOp.MAX,
-                             what="agreeing on the parameters with gradients")
-        return {id(p) for p, f in zip(params, flags.tolist(), strict=True) if f}

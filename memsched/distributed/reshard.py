@@ -4,15 +4,11 @@ the state's side, temporarily."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from memsched.chunks import ChunkStore
-
-if TYPE_CHECKING:
-    from memsched.distributed.engine import ZeroEngine
+from memsched.distributed.base import DataParallel
 
 
-def unshard(engine: ZeroEngine, store: ChunkStore) -> None:
+def unshard(engine: DataParallel, store: ChunkStore) -> None:
     """Give every chunk its whole optimizer state (all-gathered; a collective)."""
     engine.end_step()
     for c in store.chunks:
@@ -23,7 +19,7 @@ def unshard(engine: ZeroEngine, store: ChunkStore) -> None:
         c.reshard(0, c.numel, store.alloc, master=master, exp_avg=m, exp_avg_sq=v)
 
 
-def reshard(engine: ZeroEngine, store: ChunkStore) -> None:
+def reshard(engine: DataParallel, store: ChunkStore) -> None:
     """Cut each (whole-state) chunk back to this rank's shard.
 
     Raises:

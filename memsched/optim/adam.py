@@ -52,3 +52,26 @@ def fused_adamw_(
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
         amsgrad=False, maximize=maximize, grad_scale=grad_scale, found_inf=found_inf,
     )
+
+
+def fp32_grad(g: torch.Tensor, out: torch.Tensor | None, inv_scale: torch.Tensor | None,
+              coefs: list[torch.Tensor]) -> torch.Tensor:
+    """``g`` as fp32 (into ``out`` when given), unscaled then clipped: the same IEEE operations, in the same
+    order, as GradScaler's unscale and ``clip_grad_norm_`` on fp32 master gradients.
+
+    Args:
+        g: a gradient (any float dtype; shape kept).
+        out: an fp32 tensor of ``g``'s shape to write into, ``g`` itself (fp32, in place), or ``None`` (a new
+            fp32 copy when ``g`` is not fp32, else ``g`` in place).
+        inv_scale: the fp16 loss scale's inverse (0-d fp32, on ``out``'s device), or ``None``.
+        coefs: clip coefficients (0-d fp32), applied in order.
+    """
+    if out is None:
+        out = g.float() if g.dtype != torch.float32 else g
+    elif out is not g:
+        out.copy_(g)
+    if inv_scale is not None:
+        out.mul_(inv_scale)
+    for k in coefs:
+        out.mul_(k)
+    return out

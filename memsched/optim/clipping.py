@@ -12,9 +12,12 @@ coefficient is ``max_norm / (total + 1e-6)`` clamped to 1 (see ``torch/nn/utils/
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.utils._foreach_utils import _has_foreach_support
+
+from memsched.optim.adam import fp32_grad
 
 
 def total_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, *, per_tensor: bool = False,
@@ -52,3 +55,53 @@ def total_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, *, per_t
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (total + 1e-6))`` as a tensor on ``total``'s device (no host synchronisation)."""
     return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+
+
+class Clipper:
+    """The clipping of one optimizer: under fp16 the coefficients of :meth:`clip_grad_norm_` wait here for the
+    step that applies them (in fp32, after unscaling); without a loss scale it is torch's own clip, in place.
+
+    Args:
+        store: the chunks (:class:`memsched.chunks.ChunkStore`; the parameters' chunks group the norms).
+        scaler: the fp16 loss scaler (:class:`memsched.optim.precision.LossScaler`), or ``None``.
+    """
+
+    def __init__(self, store: Any, scaler: Any) -> None:
+        self._store = store
+        self._scaler = scaler
+        self.pending: list[torch.Tensor] = []  # fp16: coefficients (0-d fp32) for the next step
+
+    def take(self) -> list[torch.Tensor]:
+        """The pending coefficients, which the step applies; none are left pending."""
+        coefs, self.pending = self.pending, []
+        return coefs
+
+    def clear(self) -> None:
+        """Drop the pending coefficients (``zero_grad``: the gradients they were for are gone)."""
+        self.pending = []
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``params`` (the model's trainable parameters, in the model's order) to a
+        total norm of ``max_norm``; returns the total norm before clipping (a float32 scalar on the device).
+
+        Without a loss scale this is ``torch.nn.utils.clip_grad_norm_`` on the gradients in place. With fp16
+        loss scaling it is what GradScaler users get from ``scaler.unscale_(opt); clip_grad_norm_(...)`` on
+        fp32 master gradients: the norms are those of the fp32 unscaled gradients (one chunk at a time, never
+        in fp16, so a scaled norm above 65504 is no overflow), and the coefficient waits in :attr:`pending`
+        for the step (``p.grad`` keeps the scaled fp16 values).
+        """
+        if self._scaler is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        inv = self._scaler.inv_scale(self._store.alloc.device)
+        by_chunk: dict[int, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_chunk.setdefault(self._store.param_chunk[id(p)].index, []).append(p)
+        norms: dict[int, torch.Tensor] = {}
+        for ps in by_chunk.values():  # fp32 temporaries of one chunk at a time
+            grads = [fp32_grad(p.grad, None, inv, self.pending) for p in ps]
+            norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
+        total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
+        self.pending.append(clip_coefficient(total, max_norm))
+        return total

@@ -27,27 +27,27 @@ from typing import Any
 import torch
 
 from memsched.chunks import Chunk, ChunkStore, param_shards
-from memsched.chunks.fingerprint import Fingerprinter
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
 from memsched.optim import state_dict as optim_state
-from memsched.optim.adam import fused_adamw_
+from memsched.optim.adam import fp32_grad, fused_adamw_
+from memsched.optim.clipping import Clipper
+from memsched.optim.early_d2h import EarlyD2H
 from memsched.optim.early_update import EarlyUpdates
-from memsched.optim.grads import GradientChecksMixin
-from memsched.optim.host_offload import OverlapMixin
+from memsched.optim.grads import GradChecks
 from memsched.optim.host_updates import HostUpdates
-from memsched.optim.hyperparams import (  # noqa: F401 (re-exported: memsched.optim.hybrid_adamw.check_hyperparameters etc.)
+from memsched.optim.hyperparams import (  # noqa: F401 (re-exported: hybrid_adamw.check_hyperparameters etc.)
     adamw_default_keys,
     check_hyperparameters,
     hyperparameter_groups,
     indexed_param_groups,
 )
 from memsched.optim.precision import LossScaler
-from memsched.telemetry.step_timeline import CPU_UPDATE, StepTimeline
+from memsched.telemetry.step_timeline import CPU_UPDATE, WAITS, StepTimeline
 from policies.types import DEVICE, HOST
 
 
-class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
+class HybridAdamW(torch.optim.Optimizer):
     """AdamW whose state lives in chunks placed on the device or the host (see the module docstring).
 
     ``param_groups`` mirror the user's groups (``lr``, ``betas``, ``eps``, ``weight_decay`` per group, read at
@@ -71,7 +71,8 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
     def __init__(self, store: ChunkStore, groups: Sequence[dict[str, Any]], *, defaults: dict[str, Any],
                  streams: Streams, transfers: TransferStats, scaler: LossScaler | None = None,
                  capacity_check: Callable[[int, str], None] | None = None,
-                 names: dict[int, str] | None = None, dp: DataParallel | None = None) -> None:
+                 names: dict[int, str] | None = None, dp: DataParallel | None = None,
+                 owner_thread: int | None = None) -> None:
         full = {**adamw_default_keys(), **defaults}
         super().__init__([dict(g) for g in groups], full)
         for i, g in enumerate(self.param_groups):
@@ -83,40 +84,82 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
         self.capacity_check = capacity_check
         self.names = names or {}
         self.dp = dp if dp is not None else DataParallel()  # one rank, or ZeRO
-        self._clip_coefs: list[torch.Tensor] = []  # fp16: clip coefficients applied at the next step
+        self.owner_thread = owner_thread  # steps must run on the attaching thread (None: any)
         self._active: set[int] = set()  # ids of the parameters updated by the step in progress
-        self.owner_thread: int | None = None  # set by the scheduler: steps must run on the attaching thread
-        # overlap=True (set by the scheduler after warmup): host chunks are updated on a worker thread
+        self.checks = GradChecks(store, self.dp, scaler, self._name)
+        self.clipper = Clipper(store, scaler)
+        # overlap=True (after warmup: enter_steady_state): host chunks are updated on a worker thread
         # (memsched.optim.host_updates); the step timeline records where each step's time went
         # (memsched.telemetry.step_timeline).
         self.overlap = False
         self.host_updates = HostUpdates(store.alloc.device)
         self.timeline = StepTimeline()
-        # early_d2h (set by the scheduler after warmup, one rank, CUDA): a host chunk's gradients start their
-        # D2H in backward, as soon as they are complete; the step uses that copy if a fingerprint says the
-        # gradients did not change since (memsched.chunks.fingerprint), else copies again.
-        self.early_d2h = False
-        self._early: dict[int, torch.Tensor] = {}  # chunk index -> fingerprint of the gradients it copied
-        self._fingerprints = Fingerprinter()
-        self._param_versions: dict[int, int] = {}
-        self.record_param_versions()
-        # set by the scheduler (memsched.planning.elastic)
-        self.on_zero_grad: Callable[[], None] | None = None
-        # overlap="backward" (enabled by the scheduler after warmup): host chunks are updated during backward
-        # into spare state, committed at the step when exact (memsched.optim.early_update).
-        self.early_updates = EarlyUpdates(self.host_updates.run, self._adamw_all, self._fp32_grad,
+        self._early_d2h = EarlyD2H(store.alloc, self._start_d2h)  # memsched.optim.early_d2h
+        self._zero_grad_observers: list[Callable[[], None]] = []  # memsched.runtime.elastic_hooks
+        # overlap="backward" (after warmup): host chunks are updated during backward into spare state,
+        # committed at the step when exact (memsched.optim.early_update).
+        self.early_updates = EarlyUpdates(self.host_updates.run, self._adamw_all, fp32_grad,
                                           self.timeline.span, store.alloc)
-        self._spec_inv: torch.Tensor | None = None  # fp16: the next backward's inverse scale, on the host
-        self._scaled_versions: list[int] | None = None  # fp16: grad versions after sched.backward
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def enter_steady_state(self, *, overlap: bool, early_d2h: bool, early_update: bool) -> None:
+        """The end of warmup (the plan is applied): host chunks update on the worker (``overlap``), their
+        gradients go D2H during backward (``early_d2h``: CUDA, one rank) and their updates start during
+        backward (``early_update``: ``overlap="backward"``); the step timeline starts recording."""
+        self.overlap = overlap
+        self._early_d2h.enabled = early_d2h
+        if early_update:
+            self.early_updates.enable(self.dp.world, self.store.chunks)
+        self.timeline.start(overlap=overlap)
+
+    def detach(self) -> None:
+        """``close()``: the overlapped update in flight finishes and none starts later, the early D2H stops,
+        the step timeline stops, and steps may run on any thread. The optimizer keeps working."""
+        try:
+            self.overlap = self._early_d2h.enabled = False
+            self.timeline.stop()
+            self.host_updates.close()
+        finally:
+            self.owner_thread = None
+
+    def observe_zero_grad(self, observer: Callable[[], None]) -> None:
+        """Call ``observer()`` at the start of every :meth:`zero_grad` (the retry loop's ``zero_grad`` in its
+        ``except`` tells elastic placement of an out-of-memory error:
+        :mod:`memsched.runtime.elastic_hooks`)."""
+        self._zero_grad_observers.append(observer)
+
+    @property
+    def early_d2h(self) -> bool:
+        """Host chunks' gradients start their D2H during backward (:mod:`memsched.optim.early_d2h`)."""
+        return self._early_d2h.enabled
+
+    @early_d2h.setter
+    def early_d2h(self, value: bool) -> None:
+        self._early_d2h.enabled = bool(value)
+
+    @property
+    def _clip_coefs(self) -> list[torch.Tensor]:
+        """fp16: the clip coefficients pending for the next step
+        (:class:`memsched.optim.clipping.Clipper`)."""
+        return self.clipper.pending
 
     # ---- bookkeeping --------------------------------------------------------------------------------------
     def _name(self, p: torch.Tensor) -> str:
         return self.names.get(id(p), f"of shape {tuple(p.shape)}")
 
     def record_param_versions(self) -> None:
-        """Remember each parameter's version counter: a later in-place write by the user (``load_state_dict``
-        on the model, ``nn.init``) shows as a change and refreshes the master weights at the next step."""
-        self._param_versions = {id(p): p._version for p in self.store.params()}
+        """Remember each parameter's version counter
+        (:meth:`memsched.optim.grads.GradChecks.record_param_versions`)."""
+        self.checks.record_param_versions()
+
+    def note_scaled_backward(self) -> None:
+        """fp16: :meth:`memsched.Scheduler.backward` ran a backward of the scaled loss
+        (:meth:`memsched.optim.grads.GradChecks.note_scaled_backward`)."""
+        self.checks.note_scaled_backward()
+
+    def scaled_grads_unchanged(self) -> bool:
+        """fp16: nothing wrote the gradient buffers since the last scaled backward."""
+        return self.checks.scaled_grads_unchanged()
 
     def _start_d2h(self, c: Chunk) -> None:
         """D2H of host chunk ``c``'s gradients after everything that may have written them (backward, gradient
@@ -166,9 +209,9 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
         self.wait_updates("step()")  # the previous step's overlapped CPU update
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
         if self.scaler is not None:
-            self._check_scaled_grads()
+            self.checks.check_scaled_grads()
         self.store.check_bound(self.names)
-        fixes = self._validate_grads()
+        fixes = self.checks.validate_grads()
         chunks = self.store.chunks
         device_chunks = [c for c in chunks if c.placement == DEVICE]
         host_chunks = [c for c in chunks if c.placement == HOST]
@@ -185,15 +228,14 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
                 view.copy_(g)
                 p.grad = view
                 with_grad.add(id(p))
-        self._sync_user_param_writes()
+        self.checks.sync_user_param_writes()
         self.dp.before_update()  # gradient reductions are complete
         self._active = self.dp.agree_with_grad(self.store, with_grad)
-        coefs, self._clip_coefs = self._clip_coefs, []
-        early, self._early = self._early, {}
+        coefs = self.clipper.take()
         inv_scale = None
         if self.scaler is not None:
             inv_scale = self.scaler.inv_scale(self.store.alloc.device)  # before the scale updates
-            if self._found_inf(chunks):
+            if self.checks.found_inf(chunks):
                 self.scaler.skipped_steps += 1
                 self.early_updates.discard()
                 self._finish_step()
@@ -201,7 +243,7 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
         with self.store.alloc.host_context():
             inv_host = inv_scale.cpu() if inv_scale is not None and host_chunks else None
             coefs_host = [k.cpu() for k in coefs] if host_chunks else []
-        copied = self._early_copies_valid(host_chunks, early)
+        copied = self._early_d2h.take_valid(host_chunks)
         committed = self._commit_early(host_chunks, hps, inv_host, coefs, copied)
         for c in host_chunks:
             if c.index not in copied and c.index not in committed:  # not copied in backward, or written since
@@ -221,24 +263,9 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
         return loss
 
     def _finish_step(self) -> None:
-        self.record_param_versions()
+        self.checks.record_param_versions()
         self.transfers.end_step()
         self.dp.end_step()
-
-    @staticmethod
-    def _fp32_grad(g: torch.Tensor, out: torch.Tensor | None, inv_scale: torch.Tensor | None,
-                   coefs: list[torch.Tensor]) -> torch.Tensor:
-        """``g`` as fp32 (into ``out`` when given), unscaled then clipped: the same IEEE operations, in the
-        same order, as GradScaler's unscale and ``clip_grad_norm_`` on fp32 master gradients."""
-        if out is None:
-            out = g.float() if g.dtype != torch.float32 else g
-        elif out is not g:
-            out.copy_(g)
-        if inv_scale is not None:
-            out.mul_(inv_scale)
-        for k in coefs:
-            out.mul_(k)
-        return out
 
     def _adamw(self, chunks: list[Chunk], masters: list[torch.Tensor], grads: list[torch.Tensor],
                hp: dict[str, Any], states: list[tuple[torch.Tensor, ...]] | None = None,
@@ -294,7 +321,7 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
             if not c.mixed:
                 continue
             # One chunk at a time: the fp32 gradient copy is a temporary of one chunk, not of all of them.
-            g = self._fp32_grad(c.grad[c.lo:c.hi], None, inv_scale, coefs)
+            g = fp32_grad(c.grad[c.lo:c.hi], None, inv_scale, coefs)
             self._adamw([c], [c.master], [g], hp)
             del g
             c.data[c.lo:c.hi].copy_(c.master)
@@ -317,7 +344,7 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
         c.wait_d2h()
         t1 = time.perf_counter()
         src = c.staging if c.staging is not None else c.host_grad
-        self._fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
+        fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
         self._adamw([c], [c.master], [c.host_grad], hp)
         src = c.master
         if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
@@ -330,15 +357,112 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
         span(CPU_UPDATE, "update", t1, t2, chunk=c.index)
         span(CPU_UPDATE, "h2d", t2, t3, chunk=c.index)
 
+    def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of ``params`` to a total norm of ``max_norm``; returns the total norm before
+        clipping (:meth:`memsched.optim.clipping.Clipper.clip_grad_norm_`: torch's own clip, or under fp16 the
+        norm of the unscaled fp32 gradients with the coefficient applied at the step). Call it after backward
+        and before :meth:`step`."""
+        return self.clipper.clip_grad_norm_(params, max_norm, norm_type)
+
+    # ---- the host chunks: early D2H, updates during backward, the overlapped update ------------------------
+    def grads_ready(self, c: Chunk) -> None:
+        """The store's observer: all of ``c``'s gradients are complete in this backward. With ``early_d2h``, a
+        host chunk's D2H starts now, overlapping the rest of backward (ZeRO-Offload's overlap, arXiv
+        2101.06840 section 4.2), and its gradients are fingerprinted so that the step can tell whether
+        anything wrote them after the copy (clipping, ``p.grad.mul_()``, another backward). With
+        ``overlap="backward"`` its update starts too (:mod:`memsched.optim.early_update`)."""
+        if c.placement != HOST:
+            return
+        hp = self._early_hyperparameters(c)
+        if not self.early_d2h and hp is None:
+            return
+        self.host_updates.wait([c.index])  # the worker no longer reads its host buffers
+        if self.early_d2h:
+            self._early_d2h.copy(c)
+        elif hp is not None:  # the worker copies the gradients (synchronous copies: no CUDA)
+            self.transfers.add_d2h(c.shard_numel * c.grad.element_size())
+        if hp is not None:
+            self.early_updates.start(c, hp, self.checks.next_inv_scale if self.scaler is not None else None,
+                                     c.d2h_event if self.early_d2h else None)
+
+    def _early_hyperparameters(self, c: Chunk) -> dict[str, Any] | None:
+        """The hyper-parameters for an update of ``c`` during backward, or ``None`` when it is not made: not
+        enabled, more than one rank, fp16 before its first inverse scale, a clip coefficient already pending,
+        or a group the step would refuse."""
+        if not self.early_updates.enabled or self.dp.world != 1 or self.clipper.pending:
+            return None
+        if self.scaler is not None and self.checks.next_inv_scale is None:
+            return None
+        try:
+            return check_hyperparameters(self.param_groups[c.group], f"param group {c.group}")
+        except ValueError:  # the step raises it
+            return None
+
+    def _commit_early(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
+                      inv_host: torch.Tensor | None,
+                      coefs: list[torch.Tensor], copied: set[int]) -> set[int]:
+        """Swap in the updates made during backward that equal the step's (:meth:`EarlyUpdates.commit`); the
+        gradients are compared by fingerprint where they were copied early (CUDA), else bit for bit."""
+        if not self.early_updates.tickets:
+            return set()
+
+        def grads_equal(c: Chunk, ticket: Any) -> bool:
+            if self.early_d2h:
+                return c.index in copied
+            with self.store.alloc.host_context():
+                return torch.equal(_bits(c.grad[c.lo:c.hi]), _bits(ticket.snapshot))
+
+        return self.early_updates.commit(host_chunks, hps, inv_host, coefs, self._active, grads_equal)
+
+    def _submit_host(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
+                     inv_scale: torch.Tensor | None, coefs: list[torch.Tensor], committed: set[int]) -> None:
+        """Hand the host chunks to the worker (:mod:`memsched.optim.host_updates`), in chunk (first-use)
+        order. Their H2D copies wait for the work queued so far (this step's backward), not for the next
+        forward. The ``committed`` ones were updated during backward: only their H2D copies are left."""
+        after = self.streams.record()
+        by_index = {c.index: c for c in host_chunks}
+
+        def update(i: int) -> None:
+            c = by_index[i]
+            self._update_host(c, hps[c.group], inv_scale, coefs, after=after, updated=i in committed)
+
+        def follow_up(i: int) -> None:  # on the training thread: collectives, version bookkeeping
+            c = by_index[i]
+            self.store.after_update(c)
+            self.dp.end_step()  # its fetch (ZeRO all-gather) completes before the forward reads the chunk
+            self.checks.record_param_versions(c.params)  # the H2D copy moved their version counters
+
+        self.host_updates.submit(sorted(by_index), update, follow_up)
+        # CUDA: what the compute stream runs next comes after the D2H copies that still read the gradients, so
+        # an in-place write memsched cannot see (``model.zero_grad(set_to_none=False)``, ``p.grad.zero_()``)
+        # cannot change them under a copy. The host does not wait (the worker waits for each copy itself).
+        self.streams.wait([c.d2h_event for c in host_chunks])
+
+    def wait_updates(self, what: str = "synchronize()") -> None:
+        """Block until the last step's overlapped CPU update is done and followed up (nothing pending without
+        ``overlap=True``); the time blocked is a span of the step timeline named after ``what``.
+
+        Raises:
+            memsched.optim.host_updates.OverlapError: the overlapped update failed.
+        """
+        t0 = time.perf_counter()
+        blocked = self.host_updates.wait_all()
+        if self.early_updates.tickets:  # anything that reads or writes the state waits for the worker's reads
+            self.early_updates.wait()
+            blocked = time.perf_counter() - t0
+        if blocked > 0:
+            self.timeline.span(WAITS, f"{what} <- all chunks", t0, time.perf_counter())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient buffers and drop a pending fp16 clip coefficient. The ``.grad`` views stay
         bound (no new gradient tensors in the next backward), but with ``set_to_none`` (torch's default) the
         parameters count as having no gradient: one that gets none in the next backward is not updated, as
         ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None."""
-        if self.on_zero_grad is not None:
-            self.on_zero_grad()
-        self._clip_coefs = []
-        self._early = {}  # copies of gradients that are now zeroed: the next backward copies again
+        for observer in self._zero_grad_observers:
+            observer()
+        self.clipper.clear()
+        self._early_d2h.forget()  # copies of gradients that are now zeroed: the next backward copies again
         # The gradient buffers may still be read by D2H copies of an overlapped step (CUDA): zero after them.
         self.streams.wait([c.d2h_event for c in self.store.chunks])
         self.store.zero_grad(set_to_none)
@@ -381,3 +505,9 @@ class HybridAdamW(GradientChecksMixin, OverlapMixin, torch.optim.Optimizer):
             raise RuntimeError("HybridAdamW cannot take new param groups after attach; pass all groups to "
                                "memsched.attach(params=[...])")
         super().add_param_group(param_group)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (an integer view): equal bits, not equal values (-0.0 == 0.0 and NaN != NaN as
+    values, and AdamW may round either differently)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])

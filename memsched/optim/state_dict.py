@@ -20,7 +20,7 @@ it), in place. Everything is checked before anything is written.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -35,11 +35,22 @@ from memsched.optim.hyperparams import (
     trainable_positions,
 )
 
-if TYPE_CHECKING:
-    from memsched.optim.hybrid_adamw import HybridAdamW
+
+class ChunkedOptimizer(Protocol):
+    """What the state dict reads of :class:`memsched.optim.hybrid_adamw.HybridAdamW` (a protocol, so this
+    module does not import the optimizer that imports it)."""
+
+    store: Any  # memsched.chunks.ChunkStore
+    dp: Any  # memsched.distributed.base.DataParallel
+    scaler: Any  # memsched.optim.precision.LossScaler or None
+    param_groups: list[dict[str, Any]]
+
+    def _name(self, p: torch.Tensor) -> str: ...
+
+    def record_param_versions(self) -> None: ...
 
 
-def state_dict(opt: HybridAdamW) -> dict[str, Any]:
+def state_dict(opt: ChunkedOptimizer) -> dict[str, Any]:
     """The whole optimizer state (see the module docstring); a collective under ZeRO."""
     store = opt.store
     opt.dp.end_step()  # every fetch of the last step is complete
@@ -66,7 +77,7 @@ def state_dict(opt: HybridAdamW) -> dict[str, Any]:
 
 
 def validate_state_dict(
-    opt: HybridAdamW, sd: dict[str, Any]
+    opt: ChunkedOptimizer, sd: dict[str, Any]
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, float]]:
     """Check ``sd`` against ``opt`` without writing anything.
 
@@ -139,7 +150,7 @@ def _saved_keys(saved: list[Any], group: dict[str, Any], i: int) -> list[Any]:
                      f"expects {expected}")
 
 
-def load_state_dict(opt: HybridAdamW, sd: dict[str, Any]) -> None:
+def load_state_dict(opt: ChunkedOptimizer, sd: dict[str, Any]) -> None:
     """Load ``sd`` (see :func:`validate_state_dict` for the errors). Parameters without state get zero moments
     and step 0; without a saved ``master_weight`` the master takes the parameter's current value where it
     differs from the master rounded to the compute dtype, and keeps its full precision elsewhere (so loading a

@@ -1,128 +1,91 @@
-"""Warmup for :class:`memsched.Scheduler`: the tracer of the warmup steps, the end of warmup (the cost model's
-measurements, the plan, the steady-state switches: overlap, early D2H, updates during backward) and what the
-trace tells (the traced modules, the first-use order, the peak non-model data). A mixin: the scheduler's state
-is its state (PatrickStar's warmup-then-schedule, arXiv 2108.05818 section 5)."""
+"""The warmup trace of a :class:`memsched.Scheduler`: the :class:`tracer.MemoryTracer` of the warmup steps
+(and the eager compiler stance held while it runs), and what its timeline tells once it stops: the traced
+modules, the first-use order of the parameters, the peak non-model data (PatrickStar's warmup-then-schedule,
+arXiv 2108.05818 section 5; ColossalAI Gemini's warmup phase)."""
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 import torch
 
 import policies
-from memsched.planning.cost_model import WarmupCosts
+from memsched.devices.spec import DeviceSpec
 from memsched.planning.first_use import first_use_order
-from policies.types import HOST
+from memsched.runtime.compile_stance import EagerDuringWarmup
 
 
-class Phase(enum.Enum):
-    """Where a :class:`Scheduler` is in its life (the module docstring tells the story)."""
+class WarmupTrace:
+    """Owns the warmup tracer from :meth:`start` to :meth:`stop`, then the timeline it recorded.
 
-    WARMUP = "warmup"  # traced steps; all optimizer state on the host
-    PLANNED = "planned"  # the plan is applied; no tracing cost
-    PLAN_FAILED = "plan failed"  # the policy found no plan; the state stays on the host, training goes on
-    CLOSED = "closed"  # hooks, modes and accounting removed
+    Args:
+        model: the model traced.
+        optimizer: the optimizer whose steps delimit the traced steps.
+        device: the compute device; the stand-in's tensors are CPU tensors, so there the CPU is traced.
 
+    Attributes:
+        tracer: the live :class:`tracer.MemoryTracer` during warmup, else ``None``.
+        timeline: the :class:`tracer.MemoryTimeline` once the trace stopped, else ``None``.
+    """
 
-class WarmupMixin:
-    """The warmup half of :class:`memsched.Scheduler` (see the module docstring)."""
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: DeviceSpec) -> None:
+        self._model = model
+        self._optimizer = optimizer
+        self._device = device
+        # torch.compile: eager while tracing (memsched.runtime.compile_stance)
+        self._eager = EagerDuringWarmup()
+        self.tracer: Any = None
+        self.timeline: Any = None
 
-    # The scheduler's attributes this mixin reads and writes (set in Scheduler._build).
-    model: torch.nn.Module
-    device: Any
-    optimizer: Any
-    store: Any
-    dp: Any
-    streams: Any
-    config: Any
-    phase: Phase
-    steps: int
-    warmup_steps: int
-    timeline: Any
-    elastic: Any
-    warmup_costs: WarmupCosts | None
-    _installed: Any
-    _eager: Any
+    def start(self) -> None:
+        """Hold the eager stance and enter the tracer.
 
-    def _start_tracer(self) -> None:
+        Raises:
+            RuntimeError: another tracer is attached to the model (nothing stays installed).
+        """
         from tracer import MemoryTracer
 
-        # The stand-in's tensors are CPU tensors: the tracer measures the CPU, which is the stand-in's memory.
-        dev = "cpu" if self.device.is_sim else self.device.name
-        tracer = MemoryTracer(self.model, optimizer=self.optimizer, device=dev)
-        tracer.__enter__()
-        self._installed.tracer = tracer
+        self._eager.start()
+        dev = "cpu" if self._device.is_sim else self._device.name
+        try:
+            tracer = MemoryTracer(self._model, optimizer=self._optimizer, device=dev)
+            tracer.__enter__()
+        except BaseException:
+            self._eager.stop()
+            raise
+        self.tracer = tracer
 
-    @property
-    def _tracer(self) -> Any:
-        return self._installed.tracer
-
-    def _stop_tracer(self) -> None:
-        if self._installed.tracer is not None:
-            tr, self._installed.tracer = self._installed.tracer, None
-            tr.__exit__(None, None, None)
-            self.timeline = tr.timeline
-            if self.device.is_sim:  # say in reports that the traced CPU memory is the stand-in's
-                self.timeline.meta["stand_in"] = f"sim:{policies.format_bytes(self.device.capacity_bytes)}"
-
-    @property
-    def in_warmup(self) -> bool:
-        return self.phase is Phase.WARMUP
-
-    def _global_post_hook(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if optimizer is self.optimizer:
-            self._after_step()
-
-    def _after_step(self) -> None:
-        self.steps += 1
-        self.optimizer.timeline.step_end(self.steps)
-        if self.elastic is not None:
-            self.elastic.after_step()
-        if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
-            return
-        self._stop_tracer()
-        self._eager.stop()  # compiled code compiles from the next call on
-        timeline = self.optimizer.timeline
-        # the last warmup step: every chunk updated on the host (memsched.planning.cost_model)
-        if timeline.records:
-            host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
-            self.warmup_costs = WarmupCosts.from_record(timeline.records[-1], host)
-            timeline.records.clear()
-        self.phase = Phase.PLAN_FAILED  # until the plan is applied
-        self._make_plan()
-        self.phase = Phase.PLANNED
-        # Steady state: the step timeline starts, and with overlap=True host chunks update on the worker.
-        self.optimizer.overlap = self.config.overlap
-        # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
-        # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
-        # (the reduction comes first).
-        self.optimizer.early_d2h = self.dp.world == 1 and self.streams.cuda
-        # overlap="backward": host chunks update during backward, committed at step()
-        # (memsched.optim.early_update)
-        if self.config.early_update:
-            self.optimizer.early_updates.enable(self.dp.world, self.store.chunks)
-        self.optimizer.timeline.overlap = self.config.overlap
-        self.optimizer.timeline.start()
+    def stop(self) -> None:
+        """Leave the tracer (its hooks go away; later steps carry no tracing cost), keep its timeline, and
+        give the compiler its stance back. Idempotent."""
+        tracer, self.tracer = self.tracer, None
+        try:
+            if tracer is not None:
+                tracer.__exit__(None, None, None)
+                self.timeline = tracer.timeline
+                if self._device.is_sim:  # say in reports that the traced CPU memory is the stand-in's
+                    self.timeline.meta["stand_in"] = (
+                        f"sim:{policies.format_bytes(self._device.capacity_bytes)}")
+        finally:
+            self._eager.stop()  # compiled code compiles from the next call on
 
     def traced_modules(self) -> list[str]:
-        """Qualified names of the modules whose forward ran in the warmup trace, in first-call order; empty
-        before the trace exists."""
+        """Qualified names of the modules whose forward ran in the trace, in first-call order; empty before
+        the trace exists."""
         if self.timeline is None:
             return []
         return [st.name for st in self.timeline.module_stats()]
 
-    def first_use_order(self) -> list[torch.nn.Parameter]:
-        """Trainable parameters in first-use order from the warmup trace (:mod:`memsched.planning.first_use`:
-        each parameter at the first traced module that may read it, ties in the model's order); empty before
-        the trace exists."""
+    def first_use_order(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """``params`` in first-use order from the trace (:mod:`memsched.planning.first_use`: each parameter at
+        the first traced module that may read it, ties in the model's order); empty before the trace
+        exists."""
         if self.timeline is None:
             return []
-        return first_use_order(self.model, self.traced_modules(), list(self.store.params()))
+        return first_use_order(self._model, self.traced_modules(), params)
 
     def peak_non_model_bytes(self) -> int:
-        """Peak non-model data of the warmup trace on the compute device, bytes."""
+        """Peak non-model data of the trace on the compute device, bytes (0 before the trace exists)."""
         if self.timeline is None:
             return 0
-        dev = self.timeline.device
-        return int(self.timeline.peak_non_model_bytes(dev))
+        return int(self.timeline.peak_non_model_bytes(self.timeline.device))

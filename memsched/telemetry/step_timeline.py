@@ -121,8 +121,11 @@ class StepTimeline:
         self._forward_seen = False  # an eager forward hook ran since the last step
 
     # ---- recording ----------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Begin recording: the first step starts now (the end of the warmup step)."""
+    def start(self, *, overlap: bool | None = None) -> None:
+        """Begin recording: the first step starts now (the end of the warmup step). ``overlap``: the steps to
+        come overlap the CPU update with the next forward (``None``: as before)."""
+        if overlap is not None:
+            self.overlap = overlap
         self.enabled = True
         self._start = time.perf_counter()
         self._phase = ("data", self._start)
@@ -176,6 +179,13 @@ class StepTimeline:
 
     def stop(self) -> None:
         self.enabled = False
+
+    def take_last(self) -> StepRecord | None:
+        """The last step's record, or ``None``; every record is dropped (the warmup steps' records are read
+        once, by the cost model, and never shown)."""
+        last = self.records[-1] if self.records else None
+        self.records.clear()
+        return last
 
     # ---- reading ------------------------------------------------------------------------------------------
     def summaries(self) -> list[dict[str, Any]]:
