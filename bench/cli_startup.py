@@ -2,7 +2,7 @@
 ``python -c "import torch"`` measured the same way (run by hand: ``python bench/cli_startup.py``).
 
 Each command runs ``--repeats`` times as a fresh process (``subprocess.run``); the median wall time is
-recorded. The CLI's parsers import neither torch nor rich (``memsched/commands/parsers.py``), so ``--help``
+recorded. The CLI's parsers import neither torch nor rich (``memsched/cli/parsers.py``), so ``--help``
 costs the interpreter's start-up plus argparse; the target is under 0.5 s.
 """
 
