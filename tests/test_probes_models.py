@@ -291,9 +291,9 @@ def test_parent_reads_child_parameter(mode, policy, overlap, slow_worker):
     """"direct" passes: the never-called ``proj``'s parameters are given to the nearest traced ancestor (the
     root), whose pre-hook waits. "direct_then_call" and "called_in_warmup" fail under overlap with ``proj``'s
     chunk on the host: the trace saw ``proj`` run, so its parameters' wait is at ``proj``'s pre-hook
-    (memsched/planning/first_use.py:51), but the parent's F.linear reads ``proj.weight`` before that hook (or with no
-    call to ``proj`` at all), while the worker has not yet updated the chunk: the forward reads the previous
-    step's value and the loss differs from the first unsynchronised overlapped forward on."""
+    (memsched/planning/first_use.py:51), but the parent's F.linear reads ``proj.weight`` before that hook (or
+    with no call to ``proj`` at all), while the worker has not yet updated the chunk: the forward reads the
+    previous step's value and the loss differs from the first unsynchronised overlapped forward on."""
     slow_worker["host"] = 0.02  # the stale read must not depend on the machine's load
     run_parity(lambda: ParentReads(mode), policy, overlap,
                before=proj_after_warmup if mode == "called_in_warmup" else None,
@@ -501,7 +501,7 @@ def a_first_in_warmup(i, model):
 def test_tied_weight_read_first_by_the_other_module(policy, overlap, slow_worker):
     """Fails under overlap: the shared weight's wait is at ``a``'s pre-hook only (``a`` ran first in the
     warmup trace: memsched/planning/first_use.py:53 keeps the first-called owner), ``b`` gets no wait hook
-    (memsched/runtime/waits.py:75-85 installs hooks for owners only), so when ``b`` runs first it reads the weight
-    before the worker updated its host chunk."""
+    (memsched/runtime/waits.py:75-85 installs hooks for owners only), so when ``b`` runs first it reads the
+    weight before the worker updated its host chunk."""
     slow_worker["host"] = 0.02
     run_parity(TiedBare, policy, overlap, before=a_first_in_warmup, auto_capacity="63KiB")
