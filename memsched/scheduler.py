@@ -299,8 +299,7 @@ class Scheduler:
     def _install_h2d_waits(self) -> None:
         """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.runtime.waits.H2DWaits`),
         also where copies are synchronous (tests check where the waits are)."""
-        self.waits.needed = True
-        self.waits.install(self.traced_modules())
+        self.waits.install(self.traced_modules(), needed=True)
 
     def synchronize(self) -> None:
         """Wait for every pending update of the parameters: the overlapped CPU update (``overlap=True``; the

@@ -117,6 +117,11 @@ class SimDevice:
             self._pause_depth -= 1
 
     # ---- accounting ---------------------------------------------------------------------------------------
+    def reset_peak(self) -> int:
+        """Restart the peak counter from the bytes live now; returns them (bytes)."""
+        self.peak_bytes = self.live_bytes()
+        return self.peak_bytes
+
     def live_bytes(self) -> int:
         """Bytes counted on the stand-in right now (live storages), bytes."""
         return int(self._acc.total_bytes(CPU)) if self._acc is not None else 0

@@ -44,9 +44,7 @@ def make_engine(config: DataParallelConfig, device: torch.device | None = None) 
     if comm.world == 1:
         return DataParallel()
     comm.check_peers("memsched.attach")
-    engine = ZeroEngine(comm, config.zero_stage, config.fetch)
-    engine.chunk_build = config.chunk_build
-    return engine
+    return ZeroEngine(comm, config.zero_stage, config.fetch, config.chunk_build)
 
 
 __all__ = [

@@ -68,13 +68,15 @@ class ZeroEngine(DataParallel):
         comm: the process group (:class:`Comm`).
         stage: 0, 1 or 2 (see the module docstring).
         fetch: ``"all_gather"`` or ``"all_reduce"``.
+        chunk_build: where chunks are built at attach (:mod:`memsched.distributed.build`).
 
     Attributes:
         stats: bytes sent into collectives by this rank (``reduce_bytes``: gradient reductions,
             ``fetch_bytes``: parameter fetches), and their counts.
     """
 
-    def __init__(self, comm: Comm, stage: int = 1, fetch: str = "all_gather") -> None:
+    def __init__(self, comm: Comm, stage: int = 1, fetch: str = "all_gather",
+                 chunk_build: str = "auto") -> None:
         self.stage, self.fetch = check_zero_options(stage, fetch)
         self.comm = comm
         self.rank, self.world = comm.rank, comm.world
@@ -85,7 +87,7 @@ class ZeroEngine(DataParallel):
         self._fetch_bytes = 0
         self._fetch_count = 0
         self.build_stats: dict[str, Any] = {}
-        self.chunk_build = "auto"  # where chunks are built at attach (memsched.distributed.build)
+        self.chunk_build = chunk_build  # where chunks are built at attach (memsched.distributed.build)
 
     @property
     def stats(self) -> dict[str, int]:

@@ -236,7 +236,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.scaler is not None:
             inv_scale = self.scaler.inv_scale(self.store.alloc.device)  # before the scale updates
             if self.checks.found_inf(chunks):
-                self.scaler.skipped_steps += 1
+                self.scaler.skip_step()
                 self.early_updates.discard()
                 self._finish_step()
                 return loss

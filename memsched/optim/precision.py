@@ -43,6 +43,10 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.skipped_steps = 0
 
+    def skip_step(self) -> None:
+        """Count a step skipped for inf/NaN gradients."""
+        self.skipped_steps += 1
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` in fp32 (an fp16 product could overflow before backward even starts)."""
         return loss.float() * self.scale.to(loss.device)

@@ -127,11 +127,15 @@ class PeakProbe:
 
     def begin(self) -> None:
         if self.sim is not None:
-            self.base = self.sim.live_bytes()
-            self.sim.peak_bytes = self.base
+            self.base = self.sim.reset_peak()
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
+
+    def cancel(self) -> None:
+        """The measurement begun is void (the step failed); :meth:`read` gives ``None`` until the next
+        begin."""
+        self.base = None
 
     def read(self) -> int | None:
         """The peak non-model bytes since :meth:`begin` (``None`` when not begun)."""
@@ -226,7 +230,7 @@ class Elastic:
         """An out-of-memory error escaped the forward or ``sched.backward``: the next step makes room."""
         self.oom = True
         self._sig = None
-        self.probe.base = None
+        self.probe.cancel()
 
     def after_step(self) -> None:
         """End of a step (after ``optimizer.step()``): record its measured peak, finish a conservative step,

@@ -57,9 +57,24 @@ class ReadGuard(TorchFunctionMode):
             if i is not None:  # wait_chunk drops every parameter of chunk i from unwaited
                 self.wait_chunk(i, getattr(func, "__name__", str(func)))
 
-    def push(self) -> None:
-        """Enter the mode (the root's forward pre-hook)."""
+    def push(self, unwaited: dict[int, int]) -> None:
+        """Enter the mode (the root's forward pre-hook), guarding ``unwaited``: ``id(parameter) -> chunk``."""
+        self.unwaited = dict(unwaited)
         self.__enter__()
+
+    def waited(self, params: Iterable[Any]) -> None:
+        """``params`` were waited for: their reads need no wait any more."""
+        for p in params:
+            self.unwaited.pop(id(p), None)
+
+    def waited_all(self) -> None:
+        """Every chunk was waited for."""
+        self.unwaited.clear()
+
+    @property
+    def guarding(self) -> bool:
+        """Some parameter read still needs a wait."""
+        return bool(self.unwaited)
 
     def on_top(self) -> bool:
         """Whether the mode is the innermost torch function mode of this thread (it can be left now)."""

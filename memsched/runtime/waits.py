@@ -64,8 +64,11 @@ class H2DWaits:
         self.guard = ReadGuard(self._wait_read)
         self._guarded = False  # the guard is entered (a plain flag: Dynamo reads it in the root's hooks)
 
-    def install(self, traced: Sequence[str]) -> None:
-        """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup)."""
+    def install(self, traced: Sequence[str], *, needed: bool | None = None) -> None:
+        """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup).
+        ``needed``: whether module waits are needed at all from now on (``None``: as before)."""
+        if needed is not None:
+            self.needed = needed
         self.remove()
         begin = Detachable(lambda *_a: self.timeline.forward_begin())
         self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
@@ -118,7 +121,7 @@ class H2DWaits:
             self.streams.wait([chunks[i].h2d_event for i in indices])
             if self._guarded:
                 self._mark_waited(indices)
-                if not self.guard.unwaited and self.guard.on_top():  # nothing left to guard: calls run bare
+                if not self.guard.guarding and self.guard.on_top():  # nothing left to guard: calls run bare
                     self._guarded = False
                     self.guard.pop()
         return wait
@@ -133,8 +136,7 @@ class H2DWaits:
                     if c.placement == HOST and (c.index in pending or _in_flight(c.h2d_event))
                     for p in c.params}
         if unwaited:
-            self.guard.unwaited = unwaited
-            self.guard.push()
+            self.guard.push(unwaited)
             self._guarded = True
 
     def _wait_read(self, i: int, what: str) -> None:
@@ -147,11 +149,9 @@ class H2DWaits:
         self._mark_waited([i])
 
     def _mark_waited(self, indices: Sequence[int]) -> None:
-        unwaited = self.guard.unwaited
         chunks = self.store.chunks
         for i in indices:
-            for p in chunks[i].params:
-                unwaited.pop(id(p), None)
+            self.guard.waited(chunks[i].params)
 
     def _compiled_wait(self) -> None:
         """In compiled code only: the per-module waits compile to nothing (they would split the forward's
@@ -194,7 +194,7 @@ class H2DWaits:
             if self.updates.wait_all() > 0:
                 self.timeline.span(WAITS, "synchronize() <- all chunks", t0, time.perf_counter())
         self.streams.wait([c.h2d_event for c in self.store.chunks])
-        self.guard.unwaited.clear()  # every chunk is waited for
+        self.guard.waited_all()
 
     def remove(self) -> None:
         for h in self._handles:
