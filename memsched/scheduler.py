@@ -168,8 +168,8 @@ class Scheduler:
         self.optimizer.timeline.start()  # warmup steps are recorded too: the cost model reads the last one
         self.elastic: Elastic | None = None
         if config.replan == "auto" and self.device.kind != "cpu":
-            self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max,
-                                   PeakProbe(self.device.torch_device, self.sim), world=self.dp.world)
+            probe = PeakProbe(self.device.torch_device, self.sim, self.store.absent_grad_bytes)
+            self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max, probe, world=self.dp.world)
             for h in install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad):
                 installed.add_handle(h)
         try:

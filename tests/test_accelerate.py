@@ -107,8 +107,9 @@ def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monk
         chunks = sched.store.chunks
         out["places"] = {c.placement for c in chunks}
         host = [c for c in chunks if c.placement == HOST]
-        out["all_grad_bytes"] = sum(c.shard_numel * c.grad.element_size() for c in chunks)
-        out["host_grad_bytes"] = sum(c.shard_numel * c.grad.element_size() for c in host)
+        # the gradient buffers are freed by zero_grad: they have the compute dtype of the parameters
+        out["all_grad_bytes"] = sum(c.shard_numel * c.data.element_size() for c in chunks)
+        out["host_grad_bytes"] = sum(c.shard_numel * c.data.element_size() for c in host)
         out["host_data_bytes"] = sum(c.shard_numel * c.data.element_size() for c in host)
         out["steps"] = sched.transfers.steps
         sched.close()

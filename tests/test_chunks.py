@@ -119,7 +119,7 @@ def test_parameters_become_views_tied_once_frozen_untouched():
             c = store.param_chunk[id(p)]
             base = c.data.data_ptr()
             assert base <= p.data_ptr() < base + c.numel * c.data.element_size()
-            assert p.grad is not None and p.grad.data_ptr() >= c.grad.data_ptr()
+            assert p.grad is None and c.grad is None  # no gradient (buffer) before a backward makes one
     # Writing the chunk buffer is seen by the module (views, not copies).
     c = store.param_chunk[id(m.mid.bias)]
     off, n = store.param_range[id(m.mid.bias)]
@@ -148,9 +148,14 @@ def test_gradients_land_in_the_flat_buffer_and_readiness_fires_once_per_chunk():
     m(idx).sum().backward()
     assert m.mid.weight.grad.data_ptr() == store.grad_view(m.mid.weight).data_ptr()
     assert torch.allclose(m.mid.weight.grad, ref.mid.weight.grad)
-    store.zero_grad()
-    assert all(torch.count_nonzero(c.grad) == 0 for c in store.chunks)
+    store.zero_grad()  # set_to_none: the gradient buffers are freed
+    assert all(c.grad is None for c in store.chunks) and all(p.grad is None for p in store.params())
     assert all(not c.ready for c in store.chunks)
+    m(idx).sum().backward()  # made again by the next backward, with the same gradients
+    assert torch.allclose(m.mid.weight.grad, ref.mid.weight.grad)
+    store.zero_grad(set_to_none=False)  # zeroed in place, views kept
+    assert all(torch.count_nonzero(c.grad) == 0 for c in store.chunks)
+    assert m.mid.weight.grad.data_ptr() == store.grad_view(m.mid.weight).data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -165,7 +170,8 @@ def test_chunk_bytes_match_the_real_tensors(dtype):
             c.init_state(placement, alloc)
             real = sum(t.numel() * t.element_size() for t in c.state_tensors())
             assert real == expected
-            assert c.data.numel() * c.data.element_size() + c.grad.numel() * c.grad.element_size() \
+            grad = store.alloc_grad(c)  # made by the first backward
+            assert c.data.numel() * c.data.element_size() + grad.numel() * grad.element_size() \
                 == cb.resident_bytes
     assert m[0].weight.dtype == dtype
 
@@ -226,7 +232,7 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     problem, layout = build_problem(meta, 1000, 10**6, gpu_margin_mem_ratio=0.5)
     store = make_store(real)
     assert layout == store.layout
-    resident = sum(c.data.nbytes + c.grad.nbytes for c in store.chunks) + 40
+    resident = sum(2 * c.data.nbytes for c in store.chunks) + 40  # gradient buffers (made in backward) too
     assert problem.resident_model_bytes == resident
     assert problem.margin_bytes == 10**6 - 1000 - resident
     steps = [4 * len(slots) for slots in layout.chunks]  # one fp32 step count per parameter
@@ -263,8 +269,8 @@ def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
 
 def test_building_chunks_of_a_model_already_on_the_device_peaks_near_its_final_size():
     """Each chunk binds its parameters as soon as it is built, so their old storage is freed before the next
-    chunk is allocated: the peak is the chunks' compute + gradient buffers plus one chunk, not that plus every
-    parameter (about 3x the parameter bytes)."""
+    chunk is allocated: the peak is the chunks' compute buffers plus one chunk, not that plus every parameter
+    (no gradient buffer exists before a backward)."""
     from tracer.accounting import StorageAccountant
     from tracer.categories import Category
 
@@ -279,6 +285,6 @@ def test_building_chunks_of_a_model_already_on_the_device_peaks_near_its_final_s
         store = make_store(m, chunk_numel=64 * 64 + 64)  # one layer per chunk: 16 chunks
         final = acc.total_bytes("cpu")
     acc.close()
-    chunk_bytes_ = 2 * store.layout.chunk_numel * 4  # compute + gradient buffer of one chunk
-    assert final == 2 * store.layout.total_numel * 4  # the old parameter storages are gone
+    chunk_bytes_ = store.layout.chunk_numel * 4  # the compute buffer of one chunk
+    assert final == store.layout.total_numel * 4  # the old parameter storages are gone
     assert peak[0] <= final + param_bytes / 16 + chunk_bytes_ < 2.5 * param_bytes

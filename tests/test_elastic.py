@@ -89,9 +89,14 @@ def test_longer_inputs_replan_before_the_forward_and_stay_exact(grow):
 
 
 def test_replan_off_runs_out_of_memory_where_auto_does_not():
-    batches = [lm_batch(8, s, i) for i, s in enumerate([32, 32, 128])]
+    # Gradient buffers exist from backward on only, so the long batch is 10 x 128 (8 x 128 fits unplanned).
+    batches = [lm_batch(8, 32, 0), lm_batch(8, 32, 1), lm_batch(10, 128, 2)]
     with pytest.raises(SimOutOfMemoryError):
         train(gpt(), batches, lambda m, b: lm_loss(m, *b), replan="off")
+    model = gpt()
+    sched, ref = train(model, batches, lambda m, b: lm_loss(m, *b), replan="auto")
+    assert HOST in sched.plan_history[-1].plan.placement
+    assert_equal(model, ref)
 
 
 class EncoderDecoder(nn.Module):
@@ -147,7 +152,9 @@ class Spiky(nn.Module):
 
 
 def _spike() -> None:
-    torch.empty(13 * 2**20, dtype=torch.uint8)  # 13 MiB: fits only with the optimizer state on the host
+    # 17 MiB: fits only with the optimizer state on the host (4 MiB of parameters, 4 MiB of gradients in
+    # backward only, 8 MiB of optimizer state on the device)
+    torch.empty(17 * 2**20, dtype=torch.uint8)
 
 
 class _Spike(torch.autograd.Function):

@@ -17,7 +17,9 @@ class Chunk:
 
     Tensors (all 1-D):
         ``data``: ``[numel]`` compute dtype, device: the parameters are views into it.
-        ``grad``: ``[numel]`` compute dtype, device: the parameters' ``.grad`` are views into it.
+        ``grad``: ``[numel]`` compute dtype, device: the parameters' ``.grad`` are views into it; ``None``
+            while no gradient exists (one rank: allocated by the first gradient of a backward, freed by
+            ``zero_grad()``; see :mod:`memsched.chunks.store`).
         ``master``: ``[hi - lo]`` fp32 on the state's side; ``None`` in fp32 on the device (``data`` is
             the master).
         ``exp_avg``, ``exp_avg_sq``: ``[hi - lo]`` fp32, on the state's side.
@@ -39,7 +41,7 @@ class Chunk:
     """
 
     def __init__(self, index: int, group: int, numel: int, params: list[torch.nn.Parameter],
-                 ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor, *,
+                 ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor | None, *,
                  initial_master: torch.Tensor | None = None) -> None:
         self.index = index
         self.group = group
@@ -48,6 +50,7 @@ class Chunk:
         self.ranges = ranges  # (offset, numel) per parameter
         self.data = data
         self.grad = grad
+        self.grad_generation = 0  # moves at every allocation of ``grad`` (its version restarts then)
         self.lo, self.hi = 0, numel
         self.placement: str | None = None
         self.master: torch.Tensor | None = None
@@ -235,6 +238,28 @@ class Chunk:
         self.spare = None
         self.init_state(self.placement, alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                         steps=steps)
+
+    # -- the gradient buffer -------------------------------------------------------------------------------
+    def alloc_grad(self, alloc: Allocator) -> torch.Tensor:
+        """The gradient buffer, allocated (zeros, compute dtype, on the device) if there is none.
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): the device cannot hold it; nothing changed.
+        """
+        if self.grad is None:
+            self.grad = alloc.device_zeros(self.numel, self.data.dtype)
+            self.grad_generation += 1
+        return self.grad
+
+    def free_grad(self) -> None:
+        """Drop the gradient buffer (freed once no ``.grad`` view and no copy in flight holds it: on CUDA the
+        D2H stream that reads it was recorded on it, :class:`memsched.devices.transfers.Streams`)."""
+        self.grad = None
+
+    def grad_signature(self) -> tuple[int, int] | None:
+        """What changes whenever the gradient buffer is written or replaced: ``(allocation, version)``, or
+        ``None`` without a buffer."""
+        return None if self.grad is None else (self.grad_generation, self.grad._version)
 
     # -- gradient readiness ---------------------------------------------------------------------------------
     def mark_grad_ready(self, param_id: int, task: int | None) -> bool:

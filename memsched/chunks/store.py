@@ -60,6 +60,10 @@ class ChunkStore:
                                      "device: materialise the model (e.g. model.to_empty(device=...)) "
                                      "before attach")
         self.align = self.dp.align
+        # One rank: a chunk's gradient buffer exists only while some gradient does (from the first gradient a
+        # backward gives one of its parameters to zero_grad), so it is not alive through the forward's peak.
+        # More ranks: the buffers stay (the reductions write every chunk's buffer on every rank).
+        self.lazy_grads = self.dp.world == 1
         self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel,
                                    align=self.align)
         self.chunks: list[Chunk] = []
@@ -69,6 +73,7 @@ class ChunkStore:
         self.dp.install(self)
         for g in self.groups:
             for p in g:
+                self._hooks.append(p.register_hook(Detachable(self._pre_grad_hook(p))))
                 self._hooks.append(p.register_post_accumulate_grad_hook(Detachable(self._grad_hook)))
 
     # -- building / re-packing ------------------------------------------------------------------------------
@@ -104,8 +109,10 @@ class ChunkStore:
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
                      groups: list[list[torch.nn.Parameter]], keep_initial: bool) -> Chunk:
         data = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
-        grad = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
         params = [groups[s.group][s.index] for s in slots]
+        has_grad = [p.grad is not None and p.grad.shape == p.shape for p in params]
+        grad = (self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+                if any(has_grad) or not self.lazy_grads else None)
         ranges = [(s.offset, s.numel) for s in slots]
         # Mixed precision: the fp32 master starts from the parameters' full-precision values, not from their
         # compute-dtype rounding (kept on the host until the optimizer state is made).
@@ -118,11 +125,14 @@ class ChunkStore:
             if initial is not None:
                 with self.alloc.host_context():
                     initial[off:off + n].copy_(src.reshape(-1))
-            if p.grad is not None and p.grad.shape == p.shape:
+            if grad is not None and p.grad is not None and p.grad.shape == p.shape:
                 grad[off:off + n].copy_(p.grad.reshape(-1))
-        for p, (off, n) in zip(params, ranges, strict=True):
+        for p, (off, n), had in zip(params, ranges, has_grad, strict=True):
             p.data = data[off:off + n].view(p.shape)
-            p.grad = grad[off:off + n].view(p.shape)
+            if grad is not None and (had or not self.lazy_grads):
+                p.grad = grad[off:off + n].view(p.shape)
+            else:
+                p.grad = None
         return Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad,
                      initial_master=initial)
 
@@ -170,9 +180,12 @@ class ChunkStore:
                 c.wait_h2d()
                 c.wait_d2h()
                 tensors = (c.data, c.grad, c.master_view(), c.exp_avg, c.exp_avg_sq)
-                flat = [t.to("cpu", copy=True) for t in tensors]
+                flat = [t.to("cpu", copy=True) if t is not None else None for t in tensors]
                 for p, (off, n) in zip(c.params, c.ranges, strict=True):
-                    staged[id(p)] = tuple(t[off:off + n] for t in flat)
+                    # a parameter with no gradient keeps none (``p.grad`` is None, not a zeroed view)
+                    no_grad = flat[1] is None or (self.lazy_grads and p.grad is None)
+                    staged[id(p)] = tuple(None if (t is None or (k == 1 and no_grad)) else t[off:off + n]
+                                          for k, t in enumerate(flat))
                     side[id(p)] = c.placement
         self._release(staged)
         try:
@@ -193,7 +206,7 @@ class ChunkStore:
         for p in params:
             data, grad = staged[id(p)][:2]
             p.data = data.view(p.shape)
-            p.grad = grad.view(p.shape)
+            p.grad = grad.view(p.shape) if grad is not None else None
 
     def _release(self, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """Point every parameter at its staged host copy and forget the chunks (their buffers are freed)."""
@@ -222,11 +235,33 @@ class ChunkStore:
                              steps=[steps[id(p)] for p in c.params])
 
     # -- gradients ------------------------------------------------------------------------------------------
+    def _pre_grad_hook(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
+        """[Note: gradients land in the chunk]
+        One rank: before autograd accumulates a gradient into ``p`` that has none, ``p.grad`` becomes its
+        zeroed chunk view (the chunk's buffer is allocated at its first gradient), so that autograd adds the
+        gradient into the chunk in place instead of allocating a tensor memsched would copy. ``0 + g == g``
+        for every ``g`` (only the sign of an exact zero may differ, which AdamW's moments and updates never
+        see).
+        A parameter that gets no gradient keeps ``p.grad is None``, as in torch."""
+
+        def hook(_grad: torch.Tensor) -> None:
+            if not self.lazy_grads or p.grad is not None:
+                return
+            c = self.param_chunk.get(id(p))
+            if c is None:
+                return
+            with torch.no_grad():
+                view = self.grad_view(p, c)
+                view.zero_()  # may hold the gradient of an earlier backward that model.zero_grad() dropped
+            p.grad = view
+
+        return hook
+
     def _grad_hook(self, p: torch.nn.Parameter) -> None:
         c = self.param_chunk.get(id(p))
         if c is None:
             return
-        self.rebind_grad(p, c)
+        self.rebind_grad(p, c)  # allocates the chunk's gradient buffer at its first gradient
         self.with_grad.add(id(p))
         self.grad_events += 1
         task = graph_task_id()
@@ -247,6 +282,7 @@ class ChunkStore:
             return
         for p in self.params():
             if id(p) not in self.with_grad and p.grad is not None \
+                    and self.param_chunk[id(p)].grad is not None \
                     and p.grad.data_ptr() == self.grad_view(p).data_ptr():
                 p.grad = None
 
@@ -292,19 +328,55 @@ class ChunkStore:
                 "`with torch.no_grad(): param.copy_(...)`)")
 
     def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
+        """The chunk view ``p.grad`` must be; allocates the chunk's gradient buffer if it has none.
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): the buffer does not fit; nothing changed.
+        """
+        c = c or self.param_chunk[id(p)]
+        if c.grad is None:
+            self.alloc_grad(c)
         v = self._views.get(("grad", id(p)))
         if v is None:
-            c = c or self.param_chunk[id(p)]
             off, n = self.param_range[id(p)]
             v = self._views["grad", id(p)] = c.grad[off:off + n].view(p.shape)
         return v
 
+    def alloc_grad(self, c: Chunk) -> torch.Tensor:
+        """``c``'s gradient buffer, allocated (zeros) if it has none.
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): the buffer does not fit; nothing changed.
+        """
+        if c.grad is None:
+            c.alloc_grad(self.alloc)
+            for p in c.params:  # views of a freed buffer
+                self._views.pop(("grad", id(p)), None)
+        return c.grad
+
+    def absent_grad_bytes(self) -> int:
+        """Bytes of the gradient buffers that do not exist now (one rank, between ``zero_grad`` and the
+        backward that makes them), bytes."""
+        return sum(c.numel * c.data.element_size() for c in self.chunks if c.grad is None)
+
+    def free_grad(self, c: Chunk) -> None:
+        """Free ``c``'s gradient buffer: its parameters' ``.grad`` become None (one rank; see ``lazy_grads``).
+        Gradient reductions and D2H copies still reading it were waited for or recorded by the caller."""
+        if c.grad is None:
+            return
+        for p in c.params:
+            self._views.pop(("grad", id(p)), None)
+            if p.grad is not None and p.grad.data_ptr() >= c.grad.data_ptr() \
+                    and p.grad.data_ptr() < c.grad.data_ptr() + c.grad.numel() * c.grad.element_size():
+                p.grad = None
+        c.free_grad()
+
     def rebind_grad(self, p: torch.nn.Parameter, c: Chunk | None = None) -> None:
         """Put ``p.grad`` back into its chunk view if autograd or the user produced a separate tensor."""
         g = p.grad
-        view = self.grad_view(p, c)
         if g is None:
             return
+        view = self.grad_view(p, c)
         if g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.dtype != view.dtype:
             with torch.no_grad():
                 view.copy_(g)
@@ -314,7 +386,19 @@ class ChunkStore:
         """Before a forward: parameters whose ``.grad`` was set to None (``model.zero_grad()``, Hugging Face
         Trainer) get their zeroed chunk view back, so backward accumulates into the chunk instead of
         allocating a gradient that :meth:`rebind_grad` then copies. They count as having no gradient until
-        backward gives them one (``torch.optim.AdamW`` does not update them)."""
+        backward gives them one (``torch.optim.AdamW`` does not update them).
+
+        One rank (``lazy_grads``): nothing is bound; backward gives such a parameter a new gradient, which
+        :meth:`rebind_grad` copies into the chunk. A chunk none of whose parameters has a gradient any more
+        (``model.zero_grad()``) frees its buffer here, before the forward's peak."""
+        if self.lazy_grads:
+            for c in self.chunks:
+                for p in c.params:
+                    if p.grad is None:
+                        self.with_grad.discard(id(p))
+                if c.grad is not None and all(p.grad is None for p in c.params):
+                    self.free_grad(c)
+            return
         with torch.no_grad():
             for p in self.params():
                 if p.grad is None:
@@ -339,20 +423,32 @@ class ChunkStore:
         self.dp.after_update(chunk)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers, keep the views, reset readiness. ``set_to_none`` (torch's default)
-        means the parameters have no gradient until backward gives them one (they are then not updated)."""
+        """Reset readiness and the gradients. ``set_to_none`` (torch's default): the parameters have no
+        gradient until backward gives them one (they are then not updated); with one rank the gradient buffers
+        are freed and every ``.grad`` is None. Otherwise the buffers that exist are zeroed and the views
+        kept."""
         self.dp.before_zero_grad()  # pending gradient reductions finish first
         if set_to_none and not self.closed:
             self.with_grad.clear()
+        if set_to_none and self.lazy_grads and not self.closed:  # the buffers go: every .grad is None
+            for c in self.chunks:
+                c.reset_ready()
+                self.free_grad(c)
+                for p in c.params:
+                    p.grad = None
+            return
         with torch.no_grad():
             for c in self.chunks:
-                c.grad.zero_()
                 c.reset_ready()
-            for p in self.params():
-                c = self.param_chunk[id(p)]
-                view = self.grad_view(p, c)
-                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view
+                if c.grad is None:  # no gradient since the last zero_grad: p.grad stays None, as in torch
+                    continue
+                c.grad.zero_()
+                for p in c.params:
+                    if self.lazy_grads and p.grad is None:  # stays None, as torch's zero_grad leaves it
+                        continue
+                    view = self.grad_view(p, c)
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
 
     def close(self) -> None:
         """Remove the gradient hooks (parameters stay views into the chunks). Without them nothing tells which

@@ -120,4 +120,8 @@ class Streams:
             dst.copy_(src, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
+        # a buffer freed before the copy ran (a gradient buffer at zero_grad) is not reused
+        for t in (src, dst):
+            if t.is_cuda:
+                t.record_stream(stream)
         return ev

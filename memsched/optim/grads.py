@@ -30,7 +30,7 @@ class GradChecks:
         self._scaler = scaler
         self._name = name
         self._param_versions: dict[int, int] = {}
-        self._scaled_versions: list[int] | None = None  # fp16: grad versions after sched.backward
+        self._scaled_versions: list[Any] | None = None  # fp16: grad signatures after sched.backward
         # fp16: the next backward's inverse scale, on the host
         self.next_inv_scale: torch.Tensor | None = None
         self.record_param_versions()
@@ -75,32 +75,39 @@ class GradChecks:
             ValueError: a gradient has the wrong shape, dtype or device, or is sparse (names the parameter).
         """
         fixes = []
-        for p in self._store.params():
+        store = self._store
+        for p in store.params():
             g = p.grad
-            view = self._store.grad_view(p)
             if g is None:
                 fixes.append((p, None))
                 continue
-            if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
-                continue
-            if g.shape != p.shape or g.device != view.device or g.dtype != view.dtype or g.is_sparse:
+            c = store.param_chunk[id(p)]
+            if c.grad is not None:
+                view = store.grad_view(p, c)
+                if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
+                    continue
+            dtype, device = c.data.dtype, c.data.device  # the gradient buffer's
+            if g.shape != p.shape or g.device != device or g.dtype != dtype or g.is_sparse:
                 raise ValueError(
                     f"gradient of parameter {self._name(p)} has shape {tuple(g.shape)}, dtype {g.dtype}, "
                     f"device {g.device}{' (sparse)' if g.is_sparse else ''}; expected a dense gradient of "
-                    f"shape {tuple(p.shape)}, dtype {view.dtype}, device {view.device}"
+                    f"shape {tuple(p.shape)}, dtype {dtype}, device {device}"
                 )
             fixes.append((p, g))
+        for p, g in fixes:  # gradients set by hand into a chunk without a buffer: allocated before any write
+            if g is not None:
+                store.alloc_grad(store.param_chunk[id(p)])
         return fixes
 
     # ---- fp16 ---------------------------------------------------------------------------------------------
     def note_scaled_backward(self) -> None:
         """fp16: :meth:`memsched.Scheduler.backward` ran a backward of the scaled loss; the gradients as they
         are now hold the loss scale, and the step checks that nothing changed them since."""
-        self._scaled_versions = [c.grad._version for c in self._store.chunks]
+        self._scaled_versions = [c.grad_signature() for c in self._store.chunks]
 
     def scaled_grads_unchanged(self) -> bool:
         """fp16: nothing wrote the gradient buffers since the last :meth:`note_scaled_backward`."""
-        return self._scaled_versions == [c.grad._version for c in self._store.chunks]
+        return self._scaled_versions == [c.grad_signature() for c in self._store.chunks]
 
     def check_scaled_grads(self) -> None:
         """fp16: refuse a step whose gradients changed after the last ``sched.backward``: a backward outside
@@ -113,7 +120,7 @@ class GradChecks:
         """
         if self.scaled_grads_unchanged():
             return
-        sums = torch.stack([c.grad.sum(dtype=torch.float32) for c in self._store.chunks])
+        sums = _sums([c for c in self._store.chunks if c.grad is not None])
         if not bool(torch.isfinite(sums).all()):  # an overflow: the step is skipped, nothing is applied
             return
         raise RuntimeError(
@@ -130,9 +137,16 @@ class GradChecks:
         scaler = self._scaler
         assert scaler is not None
         # A float32 sum of fp16 values is finite iff every value is (|sum| <= 65504 * numel << fp32 max).
-        sums = torch.stack([c.grad.sum(dtype=torch.float32) for c in chunks])
+        sums = _sums(chunks)
         found = self._dp.reduce_found_inf((~torch.isfinite(sums).all()).float().reshape(1).cpu())
         scaler.update(found)
         with self._store.alloc.host_context():  # the host has waited for the device already (found)
             self.next_inv_scale = scaler.inv_scale("cpu")  # of the next backward, for its updates during it
         return bool(found.item() > 0)
+
+
+def _sums(chunks: list[Chunk]) -> torch.Tensor:
+    """Each chunk's gradient buffer summed in fp32 (``[len(chunks)]``; ``[1]`` zeros without any)."""
+    if not chunks:
+        return torch.zeros(1)
+    return torch.stack([c.grad.sum(dtype=torch.float32) for c in chunks])

@@ -211,8 +211,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.scaler is not None:
             self.checks.check_scaled_grads()
         self.store.check_bound(self.names)
-        fixes = self.checks.validate_grads()
-        chunks = self.store.chunks
+        fixes = self.checks.validate_grads()  # allocates the buffers that gradients set by hand go into
+        chunks = [c for c in self.store.chunks if c.grad is not None]  # the others have no gradient at all
         device_chunks = [c for c in chunks if c.placement == DEVICE]
         host_chunks = [c for c in chunks if c.placement == HOST]
         if self.capacity_check is not None:
@@ -220,11 +220,12 @@ class HybridAdamW(torch.optim.Optimizer):
         # ---- no failure expected below this line: in-place writes start ------------------------------------
         with_grad = self.store.with_grad
         for p, g in fixes:
-            view = self.store.grad_view(p)
             if g is None:  # p.grad = None (e.g. model.zero_grad()): no gradient, not updated (torch's rule)
-                view.zero_()  # a later backward writes its gradient into the view from zero
+                if self.store.param_chunk[id(p)].grad is not None:
+                    self.store.grad_view(p).zero_()  # a later backward writes its gradient from zero
                 with_grad.discard(id(p))
             else:
+                view = self.store.grad_view(p)
                 view.copy_(g)
                 p.grad = view
                 with_grad.add(id(p))

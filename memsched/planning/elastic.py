@@ -117,8 +117,10 @@ class PeakProbe:
     :meth:`begin`: the step's non-model data, bytes. ``sim``: the stand-in (its peak counter); otherwise the
     CUDA caching allocator of ``device``."""
 
-    def __init__(self, device: torch.device, sim: Any = None) -> None:
+    def __init__(self, device: torch.device, sim: Any = None,
+                 absent_bytes: Callable[[], int] | None = None) -> None:
         self.device, self.sim = device, sim
+        self.absent_bytes = absent_bytes
         self.base: int | None = None
 
     @property
@@ -126,11 +128,17 @@ class PeakProbe:
         return self.sim is not None or self.device.type == "cuda"
 
     def begin(self) -> None:
+        # [Note: gradients in the measured peak]
+        # The plan counts every chunk's gradient buffer as resident model data, but with one rank a buffer
+        # exists only from backward on. Counting the absent buffers in the base keeps the measurement what
+        # the plan needs: plan + measured <= capacity still bounds the real peak, and a peak in the forward
+        # (no gradient alive) measures that much less.
+        absent = self.absent_bytes() if self.absent_bytes is not None else 0
         if self.sim is not None:
-            self.base = self.sim.reset_peak()
+            self.base = self.sim.reset_peak() + absent
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
+            self.base = torch.cuda.memory_allocated(self.device) + absent
 
     def cancel(self) -> None:
         """The measurement begun is void (the step failed); :meth:`read` gives ``None`` until the next
@@ -142,7 +150,7 @@ class PeakProbe:
         if self.base is None:
             return None
         peak = self.sim.peak_bytes if self.sim is not None else torch.cuda.max_memory_allocated(self.device)
-        out, self.base = max(0, int(peak) - self.base), None
+        out, self.base = max(0, int(peak) - self.base), None  # a forward's peak may be below the base
         return out
 
 

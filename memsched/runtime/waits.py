@@ -170,9 +170,9 @@ class H2DWaits:
             return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
             dropped = any(p.grad is None for p in self.store.params())
-        if dropped:
-            self.streams.wait([c.d2h_event for c in self.store.chunks])
-            self.store.bind_dropped_grads()
+            if dropped:
+                self.streams.wait([c.d2h_event for c in self.store.chunks])
+                self.store.bind_dropped_grads()
 
     def _forward_end(self) -> None:
         if self._guarded:
