@@ -48,7 +48,7 @@ from memsched.optim.precision import LossScaler
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import Elastic, PlanChange
 from memsched.planning.planner import PlanningMixin
-from memsched.runtime.compile_stance import EagerDuringWarmup
+from memsched.runtime.compile_stance import EagerDuringWarmup, warn_compiled_on_stand_in
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import Phase, WarmupMixin
 from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
@@ -174,6 +174,8 @@ class Scheduler(WarmupMixin, PlanningMixin):
             self._install_elastic()
         self._eager = self._installed.eager = EagerDuringWarmup()  # torch.compile: eager while tracing
         self._eager.start()
+        if self.sim is not None:  # compiled code runs eagerly under the stand-in's accounting: say so, once
+            self._handles.append(warn_compiled_on_stand_in(model, self.sim.capacity_bytes))
         try:
             self._start_tracer()
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
