@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import policies
+from memsched.chunks.store import TRAINABLE_DTYPES
 from memsched.devices.spec import DeviceSpec, parse_device
 from memsched.distributed.options import (
     DataParallelConfig,
@@ -68,7 +69,7 @@ def _check_warmup(n: Any) -> int:
     return int(n)
 
 
-SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_PARAM_DTYPES = TRAINABLE_DTYPES  # float32, bfloat16, float16
 
 
 def _check_param_dtypes(model: torch.nn.Module, groups: list[dict[str, Any]]) -> None:

@@ -49,6 +49,7 @@ from memsched.optim.precision import LossScaler
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
 from memsched.planning.planner import Planner, check_host_room
+from memsched.runtime.compile_stance import warn_compiled_on_stand_in
 from memsched.runtime.elastic_hooks import install_elastic_hooks
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import WarmupTrace
@@ -172,6 +173,8 @@ class Scheduler:
             self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max, probe, world=self.dp.world)
             for h in install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad):
                 installed.add_handle(h)
+        if self.sim is not None:  # compiled code runs eagerly under the stand-in's accounting: say so, once
+            installed.add_handle(warn_compiled_on_stand_in(model, self.sim.capacity_bytes))
         try:
             self.warmup.start()
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind

@@ -78,6 +78,34 @@ def test_a_parameter_converted_after_attach_is_refused_at_the_next_step(change, 
                 assert torch.equal(v, after["state"][i][k])
 
 
+@pytest.mark.parametrize("convert, dtype", [
+    (lambda m: m.double(), torch.float64),
+    (lambda m: m.to(torch.float64), torch.float64),
+    (lambda m: m.half(), torch.float16),
+    (lambda m: m.bfloat16(), torch.bfloat16),
+], ids=["double", "to-float64", "half", "bfloat16"])
+@pytest.mark.parametrize("device, steps_before", [("sim:64MiB", 0), ("sim:64MiB", 2), ("cpu", 1)])
+def test_a_dtype_conversion_after_attach_is_refused_at_the_next_forward(convert, dtype, device, steps_before):
+    """Converting the model's dtype after attach is refused by memsched at the next forward, naming memsched
+    and the fix, before autograd fails with torch's ``grad_dtype`` error; close() and re-attach then works."""
+    model = ConvNet()
+    x = torch.randn(2, 3, 8, 8)
+    with memsched.attach(model, device=device) as sched:
+        for _ in range(steps_before):
+            step(sched, model, x)
+        convert(model)
+        with pytest.raises(RuntimeError, match=rf"dtype changed from torch.float32 to {dtype} after "
+                                               r"memsched.attach") as e:
+            model(x.to(dtype))
+        message = str(e.value)
+        assert "parameter 'body.0.weight'" in message
+        assert "dtype= to memsched.attach" in message and "close() the scheduler" in message
+        assert ("float64 is not supported" in message) == (dtype == torch.float64)
+    model.float()  # the fix the message gives: close, convert (to a supported dtype), attach again
+    with memsched.attach(model, device=device) as sched:
+        step(sched, model, x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
 def test_unsupported_parameter_dtypes_are_refused_at_attach(dtype):
     model = nn.Linear(3, 3).to(dtype)

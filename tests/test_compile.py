@@ -4,6 +4,7 @@ training equals the same compiled model with torch.optim.AdamW(fused=True) whose
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -157,3 +158,59 @@ def test_zero_grad_in_the_retry_loop_reports_an_out_of_memory_error():
     assert reasons[-2].startswith("out of memory in the last step")
     assert sched.plan_history[-2].plan.placement == ("host", "host")  # the retry ran all-host
     assert reasons[-1].startswith("measured peak")
+
+
+def _stand_in_warnings(caught) -> list[warnings.WarningMessage]:
+    return [w for w in caught if issubclass(w.category, UserWarning) and "stand-in" in str(w.message)
+            and "torch.compile" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["compiled-module", "model.compile", "compiled-function"])
+def test_compiled_code_on_the_stand_in_warns_once_that_it_runs_eagerly(how):
+    """The stand-in's accounting is a dispatch mode, under which Dynamo compiles nothing: the first compiled
+    call after warmup warns once per scheduler, naming the stand-in and the devices that compile."""
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(32, 64)
+    for _attach in range(2):  # once per scheduler
+        model = mlp()
+        sched = memsched.attach(model, device="sim:64MiB")
+        if how == "compiled-module":
+            compiled = torch.compile(model, backend="aot_eager")
+        elif how == "model.compile":
+            model.compile(backend="aot_eager")
+            compiled = model
+        else:
+            compiled = torch.compile(lambda t, m=model: m(t), backend="aot_eager")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with sched:
+                for _ in range(4):
+                    sched.backward(compiled(x).pow(2).mean())
+                    sched.optimizer.step()
+                    sched.optimizer.zero_grad()
+            compiled(x)  # after close() the hook is gone: no second warning
+        ours = _stand_in_warnings(caught)
+        assert len(ours) == 1, [str(w.message) for w in caught]
+        message = str(ours[0].message)
+        assert "sim:64.0 MiB" in message and "runs eagerly" in message
+        assert 'device="cpu"' in message and "GPU" in message
+        assert ours[0].filename == __file__  # points at the training loop, not into torch
+    assert counters["frames"]["ok"] == 0  # what the warning says: nothing compiled
+
+
+@pytest.mark.parametrize("device, compile_it", [("cpu", True), ("sim:64MiB", False)])
+def test_no_stand_in_compile_warning_on_the_cpu_or_without_compile(device, compile_it):
+    torch._dynamo.reset()
+    model = mlp()
+    sched = memsched.attach(model, device=device)
+    run = torch.compile(model, backend="aot_eager") if compile_it else model
+    x = torch.randn(32, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sched:
+            for _ in range(3):
+                sched.backward(run(x).pow(2).mean())
+                sched.optimizer.step()
+                sched.optimizer.zero_grad()
+    assert not _stand_in_warnings(caught)

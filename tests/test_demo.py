@@ -127,3 +127,16 @@ def test_argument_errors(capsys, argv: list[str]) -> None:
         main(["demo", *argv])
     assert e.value.code == 2
     assert "error: argument" in capsys.readouterr().err
+
+
+def test_ratio_zero_runs_on_the_auto_sized_stand_in_all_on_the_host(tmp_path: Path, capsys) -> None:
+    """``--gpu-margin-mem-ratio 0``: nothing goes to the device, and the auto-sized stand-in holds the warmup
+    step too, whose registration-order chunks (packed before the trace) can outnumber the planned ones."""
+    out = tmp_path / "ratio0"
+    argv = ["demo", "--size", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
+            "--gpu-margin-mem-ratio", "0", "--device", "sim", "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().out
+    placement = json.loads((out / "plan.json").read_text())["plan"]["placement"]
+    assert placement and set(placement) == {"host"}, placement
+    summary = json.loads((out / "demo.json").read_text())
+    assert summary["device"].startswith("sim:") and len(summary["losses"]) == 2

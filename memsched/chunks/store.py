@@ -14,6 +14,9 @@ from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
 from tracer.ops import graph_task_id
 
+# The parameter dtypes memsched trains (memsched.config refuses others at attach).
+TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 class ChunkStore:
     """The chunks of a model: builds them from param groups and a layout, binds parameters as views, counts
@@ -299,33 +302,54 @@ class ChunkStore:
             v = self._views["data", id(p)] = c.data[off:off + n].view(p.shape)
         return v
 
+    def unbound(self, *, quick: bool = False) -> torch.nn.Parameter | None:
+        """The first parameter that is no longer the view into its chunk that attach made it (new storage,
+        dtype, device or memory format), or ``None`` when every parameter still is. ``quick``: compare the
+        storage address and the dtype only (a conversion changes one of them; strides changed in place on the
+        same storage are left to the full check), about three times cheaper: the check before each forward."""
+        for p in self.params():
+            view = self.data_view(p)
+            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
+                return p
+            if not quick and (p.stride() != view.stride() or p.device != view.device):
+                return p
+        return None
+
     def check_bound(self, names: dict[int, str]) -> None:
         """Every parameter is still the view into its chunk that attach made it.
 
         Raises:
             RuntimeError: a parameter got new storage, dtype, device, shape or memory format after attach
-                (``model.to(...)``, ``p.data = ...``); the message names it and what changed. Updates would
-                otherwise go to the chunk and never reach the model.
+                (``model.double()``, ``model.half()``, ``model.to(...)``, ``p.data = ...``); the message names
+                it, what changed and what to do. Updates would otherwise go to the chunk and never reach the
+                model (a dtype change would first fail inside autograd with torch's ``grad_dtype`` error).
         """
-        for p in self.params():
-            view = self.data_view(p)
-            if p.data_ptr() == view.data_ptr() and p.dtype == view.dtype and p.stride() == view.stride() \
-                    and p.device == view.device:
-                continue
-            name = names.get(id(p), f"of shape {tuple(p.shape)}")
-            if p.dtype != view.dtype:
-                what = f"its dtype changed from {view.dtype} to {p.dtype}"
-            elif p.device != view.device:
-                what = f"it moved from {view.device} to {p.device}"
-            elif p.stride() != view.stride():
-                what = f"its memory format changed (strides {view.stride()} -> {p.stride()})"
-            else:
-                what = "it got new storage (p.data = ..., or a module conversion)"
+        p = self.unbound()
+        if p is None:
+            return
+        view = self.data_view(p)
+        name = names.get(id(p), f"of shape {tuple(p.shape)}")
+        if p.dtype != view.dtype:
+            unsupported = "" if p.dtype in TRAINABLE_DTYPES else (
+                f"; {str(p.dtype).removeprefix('torch.')} is not supported: memsched trains float32, "
+                "bfloat16 and float16 parameters")
             raise RuntimeError(
-                f"parameter {name!r} is no longer memsched's view into its chunk: {what} after attach. "
-                "memsched cannot follow that; convert the model (dtype, device, memory format) before "
-                "memsched.attach, or load values in place (model.load_state_dict, or "
-                "`with torch.no_grad(): param.copy_(...)`)")
+                f"parameter {name!r} is no longer memsched's view into its chunk: its dtype changed from "
+                f"{view.dtype} to {p.dtype} after memsched.attach (model.double(), .half(), .bfloat16(), "
+                ".to(dtype)); memsched cannot follow a conversion. To compute in bfloat16 or float16 with "
+                "fp32 master weights, pass dtype= to memsched.attach instead; to convert the model, convert "
+                f"it before memsched.attach: close() the scheduler, convert, and attach again{unsupported}")
+        if p.device != view.device:
+            what = f"it moved from {view.device} to {p.device}"
+        elif p.stride() != view.stride():
+            what = f"its memory format changed (strides {view.stride()} -> {p.stride()})"
+        else:
+            what = "it got new storage (p.data = ..., or a module conversion)"
+        raise RuntimeError(
+            f"parameter {name!r} is no longer memsched's view into its chunk: {what} after attach. "
+            "memsched cannot follow that; convert the model (dtype, device, memory format) before "
+            "memsched.attach (close() the scheduler, convert, and attach again), or load values in place "
+            "(model.load_state_dict, or `with torch.no_grad(): param.copy_(...)`)")
 
     def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
         """The chunk view ``p.grad`` must be; allocates the chunk's gradient buffer if it has none.

@@ -62,8 +62,12 @@ def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_me
     From a fake trace (:func:`memsched.planning.prediction.trace_step`) and the placement problem:
     ``base = (peak non-model + resident model data) x (1 + STAND_IN_SLACK)``; ``auto``'s budget is
     ``ratio x (margin - reserve_frac x capacity)``, so a budget of half the optimizer-state bytes needs
-    ``capacity = (base + optimizer / (2 ratio)) / (1 - reserve_frac)``. With ratio 0 nothing can go to the
-    device and the capacity is just ``base / (1 - reserve_frac)``.
+    ``capacity = (base + optimizer / (2 ratio)) / (1 - reserve_frac)``. The warmup step must fit too: every
+    optimizer-state chunk is on the host then, but the chunks are packed in registration order (the first-use
+    order comes from the warmup trace), which can take more chunks, so more resident bytes, than the planned
+    packing; the capacity is at least ``warmup base / (1 - reserve_frac)``, with the resident bytes of that
+    packing. That bound is what sets the capacity with ratio 0, where nothing can go to the device (and where
+    ``optimizer / (2 ratio)`` leaves no room to hide it in).
 
     Raises:
         ValueError: unknown size, bad batch/sequence, or a ratio outside [0, 1].
@@ -75,10 +79,14 @@ def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_me
     prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True, device="cpu")
     problem, _ = build_problem(prediction.model, prediction.peak_non_model_bytes, 1,
                                gpu_margin_mem_ratio=gpu_margin_mem_ratio, param_order=prediction.param_order)
+    # The warmup step: the registration-order packing attach makes, all optimizer state on the host.
+    warmup, _ = build_problem(prediction.model, prediction.peak_non_model_bytes, 1,
+                              gpu_margin_mem_ratio=gpu_margin_mem_ratio)
     base = (problem.peak_non_model_bytes + problem.resident_model_bytes) * (1 + STAND_IN_SLACK)
+    warmup_base = (warmup.peak_non_model_bytes + warmup.resident_model_bytes) * (1 + STAND_IN_SLACK)
     optimizer = sum(c.device_bytes for c in problem.chunks)
     room = optimizer / (2 * gpu_margin_mem_ratio) if gpu_margin_mem_ratio > 0 else 0.0
-    capacity = (base + room) / (1 - DEFAULT_RESERVE_FRAC)
+    capacity = max(base + room, warmup_base) / (1 - DEFAULT_RESERVE_FRAC)
     return int(math.ceil(capacity / STAND_IN_GRANULE)) * STAND_IN_GRANULE
 
 

@@ -17,11 +17,12 @@ part of the forward is compiled (``model.blocks[0].compile()``, a submodule repl
 after warmup, a compiled function that calls submodules) and the root runs eagerly, a module whose wait is in
 compiled code waits for every chunk, eagerly, at its start (one graph break there per compiled region).
 
-Before each forward, gradients set to None since the last step (``model.zero_grad()``) go back into their
-chunk views (:meth:`memsched.chunks.ChunkStore.bind_dropped_grads`). The root module's forward hooks also mark
-the forward phase of the step timeline
-(:mod:`memsched.telemetry.step_timeline`), and with data parallelism finish the follow-ups of the overlapped
-update (ZeRO all-gathers) before backward, so every rank issues its collectives in the same order.
+Before each forward, a parameter converted since attach (``model.double()``, ``model.to(...)``) is refused
+(:meth:`H2DWaits._check_bound`), and gradients set to None since the last step (``model.zero_grad()``) go back
+into their chunk views (:meth:`memsched.chunks.ChunkStore.bind_dropped_grads`). The root module's forward
+hooks also mark the forward phase of the step timeline (:mod:`memsched.telemetry.step_timeline`), and with
+data parallelism finish the follow-ups of the overlapped update (ZeRO all-gathers) before backward, so every
+rank issues its collectives in the same order.
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class H2DWaits:
         self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
         end = Detachable(lambda *_a: self._forward_end())
         self._handles.append(self.model.register_forward_hook(end, always_call=True))
+        check = Detachable(lambda *_a: self._check_bound())
+        self._handles.append(self.model.register_forward_pre_hook(check))
         bind = Detachable(lambda *_a: self._bind_dropped_grads())
         self._handles.append(self.model.register_forward_pre_hook(bind))
         if not self.needed:
@@ -161,6 +164,18 @@ class H2DWaits:
             _root_synchronize_eager(self)
         else:  # an eager root forward: module waits in compiled code wait for themselves (see _hook)
             self._root_compiled = False
+
+    def _check_bound(self) -> None:
+        """A model converted since attach (``model.double()``, ``.half()``, ``.to(...)``, ``p.data = ...``) is
+        refused before its forward runs (:meth:`memsched.chunks.ChunkStore.check_bound`: RuntimeError naming
+        the parameter and the fix). A dtype change would otherwise fail inside autograd with torch's
+        ``grad_dtype`` error, naming neither memsched nor what to do. Not in compiled code: the conversion
+        makes Dynamo recompile, and ``optimizer.step()`` checks anyway."""
+        if torch.compiler.is_compiling():
+            return
+        with torch._C.DisableTorchFunction():  # bookkeeping, not reads of the parameters
+            if self.store.unbound(quick=True) is not None:
+                self.store.check_bound({id(p): n for n, p in self.model.named_parameters()})
 
     def _bind_dropped_grads(self) -> None:
         """Gradients set to None since the last step go back into their chunk views (after any D2H copy that
