@@ -276,3 +276,20 @@ def test_no_thread_outlives_a_scheduler_dropped_without_close() -> None:
     gc.collect()
     assert not _copy_threads(), _copy_threads()
     del model
+
+
+def test_the_bench_script_runs(tmp_path, monkeypatch) -> None:
+    # bench/link_model.py, tiny: it cannot rot (timings live in its committed result, not here).
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import link_model
+
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    assert link_model.main(["--blocks", "2", "--block", "2", "--warmup", "2", "--links", "500MBps",
+                            "--batch", "2", "--seq", "16", "--name", "smoke"]) == 0
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert result["bit_identical"] and result["runs"]["500MBps"]["h2d_copy_bytes"] > 0
+    assert not _copy_threads()
