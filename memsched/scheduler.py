@@ -143,7 +143,7 @@ class Scheduler:
                 self.sim.stop()
             raise
         self.names = {id(p): n for n, p in model.named_parameters()}
-        self.streams = Streams(tdev)
+        self.streams = Streams(tdev, self.device.link_bytes_per_s)  # the stand-in's link: copy threads
         self.scaler = LossScaler(tdev) if self.compute_dtype == torch.float16 else None
         self.optimizer = HybridAdamW(
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
@@ -151,6 +151,7 @@ class Scheduler:
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names,
             dp=self.dp, owner_thread=threading.get_ident())
         self.store.observe_grads_ready(self.optimizer.grads_ready)
+        self.streams.trace_to(self.optimizer.timeline)
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates)
         self.warmup = WarmupTrace(model, self.optimizer, self.device)
@@ -160,8 +161,9 @@ class Scheduler:
         installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
         self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
                               self.optimizer.timeline, drain_after_forward=self.dp.world > 1,
-                              needed=self.streams.cuda or config.overlap)
-        installed.track(store=self.store, optimizer=self.optimizer, waits=self.waits, warmup=self.warmup)
+                              needed=self.streams.asynchronous or config.overlap)
+        installed.track(store=self.store, optimizer=self.optimizer, waits=self.waits, warmup=self.warmup,
+                        streams=self.streams)
         # A scheduler dropped without close() (an exception escaped the training function) cleans up when it
         # is garbage-collected: nothing it installed outlives it.
         self._finalizer = weakref.finalize(self, installed.remove)

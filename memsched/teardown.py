@@ -70,19 +70,21 @@ class Installed:
         self._optimizer: Any = None  # memsched.optim.hybrid_adamw.HybridAdamW
         self._sim: Any = None  # memsched.devices.simdevice.SimDevice
         self._warmup: Any = None  # memsched.runtime.warmup.WarmupTrace (its tracer and compiler stance)
+        self._streams: Any = None  # memsched.devices.transfers.Streams (the stand-in link's copy threads)
 
     def add_handle(self, handle: Any) -> None:
         """A hook handle (anything with ``remove()``) to remove."""
         self._handles.append(handle)
 
     def track(self, *, sim: Any = None, store: Any = None, optimizer: Any = None, waits: Any = None,
-              warmup: Any = None) -> None:
+              warmup: Any = None, streams: Any = None) -> None:
         """The components to take down, as they are built (a part given once; ``None`` leaves it as it is)."""
         self._sim = sim if sim is not None else self._sim
         self._store = store if store is not None else self._store
         self._optimizer = optimizer if optimizer is not None else self._optimizer
         self._waits = waits if waits is not None else self._waits
         self._warmup = warmup if warmup is not None else self._warmup
+        self._streams = streams if streams is not None else self._streams
 
     def remove(self) -> None:
         """Wait for copies in flight, then remove everything (idempotent)."""
@@ -106,6 +108,8 @@ class Installed:
                 self._waits.remove()
             if self._store is not None:
                 self._store.close()
+            if self._streams is not None:  # the copies queued are done (waited above); the threads end
+                self._streams.close()
             if self._sim is not None:
                 self._sim.stop()
             release(self._params)

@@ -75,7 +75,7 @@ def check_reads(sched, loss_fn, batch) -> list[str]:
     waited: set[int] = set()
     for c in sched.store.chunks:
         c.h2d_event = _PendingCopy(c.index)
-    sched.streams.wait = lambda events: waited.update(e.index for e in events if e is not None)
+    sched.streams.wait = lambda events, *_: waited.update(e.index for e in events if e is not None)
     try:
         with ReadChecker(sched, waited) as checker:
             loss_fn(sched.model, batch)

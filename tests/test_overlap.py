@@ -326,7 +326,7 @@ def test_compute_stream_waits_for_the_gradient_copies_after_an_overlapped_step(m
         return issued[-1]
 
     monkeypatch.setattr(Streams, "copy_d2h", copy_d2h)
-    monkeypatch.setattr(Streams, "wait", lambda self, events: waited.append([e for e in events if e]))
+    monkeypatch.setattr(Streams, "wait", lambda self, events, *_: waited.append([e for e in events if e]))
     model = tiny_gpt()
     with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
                          **PLACEMENTS["static"]) as sched:

@@ -8,10 +8,18 @@ means ``"cuda"`` when CUDA is available, else ``"cpu"``.
 ``"sim:8GiB,host=2GiB"`` also gives the stand-in machine's host memory: the plan's host part must fit it (as
 well as the real machine's available memory, see :mod:`memsched.devices.host_memory`), so the host-memory
 check can be exercised on any machine, whatever its RAM.
+
+``"sim:8GiB,link=25GBps"`` models the host link: the stand-in's H2D and D2H copies then run on copy threads,
+one per direction, and each takes ``bytes / bandwidth`` (:mod:`memsched.devices.transfers`), so the cost of
+the transfers and the stalls they cause show on a machine without a GPU. Bandwidths are bytes per second,
+``GBps``/``GB/s`` decimal (10**9), ``GiBps``/``GiB/s`` binary (2**30), likewise K, M, T. Without ``link=``
+the stand-in copies synchronously, at the CPU's speed.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
 import psutil
@@ -19,8 +27,11 @@ import torch
 
 from policies.units import parse_bytes
 
-ALLOWED = ("'cuda', 'cuda:N', 'cpu', 'sim:SIZE' or 'sim:SIZE,host=SIZE' (e.g. 'sim:8GiB', "
-           "'sim:8GiB,host=2GiB'; units B, KiB, MiB, GiB, KB, MB, GB) or None")
+ALLOWED = ("'cuda', 'cuda:N', 'cpu', 'sim:SIZE', optionally with ',host=SIZE' and ',link=BANDWIDTH' (e.g. "
+           "'sim:8GiB', 'sim:8GiB,host=2GiB', 'sim:8GiB,link=25GBps'; units B, KiB, MiB, GiB, KB, MB, GB; "
+           "bandwidths 25GBps, 25GB/s, 12GiBps, 12GiB/s, 800MBps) or None")
+LINK_FORMS = ("a number of bytes per second: 25GBps, 25GB/s, 12GiBps, 12GiB/s, 800MBps (KB, MB, GB, TB are "
+              "powers of 10**3; KiB, MiB, GiB, TiB of 2**10; B alone is bytes)")
 
 
 @dataclass(frozen=True)
@@ -36,6 +47,8 @@ class DeviceSpec:
         name: the device name in traces (``"cuda:0"``, ``"cpu"``, ``"sim"``).
         host_capacity_bytes: the stand-in machine's host memory (``sim:SIZE,host=SIZE``), bytes; ``None``
             elsewhere (the real machine's memory is read when planning, :mod:`memsched.devices.host_memory`).
+        link_bytes_per_s: the stand-in's modelled host link (``sim:SIZE,link=25GBps``), bytes per second;
+            ``None``: copies are synchronous (and on CUDA the real link is used).
     """
 
     kind: str
@@ -43,6 +56,7 @@ class DeviceSpec:
     capacity_bytes: int
     name: str
     host_capacity_bytes: int | None = None
+    link_bytes_per_s: float | None = None
 
     @property
     def is_sim(self) -> bool:
@@ -87,18 +101,61 @@ def _parse_size(device: str, what: str, text: str) -> int:
     return value
 
 
+_BANDWIDTH_RE = re.compile(
+    r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtT]?)([iI]?)([Bb])\s*(?:ps|/s)\s*$")
+_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_bandwidth(text: str) -> float:
+    """A link bandwidth such as ``"25GBps"``, ``"25GB/s"``, ``"12GiBps"`` or ``"800 MB/s"``, in bytes per
+    second (> 0, finite). Decimal prefixes are powers of 10**3, binary ones (``KiB``...) of 2**10.
+
+    Raises:
+        ValueError: anything else (the message names the text and the allowed forms); ``b`` (bits, as in
+            ``25Gbps``) is refused with the byte equivalent.
+    """
+    m = _BANDWIDTH_RE.match(str(text))
+    if m is None:
+        raise ValueError(f"cannot parse bandwidth {text!r}: expected {LINK_FORMS}")
+    number, prefix, binary, unit = m.group(1), m.group(2).lower(), m.group(3), m.group(4)
+    if binary and not prefix:
+        raise ValueError(f"cannot parse bandwidth {text!r}: expected {LINK_FORMS}")
+    if unit == "b":
+        raise ValueError(f"bandwidth {text!r} is in bits per second; give bytes per second (e.g. "
+                         f"'{float(number) / 8:g}{prefix.upper()}{binary}Bps' for {text.strip()!r}): "
+                         f"{LINK_FORMS}")
+    value = float(number) * (1024 if binary else 1000) ** _PREFIX[prefix]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"bandwidth {text!r} must be > 0 and finite: {LINK_FORMS}")
+    return value
+
+
 def _parse_sim(device: str, spec: str) -> DeviceSpec:
-    """``SIZE`` or ``SIZE,host=SIZE`` after ``sim:``."""
+    """``SIZE`` then any of ``,host=SIZE`` and ``,link=BANDWIDTH`` after ``sim:``."""
     size, sep, rest = spec.partition(",")
     cap = _parse_size(device, "the capacity", size)
-    host = None
-    if sep:
-        key, eq, value = rest.partition("=")
-        if key.strip().lower() != "host" or not eq:
+    options: dict[str, str] = {}
+    for item in rest.split(",") if sep else []:
+        key, eq, value = item.partition("=")
+        key = key.strip().lower()
+        if key not in ("host", "link") or not eq:
             raise ValueError(f"bad device {device!r}: after the size the stand-in takes only 'host=SIZE' "
-                             f"(its host memory), got {rest.strip()!r}; allowed: {ALLOWED}")
-        host = _parse_size(device, "the host memory (host=SIZE)", value)
-    return DeviceSpec("sim", torch.device("cpu"), cap, "sim", host)
+                             f"(its host memory) and 'link=BANDWIDTH' (its modelled host link), got "
+                             f"{item.strip()!r}; allowed: {ALLOWED}")
+        if key in options:
+            raise ValueError(f"bad device {device!r}: {key}= is given twice; allowed: {ALLOWED}")
+        options[key] = value
+    host = _parse_size(device, "the host memory (host=SIZE)", options["host"]) if "host" in options else None
+    link = None
+    if "link" in options:
+        if not options["link"].strip():
+            raise ValueError(f"device {device!r} lacks a bandwidth for the host link (link=BANDWIDTH); "
+                             f"allowed: {LINK_FORMS}")
+        try:
+            link = parse_bandwidth(options["link"])
+        except ValueError as e:
+            raise ValueError(f"bad device {device!r}: the host link (link=BANDWIDTH): {e}") from None
+    return DeviceSpec("sim", torch.device("cpu"), cap, "sim", host, link)
 
 
 def parse_device(device: str | torch.device | None) -> DeviceSpec:

@@ -205,8 +205,11 @@ class ZeroEngine(DataParallel):
         """Hook: ``c.data[lo:hi]`` holds this rank's updated shard; fetch the others' into ``c.data``."""
         if not self.sharded:
             return
-        if c.h2d_event is not None and torch.cuda.is_available():
-            torch.cuda.current_stream(c.data.device).wait_event(c.h2d_event)  # the shard's H2D comes first
+        if c.h2d_event is not None:  # the shard's H2D comes first
+            if c.data.device.type == "cuda":
+                torch.cuda.current_stream(c.data.device).wait_event(c.h2d_event)
+            else:  # the stand-in's link (memsched.devices.transfers): the host waits
+                c.h2d_event.synchronize()
         what = f"parameter fetch ({self.fetch}) of chunk {c.index}"
         nbytes = c.data.numel() * c.data.element_size()
         with torch.no_grad():

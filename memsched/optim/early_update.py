@@ -146,6 +146,9 @@ class EarlyUpdates:
                 if copy_event is not None:
                     copy_event.synchronize()
                 else:
+                    last_h2d = c.h2d_event  # the stand-in's link: the last H2D may still read ``staging``
+                    if last_h2d is not None:
+                        last_h2d.synchronize()
                     ticket.snapshot.copy_(c.grad[c.lo:c.hi])
                 before = c.state_version()
                 spare = c.spare

@@ -456,16 +456,19 @@ class HybridAdamW(torch.optim.Optimizer):
             self.timeline.span(WAITS, f"{what} <- all chunks", t0, time.perf_counter())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers and drop a pending fp16 clip coefficient. The ``.grad`` views stay
-        bound (no new gradient tensors in the next backward), but with ``set_to_none`` (torch's default) the
-        parameters count as having no gradient: one that gets none in the next backward is not updated, as
-        ``torch.optim.AdamW`` skips parameters whose ``.grad`` is None."""
+        """Drop the gradients and a pending fp16 clip coefficient (``ChunkStore.zero_grad``): with
+        ``set_to_none`` (torch's default) and one rank the gradient buffers are freed and every ``.grad`` is
+        None; otherwise the buffers are zeroed in place and the views stay. A parameter that gets no
+        gradient in the next backward is not updated, as ``torch.optim.AdamW`` skips ``.grad`` None."""
         for observer in self._zero_grad_observers:
             observer()
         self.clipper.clear()
         self._early_d2h.forget()  # copies of gradients that are now zeroed: the next backward copies again
-        # The gradient buffers may still be read by D2H copies of an overlapped step (CUDA): zero after them.
-        self.streams.wait([c.d2h_event for c in self.store.chunks])
+        if not (set_to_none and self.store.lazy_grads):
+            # Zeroed in place: after the D2H copies of an overlapped step that may still read them. A freed
+            # buffer needs no wait (CUDA: its copy's stream was recorded on it; the stand-in's link: the copy
+            # holds it).
+            self.streams.wait([c.d2h_event for c in self.store.chunks], "zero_grad()")
         self.store.zero_grad(set_to_none)
 
     # ---- state_dict (one path for any world size: memsched.optim.state_dict)

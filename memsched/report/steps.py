@@ -14,7 +14,8 @@ from memsched.telemetry.step_timeline import PHASES
 
 def step_table(summary: Mapping[str, Any]) -> Table:
     """A table of the mean step: its phases, the CPU update (total and exposed), the waits, the ideal step
-    and the overlap efficiency (ideal / measured). Times in milliseconds."""
+    and the overlap efficiency (ideal / measured); on the stand-in's modelled link, the copies and the waits
+    for them. Times in milliseconds."""
     step = summary["step_s"]
     mode = "overlapped" if summary.get("overlap") else "serial"
     title = f"Step time (mean of {summary.get('steps', 1)} steps after warmup, {mode} CPU update)"
@@ -32,6 +33,10 @@ def step_table(summary: Mapping[str, Any]) -> Table:
     row("CPU update of host chunks", summary["cpu_update_s"])
     row("  exposed (the training thread waited or ran it)", summary["exposed_cpu_s"])
     row("ideal step (max of the overlapped parts)", summary["ideal_s"])
+    if summary.get("h2d_s") or summary.get("d2h_s"):  # the stand-in's modelled link (sim:SIZE,link=...)
+        row("H2D copies on the modelled link", summary["h2d_s"])
+        row("D2H copies on the modelled link", summary["d2h_s"])
+        row("  the training thread waited for copies", summary["copy_wait_s"])
     table.caption = (f"overlap efficiency {summary['overlap_efficiency']:.2f} (ideal / measured); host "
                      "clocks: on CUDA, GPU work not yet reached is not in them")
     return table

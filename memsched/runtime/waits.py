@@ -1,6 +1,7 @@
 """The next forward waits for the parameters it may read: for the overlapped CPU update of their chunk
-(``overlap=True``, :mod:`memsched.optim.host_updates`; the host blocks) and for its H2D copy (CUDA; the
-compute stream waits, the host does not). Without either, copies are synchronous and nothing is installed.
+(``overlap=True``, :mod:`memsched.optim.host_updates`; the host blocks) and for its H2D copy (CUDA: the
+compute stream waits, the host does not; the stand-in's modelled link, ``sim:SIZE,link=...``: the host blocks,
+a ``waits`` span of the step timeline). Without either, copies are synchronous and nothing is installed.
 
 Forward pre-hooks make the compute stream wait for a chunk's H2D copy at the first traced module that may read
 its parameters (:mod:`memsched.planning.first_use`). Before the trace exists (warmup) every module holding
@@ -121,7 +122,7 @@ class H2DWaits:
                 if self.updates.wait(indices) > 0:
                     self.timeline.span(WAITS, label, t0, time.perf_counter(), chunks=indices)
             chunks = self.store.chunks
-            self.streams.wait([chunks[i].h2d_event for i in indices])
+            self.streams.wait([chunks[i].h2d_event for i in indices], label)
             if self._guarded:
                 self._mark_waited(indices)
                 if not self.guard.guarding and self.guard.on_top():  # nothing left to guard: calls run bare
@@ -148,7 +149,7 @@ class H2DWaits:
             t0 = time.perf_counter()
             if self.updates.wait([i]) > 0:
                 self.timeline.span(WAITS, f"{what} (read) <- chunk {i}", t0, time.perf_counter(), chunks=[i])
-        self.streams.wait([self.store.chunks[i].h2d_event])
+        self.streams.wait([self.store.chunks[i].h2d_event], f"{what} (read) <- chunk {i}")
         self._mark_waited([i])
 
     def _mark_waited(self, indices: Sequence[int]) -> None:
@@ -184,9 +185,12 @@ class H2DWaits:
         if torch.compiler.is_compiling():
             return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
+            if self.store.lazy_grads:  # frees unused gradient buffers; a copy in flight keeps its own alive
+                self.store.bind_dropped_grads()
+                return
             dropped = any(p.grad is None for p in self.store.params())
-            if dropped:
-                self.streams.wait([c.d2h_event for c in self.store.chunks])
+            if dropped:  # the views are zeroed: after the D2H copies that still read them
+                self.streams.wait([c.d2h_event for c in self.store.chunks], "forward (p.grad was None)")
                 self.store.bind_dropped_grads()
 
     def _forward_end(self) -> None:
@@ -203,12 +207,12 @@ class H2DWaits:
 
     def synchronize(self) -> None:
         """Block until the overlapped CPU update (if any) is done, then make the current stream wait for every
-        pending H2D copy (no stream wait without CUDA)."""
+        pending H2D copy (the stand-in's link: the host blocks; nothing to wait for otherwise)."""
         if self.updates.pending:
             t0 = time.perf_counter()
             if self.updates.wait_all() > 0:
                 self.timeline.span(WAITS, "synchronize() <- all chunks", t0, time.perf_counter())
-        self.streams.wait([c.h2d_event for c in self.store.chunks])
+        self.streams.wait([c.h2d_event for c in self.store.chunks], "synchronize() <- all chunks")
         self.guard.waited_all()
 
     def remove(self) -> None:
@@ -221,7 +225,7 @@ class H2DWaits:
 
 
 def _in_flight(event: Any) -> bool:
-    """A chunk's H2D copy (a CUDA event, or ``None``) may still be running."""
+    """A chunk's H2D copy (a CUDA event, a stand-in link's event, or ``None``) may still be running."""
     return event is not None and not event.query()
 
 

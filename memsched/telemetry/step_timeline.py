@@ -10,7 +10,11 @@ cost is a few clock reads per step, per host chunk and per wait:
   overlapped CPU update, a ``synchronize()``, the next ``step()``), named ``<module> <- chunk <i>``;
 * track ``cpu update`` (the worker thread with ``overlap=True``, else the training thread inside ``step``):
   per host chunk, ``d2h wait`` (blocked on its gradients' copy), ``update`` (fused AdamW on the CPU) and
-  ``h2d`` (issuing, or on the CPU doing, the copy of its parameters).
+  ``h2d`` (issuing, or on the CPU doing, the copy of its parameters);
+* tracks ``h2d`` and ``d2h`` (the stand-in's modelled host link, ``device="sim:SIZE,link=25GBps"``,
+  :mod:`memsched.devices.transfers`): each copy on its copy thread, with its ``bytes``; the training thread's
+  waits for copies (a module's forward waiting for its chunks' H2D, the step waiting for the gradients' D2H)
+  are ``waits`` spans with a ``copy`` argument (``"h2d"``/``"d2h"``).
 
 Under ``torch.compile`` the model's forward hooks compile to nothing (a clock read would break the graph):
 a step whose forward ran compiled has no ``forward`` and ``backward`` phases but one ``compiled`` phase from
@@ -23,8 +27,11 @@ each span inside the step's interval.
 The summary of a step: ``step_s``, its phases, ``cpu_update_s`` (all CPU-update spans), ``exposed_cpu_s``
 (what the training thread spent on the CPU update: its own updates when serial, its waits when overlapped),
 ``ideal_s = max(step_s - exposed_cpu_s, cpu_update_s)`` (the step if the two sides overlapped perfectly) and
-``overlap_efficiency = ideal_s / step_s``. No offload system attributes a step's stalls this way; the closest
-is DeepSpeed's per-phase wall-clock breakdown (``wall_clock_breakdown``).
+``overlap_efficiency = ideal_s / step_s``; with a modelled link, ``copy_wait_s`` (the training thread's waits
+for copies, not counted in ``exposed_cpu_s``), ``h2d_s``/``d2h_s`` (time on the copy tracks) and
+``h2d_copy_bytes``/``d2h_copy_bytes`` (bytes of the copies that ended in the step). No offload system
+attributes a step's stalls this way; the closest is DeepSpeed's per-phase wall-clock breakdown
+(``wall_clock_breakdown``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 MAIN, WAITS, CPU_UPDATE = "main", "waits", "cpu update"
+H2D, D2H = "h2d", "d2h"  # the copy tracks of the stand-in's modelled link
 PHASES = ("data", "forward", "backward", "step")
 
 
@@ -89,15 +97,20 @@ class StepRecord:
         efficiency (see the module docstring); seconds, each span counted for its part inside the step."""
         cpu = sum(self._inside(s) for s in self.spans if s.track == CPU_UPDATE)
         waits = sum(self._inside(s) for s in self.spans if s.track == WAITS)
+        copy_waits = sum(self._inside(s) for s in self.spans if s.track == WAITS and "copy" in s.args)
         d2h_wait = sum(self._inside(s) for s in self.spans if s.track == CPU_UPDATE and s.name == "d2h wait")
-        exposed = waits if self.overlap else cpu
+        exposed = waits - copy_waits if self.overlap else cpu
         ideal = max(self.step_s - exposed, cpu)
-        return {
+        out = {
             "step": self.step, "step_s": self.step_s, "phases_s": self.phase_seconds(),
             "cpu_update_s": cpu, "exposed_cpu_s": exposed, "waits_s": waits, "d2h_wait_s": d2h_wait,
             "ideal_s": ideal, "overlap_efficiency": ideal / self.step_s if self.step_s > 0 else 1.0,
-            "overlap": self.overlap,
+            "overlap": self.overlap, "copy_wait_s": copy_waits,
         }
+        for track in (H2D, D2H):
+            out[f"{track}_s"] = sum(self._inside(s) for s in self.spans if s.track == track)
+            out[f"{track}_copy_bytes"] = sum(s.args.get("bytes", 0) for s in self.spans if s.track == track)
+        return out
 
 
 class StepTimeline:
@@ -197,7 +210,8 @@ class StepTimeline:
         if not rows:
             return None
         n = len(rows)
-        keys = ("step_s", "cpu_update_s", "exposed_cpu_s", "waits_s", "d2h_wait_s", "ideal_s")
+        keys = ("step_s", "cpu_update_s", "exposed_cpu_s", "waits_s", "d2h_wait_s", "ideal_s", "copy_wait_s",
+                "h2d_s", "d2h_s", "h2d_copy_bytes", "d2h_copy_bytes")
         out: dict[str, Any] = {k: sum(r[k] for r in rows) / n for k in keys}
         out["phases_s"] = {p: sum(r["phases_s"][p] for r in rows) / n for p in PHASES}
         out["overlap_efficiency"] = out["ideal_s"] / out["step_s"] if out["step_s"] > 0 else 1.0
