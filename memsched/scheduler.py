@@ -50,7 +50,7 @@ from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
 from memsched.planning.planner import Planner, check_host_room
 from memsched.runtime.compile_stance import warn_compiled_on_stand_in
-from memsched.runtime.elastic_hooks import install_elastic_hooks
+from memsched.runtime.elastic_hooks import explain_unfittable, install_elastic_hooks, unfittable_message
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import WarmupTrace
 from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
@@ -173,8 +173,11 @@ class Scheduler:
         if config.replan == "auto" and self.device.kind != "cpu":
             probe = PeakProbe(self.device.torch_device, self.sim, self.store.absent_grad_bytes)
             self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max, probe, world=self.dp.world)
-            for h in install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad):
+            hooks = install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad, self.planner)
+            for h in hooks:
                 installed.add_handle(h)
+        if self.sim is not None and self.elastic is not None:  # an unfittable input says so where it fails
+            self.sim.explain = weak_method(self._unfittable)
         if self.sim is not None:  # compiled code runs eagerly under the stand-in's accounting: say so, once
             installed.add_handle(warn_compiled_on_stand_in(model, self.sim.capacity_bytes))
         try:
@@ -285,6 +288,13 @@ class Scheduler:
                                           early_d2h=self.dp.world == 1 and self.streams.cuda,
                                           early_update=self.config.early_update)
 
+    def _unfittable(self, exc: BaseException) -> str | None:
+        """The stand-in's explanation of an out-of-memory error in the step in progress (see
+        :func:`memsched.runtime.elastic_hooks.unfittable_message`)."""
+        if self.elastic is None:
+            return None
+        return unfittable_message(self.elastic, self.planner, self.elastic.in_progress, exc)
+
     def _replan(self, peak: int | None, reason: str) -> None:
         """Elastic placement's re-plan (:meth:`memsched.planning.planner.Planner.replan`)."""
         self.planner.replan(peak, reason, self.steps)
@@ -327,10 +337,11 @@ class Scheduler:
             loss.backward(**kwargs)
             if self.scaler is not None:
                 self.optimizer.note_scaled_backward()
-        except OUT_OF_MEMORY:
+        except OUT_OF_MEMORY as e:
             if self.elastic is not None:
                 # nothing was updated; the next step makes room (memsched.planning.elastic)
                 self.elastic.on_oom()
+                explain_unfittable(e, self.elastic, self.planner)
             raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -168,14 +168,14 @@ class _Spike(torch.autograd.Function):
         return g
 
 
-def _spiky_run(where: str | None, replan: str = "auto"):
+def _spiky_run(where: str | None, replan: str = "auto", **attach_kw):
     """Six steps on a 28 MiB stand-in (one chunk); step 3 (and its retry) allocates the spike in ``where``.
     The loop is the one memsched documents: on an out-of-memory error, zero_grad and run the step again."""
     xs = [torch.randn(16, 1024, generator=torch.Generator().manual_seed(i)) for i in range(6)]
     model = Spiky()
     errors = 0
     with memsched.attach(model, device="sim:28MiB", lr=LR, weight_decay=WD, chunk_numel=1_050_625,
-                         replan=replan) as sched:
+                         replan=replan, **attach_kw) as sched:
         for i, x in enumerate(xs):
             model.spike = where if i == 3 else None
             try:
@@ -202,6 +202,23 @@ def test_out_of_memory_retry_loop_loses_nothing(where):
     assert oom and set(oom[0].plan.placement) == {HOST}
     assert HOST in sched.plan_history[-1].plan.placement  # planned from the measured spike
     assert_equal(hit, clean)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_out_of_memory_retry_after_a_plan_that_fills_the_margin(where):
+    """The GPU run's pattern (`auto` filled the margin, then a steady-state allocation above the traced peak
+    ran out of memory): with gpu_margin_mem_ratio=1 the retry loop recovers, and the parameters equal
+    torch.optim.AdamW(fused=True) trained on the same six steps, bit for bit."""
+    hit, errors, sched = _spiky_run(where, policy="auto", gpu_margin_mem_ratio=1.0)
+    assert errors == 1 and set(sched.plan_history[0].plan.placement) == {DEVICE}
+    assert [h for h in sched.plan_history if h.reason.startswith("out of memory")]
+    ref = Spiky()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    for i in range(6):
+        ref(torch.randn(16, 1024, generator=torch.Generator().manual_seed(i))).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_equal(hit, ref)
 
 
 def test_out_of_memory_retry_fails_again_without_replanning():

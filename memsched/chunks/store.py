@@ -67,6 +67,13 @@ class ChunkStore:
         # backward gives one of its parameters to zero_grad), so it is not alive through the forward's peak.
         # More ranks: the buffers stay (the reductions write every chunk's buffer on every rank).
         self.lazy_grads = self.dp.world == 1
+        # [Note: memory formats]
+        # One rank: a parameter's slot in its chunk holds its elements in the parameter's memory order
+        # (contiguous, channels_last, channels_last_3d), and the parameter, its gradient and every state
+        # tensor's slot are views with the parameter's strides. AdamW is elementwise, so only the element
+        # correspondence matters, and torch's fused kernel walks a dense tensor in memory order, as the
+        # update of a flat slot does. More ranks: contiguous (shards cut parameters in logical order).
+        self._strides: dict[int, tuple[int, ...]] = {}
         self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel,
                                    align=self.align)
         self.chunks: list[Chunk] = []
@@ -122,18 +129,20 @@ class ChunkStore:
         initial = None
         if self.compute_dtype != torch.float32 and keep_initial:
             initial = self.alloc.host_zeros(layout.chunk_numel, torch.float32)
-        for p, (off, n) in zip(params, ranges, strict=True):
+        for p, (off, _n) in zip(params, ranges, strict=True):
             src = p.data
-            data[off:off + n].copy_(src.reshape(-1))
+            if self.dp.world == 1:
+                self._strides[id(p)] = dense_strides(src)
+            self.slot(data, off, p).copy_(src)
             if initial is not None:
                 with self.alloc.host_context():
-                    initial[off:off + n].copy_(src.reshape(-1))
+                    self.slot(initial, off, p).copy_(src)
             if grad is not None and p.grad is not None and p.grad.shape == p.shape:
-                grad[off:off + n].copy_(p.grad.reshape(-1))
-        for p, (off, n), had in zip(params, ranges, has_grad, strict=True):
-            p.data = data[off:off + n].view(p.shape)
+                self.slot(grad, off, p).copy_(p.grad)
+        for p, (off, _n), had in zip(params, ranges, has_grad, strict=True):
+            p.data = self.slot(data, off, p)
             if grad is not None and (had or not self.lazy_grads):
-                p.grad = grad[off:off + n].view(p.shape)
+                p.grad = self.slot(grad, off, p)
             else:
                 p.grad = None
         return Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad,
@@ -204,12 +213,70 @@ class ChunkStore:
             raise
         return True
 
-    @staticmethod
-    def _point_at(staged: dict[int, tuple[torch.Tensor, ...]], params: Iterable[torch.nn.Parameter]) -> None:
+    def _point_at(self, staged: dict[int, tuple[torch.Tensor, ...]],
+                  params: Iterable[torch.nn.Parameter]) -> None:
         for p in params:
             data, grad = staged[id(p)][:2]
-            p.data = data.view(p.shape)
-            p.grad = grad.view(p.shape) if grad is not None else None
+            p.data = self.slot(data, 0, p)
+            p.grad = self.slot(grad, 0, p) if grad is not None else None
+
+    def stride_of(self, p: torch.nn.Parameter) -> tuple[int, ...]:
+        """The strides of ``p``'s views (its memory format; see [Note: memory formats])."""
+        s = self._strides.get(id(p))
+        return s if s is not None else _contiguous_strides(p.shape)
+
+    def slot(self, flat: torch.Tensor, off: int, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p``'s slot ``flat[off:off + numel]`` as a tensor of its shape and memory format."""
+        return flat[off:off + p.numel()].as_strided(p.shape, self.stride_of(p))
+
+    def memory_order(self, p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (``p``'s shape, any layout) flattened in ``p``'s memory order, the order of its slots."""
+        out = torch.empty_strided(p.shape, self.stride_of(p), dtype=t.dtype, device=t.device)
+        out.copy_(t)
+        return out.as_strided((out.numel(),), (1,))
+
+    def follow_memory_format(self) -> list[torch.nn.Parameter]:
+        """Parameters whose memory format changed since attach (``model.to(memory_format=...)``: new
+        storage of the same shape, dtype and device, dense) are bound again: their slots' elements are put
+        in the new memory order (values, optimizer state, the fp32 master, the gradient), and the parameter
+        and its gradient become views with the new strides. Returns them. One rank only; anything else stays
+        for :meth:`check_bound` to refuse. The caller waits for updates and copies in flight first."""
+        done = []
+        if self.dp.world != 1:
+            return done
+        for p in self.params():
+            view = self.data_view(p)
+            if p.data_ptr() == view.data_ptr() or p.dtype != view.dtype or p.device != view.device \
+                    or p.shape != view.shape or p.stride() == view.stride() \
+                    or dense_strides(p.data) != p.stride():
+                continue
+            c = self.param_chunk[id(p)]
+            off, _n = self.param_range[id(p)]
+            old, new = self.stride_of(p), tuple(p.stride())
+            c.wait_h2d()
+            c.wait_d2h()
+            with torch.no_grad():
+                spare = [t for k, t in (c.spare or {}).items() if k in ("master", "exp_avg", "exp_avg_sq")]
+                for t in (c.master, c.exp_avg, c.exp_avg_sq, *spare):
+                    if t is None:
+                        continue
+                    with self.alloc.host_context():
+                        seg = t[off - c.lo:off - c.lo + p.numel()]
+                        logical = seg.as_strided(p.shape, old).clone()
+                        seg.as_strided(p.shape, new).copy_(logical)
+                self._strides[id(p)] = new
+                self._views.pop(("data", id(p)), None)
+                self._views.pop(("grad", id(p)), None)
+                values, grad = p.data, p.grad
+                slot = self.data_view(p)
+                slot.copy_(values)
+                p.data = slot
+                if grad is not None:
+                    gview = self.grad_view(p, c)
+                    gview.copy_(grad)
+                    p.grad = gview
+            done.append(p)
+        return done
 
     def _release(self, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """Point every parameter at its staged host copy and forget the chunks (their buffers are freed)."""
@@ -299,7 +366,7 @@ class ChunkStore:
         if v is None:  # cached: the chunks' buffers change only when they are built again
             c = self.param_chunk[id(p)]
             off, n = self.param_range[id(p)]
-            v = self._views["data", id(p)] = c.data[off:off + n].view(p.shape)
+            v = self._views["data", id(p)] = self.slot(c.data, off, p)
         return v
 
     def unbound(self, *, quick: bool = False) -> torch.nn.Parameter | None:
@@ -363,7 +430,7 @@ class ChunkStore:
         v = self._views.get(("grad", id(p)))
         if v is None:
             off, n = self.param_range[id(p)]
-            v = self._views["grad", id(p)] = c.grad[off:off + n].view(p.shape)
+            v = self._views["grad", id(p)] = self.slot(c.grad, off, p)
         return v
 
     def alloc_grad(self, c: Chunk) -> torch.Tensor:
@@ -483,3 +550,21 @@ class ChunkStore:
         self._hooks.clear()
         self.closed = True
         self.with_grad.update(id(p) for p in self.params())
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides when it is dense in a memory format memsched keeps (contiguous, channels_last,
+    channels_last_3d), else the contiguous strides of its shape."""
+    if not t.is_contiguous():
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+        if fmt is not None and t.is_contiguous(memory_format=fmt):
+            return tuple(t.stride())
+    return _contiguous_strides(t.shape)

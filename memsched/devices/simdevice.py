@@ -18,7 +18,7 @@ batches included: they would live on the device too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -59,6 +59,8 @@ class SimDevice:
             raise ValueError(f"stand-in capacity must be a positive number of bytes, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.peak_bytes = 0
+        # the scheduler's context for an out-of-memory error (f(error) -> text or None)
+        self.explain: Callable[[SimOutOfMemoryError], str | None] | None = None
         self._acc = None
         self._pause_depth = 0
 
@@ -131,8 +133,16 @@ class SimDevice:
             return
         used = int(live_total)
         if used > self.capacity_bytes:
-            raise SimOutOfMemoryError(nbytes, used - nbytes, self.capacity_bytes)
+            raise self._explained(SimOutOfMemoryError(nbytes, used - nbytes, self.capacity_bytes))
         self.peak_bytes = max(self.peak_bytes, used)
+
+    def _explained(self, e: SimOutOfMemoryError) -> SimOutOfMemoryError:
+        """``e`` with the scheduler's explanation appended to its message, when it has one (:attr:`explain`:
+        e.g. every chunk is already on the host)."""
+        note = self.explain(e) if self.explain is not None else None
+        if note:
+            e.args = (f"{e.args[0]}\n{note}", *e.args[1:])
+        return e
 
     def require(self, nbytes: int, what: str = "an allocation") -> None:
         """Check that ``nbytes`` more fit now (before a step that will allocate them).
@@ -144,4 +154,4 @@ class SimDevice:
             return
         used = self.live_bytes()
         if used + nbytes > self.capacity_bytes:
-            raise SimOutOfMemoryError(nbytes, used, self.capacity_bytes, what)
+            raise self._explained(SimOutOfMemoryError(nbytes, used, self.capacity_bytes, what))

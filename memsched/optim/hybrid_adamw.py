@@ -210,6 +210,7 @@ class HybridAdamW(torch.optim.Optimizer):
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
         if self.scaler is not None:
             self.checks.check_scaled_grads()
+        self.store.follow_memory_format()  # model.to(memory_format=...) since the last forward
         self.store.check_bound(self.names)
         fixes = self.checks.validate_grads()  # allocates the buffers that gradients set by hand go into
         chunks = [c for c in self.store.chunks if c.grad is not None]  # the others have no gradient at all

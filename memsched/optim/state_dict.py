@@ -62,13 +62,14 @@ def state_dict(opt: ChunkedOptimizer) -> dict[str, Any]:
             with store.alloc.host_context():  # host copies: never device memory
                 master, m, v = opt.dp.full_state(c)
                 steps = c.steps.detach().to("cpu", copy=True)
-                for k, (p, (off, n)) in enumerate(zip(c.params, c.ranges, strict=True)):
+                for k, (p, (off, _n)) in enumerate(zip(c.params, c.ranges, strict=True)):
                     if float(steps[k]) == 0:
                         continue  # never updated: torch.optim.AdamW has no state for it either
-                    st = {"step": steps[k].clone(), "exp_avg": m[off:off + n].clone().view(p.shape),
-                          "exp_avg_sq": v[off:off + n].clone().view(p.shape)}
+                    # in the parameter's memory format, as torch.optim.AdamW's state (zeros_like(p))
+                    st = {"step": steps[k].clone(), "exp_avg": store.slot(m, off, p).clone(),
+                          "exp_avg_sq": store.slot(v, off, p).clone()}
                     if c.mixed:
-                        st["master_weight"] = master[off:off + n].clone().view(p.shape)
+                        st["master_weight"] = store.slot(master, off, p).clone()
                     state[index[id(p)]] = st
     out = {"state": dict(sorted(state.items())), "param_groups": indexed_param_groups(opt.param_groups)}
     if opt.scaler is not None:  # fp16: a resumed run continues the same loss scale (torch.optim ignores it)
@@ -174,12 +175,12 @@ def load_state_dict(opt: ChunkedOptimizer, sd: dict[str, Any]) -> None:
                         if st is None:
                             dst[ss:ss + n].zero_()
                         else:
-                            dst[ss:ss + n].copy_(st[k].reshape(-1)[ps:ps + n])
+                            dst[ss:ss + n].copy_(store.memory_order(p, st[k])[ps:ps + n])
                     if c.master is None:
                         continue  # fp32 on the device: the compute buffer is the master
                     src = st.get("master_weight") if st is not None else None
                     if src is not None:
-                        c.master[ss:ss + n].copy_(src.reshape(-1)[ps:ps + n])
+                        c.master[ss:ss + n].copy_(store.memory_order(p, src)[ps:ps + n])
                     else:  # the parameter's value, but the master's where it rounds to the parameter
                         master = c.master[ss:ss + n]
                         new = c.data[part.chunk_start:part.chunk_start + n].to(master.device)

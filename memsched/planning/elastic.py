@@ -46,6 +46,7 @@ warmup), with the bytes it moved (also in ``sched.transfers["chunk_moves_bytes"]
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -187,6 +188,7 @@ class Elastic:
         # compiled pre-hook checks; replaced, never mutated, and only when it changes (Dynamo guards on it).
         self.quiet: tuple[Signature, ...] = ()
         self._sig: Signature | None = None  # the signature of the step in progress (its first forward)
+        self.failed: Signature | None = None  # the inputs of the last step that ran out of memory
 
     def start(self, planned_peak: int) -> int:
         """Re-planning begins; ``planned_peak``: the peak non-model data the warmup plan was made for (the
@@ -227,18 +229,37 @@ class Elastic:
         add_maximal(self.seen, sig)
         if new or oom:
             why = ("out of memory in the last step" if oom else
-                   f"inputs {_shapes(sig)} exceed the largest seen; their peak is not known yet")
+                   f"inputs {shapes(sig)} exceed the largest seen; their peak is not known yet")
             self.replan(None, f"{why}: every chunk on the host for this step, which is measured")
             self.planned_peak = None
         elif self.planned_peak is not None and known > self.planned_peak:
-            self._replan_for(known, f"inputs {_shapes(sig)} were measured at a larger peak")
+            self._replan_for(known, f"inputs {shapes(sig)} were measured at a larger peak")
         self.probe.begin()
 
     def on_oom(self) -> None:
         """An out-of-memory error escaped the forward or ``sched.backward``: the next step makes room."""
         self.oom = True
-        self._sig = None
+        self.failed, self._sig = self._sig, None
         self.probe.cancel()
+
+    @property
+    def in_progress(self) -> Signature | None:
+        """The inputs of the step in progress (from its first forward to its step), or ``None``."""
+        return self._sig
+
+    def estimate(self, sig: Signature) -> tuple[int, Signature, int] | None:
+        """About the peak non-model data of inputs ``sig`` (bytes), scaled linearly by element count from the
+        measured signature with the largest peak per element: ``(estimate, that signature, its peak)``;
+        ``None`` when nothing was measured."""
+        best = None
+        for s, peak in self.measured.items():
+            n = sum(math.prod(d) for d in s) or 1
+            if best is None or peak / n > best[2] / best[3]:
+                best = (s, peak, peak, n)
+        if best is None:
+            return None
+        s, peak, _, n = best
+        return int(peak * (sum(math.prod(d) for d in sig) or 1) / n), s, peak
 
     def after_step(self) -> None:
         """End of a step (after ``optimizer.step()``): record its measured peak, finish a conservative step,
@@ -261,7 +282,7 @@ class Elastic:
             return
         self.recent.append(peak)
         if self.planned_peak is None:  # the conservative step: plan from what it measured
-            self._replan_for(max(self.recent), f"measured peak of inputs {_shapes(sig)}")
+            self._replan_for(max(self.recent), f"measured peak of inputs {shapes(sig)}")
         elif len(self.recent) == self.recent.maxlen and max(self.recent) < self.planned_peak:
             self._replan_for(max(self.recent),
                              f"the last {self.recent.maxlen} steps stayed below the planned peak")
@@ -315,5 +336,6 @@ def _before_forward_eager(elastic: Elastic, args: Sequence[Any], kwargs: dict[st
     elastic.before_forward(args, kwargs)
 
 
-def _shapes(sig: Signature) -> str:
+def shapes(sig: Signature) -> str:
+    """``sig`` as text, e.g. ``16x256, 16x256``."""
     return ", ".join("x".join(map(str, s)) or "scalar" for s in sig) or "(no tensors)"

@@ -11,15 +11,60 @@ from typing import Any
 
 import torch
 
+import policies
 from memsched.devices.simdevice import OUT_OF_MEMORY
-from memsched.planning.elastic import Elastic
+from memsched.planning.elastic import Elastic, shapes
+from policies.types import HOST
 from tracer.hook_handles import Detachable
 
 
+def unfittable_message(elastic: Elastic, planner: Any, sig: Any,
+                       exc: BaseException | None = None) -> str | None:
+    """What to tell a user whose inputs ``sig`` ran out of memory with every optimizer-state chunk already on
+    the host (nothing is left to offload, so a retry fails again): the bytes they need (at least what was in
+    use when the allocation failed plus the allocation, from the stand-in's error ``exc``; else an estimate
+    scaled by element count from the inputs measured), the device's capacity, and what to reduce. ``None``
+    when some chunk is still on the device (re-planning can make room)."""
+    plan, problem = planner.plan, planner.problem
+    if plan is None or problem is None or sig is None or any(where != HOST for where in plan.placement):
+        return None
+    fb = policies.format_bytes
+    cap, resident = problem.capacity_bytes, problem.resident_model_bytes
+    requested, in_use = getattr(exc, "requested", None), getattr(exc, "in_use", None)
+    est = elastic.estimate(sig)
+    if requested is not None and in_use is not None:
+        at_least = in_use + requested
+        need = (f"at least {at_least} bytes ({fb(at_least)}: {fb(in_use)} in use when {fb(requested)} more "
+                "were asked for, and the rest of the step still to come)")
+    elif est is not None:
+        need_b = resident + est[0]
+        need = (f"about {need_b} bytes ({fb(need_b)}: {fb(resident)} of resident model data and about "
+                f"{fb(est[0])} of non-model data, scaled by element count from inputs {shapes(est[1])})")
+    else:
+        need = f"more than the {fb(max(0, cap - resident))} left beside {fb(resident)} of resident model data"
+    return (f"memsched: inputs {shapes(sig)} do not fit the device even with every optimizer-state chunk on "
+            f"the host, where all of them already are (nothing is left to offload): they need {need}; the "
+            f"device has {cap} bytes ({fb(cap)}), {fb(resident)} of it resident model data (parameters, "
+            "gradients, buffers). Reduce the batch size or the sequence length, or checkpoint activations "
+            "(torch.utils.checkpoint). Nothing was updated")
+
+
+def explain_unfittable(exc: BaseException, elastic: Elastic, planner: Any) -> None:
+    """Append :func:`unfittable_message` for the step that just failed to ``exc``'s message (once; the
+    exception keeps its type, so retry loops still catch it)."""
+    msg = unfittable_message(elastic, planner, elastic.failed, exc)
+    first = exc.args[0] if exc.args else ""
+    if msg and isinstance(first, str) and "memsched: inputs" not in first:
+        exc.args = (f"{first}\n{msg}", *exc.args[1:])
+
+
 def install_elastic_hooks(model: torch.nn.Module, elastic: Elastic,
-                          observe_zero_grad: Callable[[Callable[[], None]], None]) -> list[Any]:
+                          observe_zero_grad: Callable[[Callable[[], None]], None],
+                          planner: Any = None) -> list[Any]:
     """Install the hooks on ``model`` and register the ``zero_grad`` observer through ``observe_zero_grad``;
-    returns the hook handles (the caller removes them at ``close()``)."""
+    returns the hook handles (the caller removes them at ``close()``). With ``planner``
+    (:class:`memsched.planning.planner.Planner`) an out-of-memory error of a forward that already had every
+    chunk on the host says so (:func:`explain_unfittable`)."""
 
     def before(_m: torch.nn.Module, args: Any, kwargs: Any) -> None:
         elastic.before_forward(args, kwargs)
@@ -30,8 +75,11 @@ def install_elastic_hooks(model: torch.nn.Module, elastic: Elastic,
         # on failure (the retry loop's zero_grad() reports it: on_zero_grad below).
         if torch.compiler.is_compiling():
             return
-        if output is None and isinstance(sys.exc_info()[1], OUT_OF_MEMORY):
+        exc = sys.exc_info()[1]
+        if output is None and isinstance(exc, OUT_OF_MEMORY):
             elastic.on_oom()
+            if planner is not None:
+                explain_unfittable(exc, elastic, planner)
 
     def on_zero_grad() -> None:  # in the retry loop's ``except``: the compiled forward ran out of memory
         if isinstance(sys.exc_info()[1], OUT_OF_MEMORY):

@@ -176,6 +176,9 @@ class H2DWaits:
             return
         with torch._C.DisableTorchFunction():  # bookkeeping, not reads of the parameters
             if self.store.unbound(quick=True) is not None:
+                # A new memory format is followed (after the update in flight); anything else is refused.
+                self.updates.wait_all()
+                self.store.follow_memory_format()
                 self.store.check_bound({id(p): n for n, p in self.model.named_parameters()})
 
     def _bind_dropped_grads(self) -> None:
