@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import memsched  # noqa: E402
-from bench._harness import summarize  # noqa: E402
+from bench._harness import summarize, train_seconds  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from memsched.devices.spec import parse_bandwidth  # noqa: E402
 from memsched.models import build_gpt, count_parameters, lm_loss  # noqa: E402
@@ -95,14 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batches.append((x[:, :-1], x[:, 1:]))
 
     def train(run: dict[str, Any], part: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        model, sched = run["model"], run["sched"]
-        t0 = time.perf_counter()
-        for x, y in part:
-            sched.backward(lm_loss(model, x, y))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-        sched.synchronize()
-        return time.perf_counter() - t0
+        return train_seconds(run["sched"], part, lambda b: lm_loss(run["model"], *b))
 
     for run in runs.values():
         train(run, batches[:args.warmup])

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import memsched  # noqa: E402
-from bench._harness import summarize  # noqa: E402
+from bench._harness import summarize, train_seconds  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from memsched.report.exports.perfetto import write_perfetto  # noqa: E402
 
@@ -95,14 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                for _ in range(args.warmup + args.blocks * args.block)]
 
     def train(run: dict[str, Any], part: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        model, sched = run["model"], run["sched"]
-        t0 = time.perf_counter()
-        for x, y in part:
-            sched.backward(nn.functional.mse_loss(model(x), y))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-        sched.synchronize()
-        return time.perf_counter() - t0
+        return train_seconds(run["sched"], part, lambda b: nn.functional.mse_loss(run["model"](b[0]), b[1]))
 
     for run in runs.values():
         train(run, batches[:args.warmup])
