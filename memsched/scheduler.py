@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import policies
 from memsched.chunks import Allocator, ChunkStore
+from memsched.chunks.grad_offload import GradOffload
 from memsched.config import SchedulerConfig, make_config
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
@@ -127,7 +128,7 @@ class Scheduler:
             self.dp.prepare_build([g["params"] for g in groups], chunk_numel, self.device, alloc,
                                   self.compute_dtype)
             self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
-                                    chunk_numel=chunk_numel, dp=self.dp)
+                                    chunk_numel=chunk_numel, dp=self.dp, private_grads=bool(config.overlap))
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views).
             if self.device.kind != "sim":
                 model.to(tdev)
@@ -138,23 +139,29 @@ class Scheduler:
                 check_host_room(self.store, config, alloc)
             for c in self.store.chunks:
                 c.init_state(initial, alloc)
+            self.store.note_placements()
         except BaseException:
             if self.sim is not None:
                 self.sim.stop()
             raise
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.streams = Streams(tdev, self.device.link_bytes_per_s)  # the stand-in's link: copy threads
+        # One rank: host chunks' gradients go to the host as backward completes them (the first observer of
+        # the store, before the optimizer's updates during backward).
+        self.grad_offload = GradOffload(self.store, weak_method(self._start_grad_d2h),
+                                        weak_method(self._wait_worker))
+        self.store.before_host_write = weak_method(self._wait_worker)
         self.scaler = LossScaler(tdev) if self.compute_dtype == torch.float16 else None
         self.optimizer = HybridAdamW(
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
             transfers=self.transfers, scaler=self.scaler,
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names,
-            dp=self.dp, owner_thread=threading.get_ident())
+            dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload)
         self.store.observe_grads_ready(self.optimizer.grads_ready)
         self.streams.trace_to(self.optimizer.timeline)
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates)
-        self.warmup = WarmupTrace(model, self.optimizer, self.device)
+        self.warmup = WarmupTrace(model, self.optimizer, self.device, host_memory=self.store.in_host_memory)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
@@ -171,7 +178,7 @@ class Scheduler:
         self.optimizer.timeline.start()  # warmup steps are recorded too: the cost model reads the last one
         self.elastic: Elastic | None = None
         if config.replan == "auto" and self.device.kind != "cpu":
-            probe = PeakProbe(self.device.torch_device, self.sim, self.store.absent_grad_bytes)
+            probe = PeakProbe(self.device.torch_device, self.sim, weak_method(self._planned_absent_bytes))
             self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max, probe, world=self.dp.world)
             hooks = install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad, self.planner)
             for h in hooks:
@@ -250,6 +257,15 @@ class Scheduler:
         """Peak non-model data of the warmup trace on the compute device, bytes."""
         return self.warmup.peak_non_model_bytes()
 
+    def host_grad_working_bytes(self) -> int:
+        """What the host chunks' gradients on their way to the host add to the peak of non-model data, bytes:
+        the warmup trace's peak of non-model data and gradients less its peak of non-model data (one rank:
+        every chunk was on the host in warmup, so every gradient left the device as backward completed it);
+        0 when gradients are not offloaded."""
+        if self.store.offloader is None or not self.store.lazy_grads:
+            return 0
+        return max(0, self.warmup.peak_non_model_grad_bytes() - self.warmup.peak_non_model_bytes())
+
     # ---- the end of each step, and of warmup --------------------------------------------------------------
     def _global_post_hook(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         if optimizer is self.optimizer:
@@ -277,16 +293,36 @@ class Scheduler:
         self.planner.repack(self.first_use_order())
         self.optimizer.record_param_versions()
         self.waits.install(self.traced_modules())
-        self.planner.plan_initial(self.peak_non_model_bytes(), self.timeline, self.steps)
+        self.planner.plan_initial(self.peak_non_model_bytes(), self.timeline, self.steps,
+                                  host_grad_working_bytes=self.host_grad_working_bytes())
         if self.elastic is not None and self.problem is not None:
-            self.elastic.start(self.problem.peak_non_model_bytes)
+            self.elastic.start(self.problem.peak_non_model_bytes,
+                               discount=self.planner.host_grad_working_bytes)
         self.phase = Phase.PLANNED
         # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
         # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
         # (the reduction comes first).
-        self.optimizer.enter_steady_state(overlap=self.config.overlap,
-                                          early_d2h=self.dp.world == 1 and self.streams.cuda,
-                                          early_update=self.config.early_update)
+        self.optimizer.enter_steady_state(overlap=self.config.overlap, early_update=self.config.early_update)
+
+    def _planned_absent_bytes(self) -> int:
+        """What the plan counts apart from the measured peak that is not on the device now, bytes (the elastic
+        peak probe's base; see [Note: gradients in the measured peak]): the device chunks' absent gradient
+        buffers and the host chunks' gradient working set."""
+        return self.store.absent_grad_bytes() + self.planner.host_grad_working_bytes
+
+    def _start_grad_d2h(self, c: Any, dst: torch.Tensor) -> int:
+        """Start the D2H copy of host chunk ``c``'s gradients into ``dst``
+        (:mod:`memsched.chunks.grad_offload`); returns the bytes."""
+        with self.store.alloc.host_context():
+            nbytes = c.start_d2h(self.streams, dst=dst)
+        self.transfers.add_d2h(nbytes)
+        return nbytes
+
+    def _wait_worker(self, c: Any) -> None:
+        """Block until the overlapped CPU update no longer reads chunk ``c``'s host buffers."""
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None:
+            optimizer.host_updates.wait([c.index])
 
     def _unfittable(self, exc: BaseException) -> str | None:
         """The stand-in's explanation of an out-of-memory error in the step in progress (see

@@ -57,22 +57,32 @@ def _sum(chunks: Sequence[ChunkSpec]) -> int:
     return sum(c.device_bytes for c in chunks)
 
 
-def _split_reason(chunks: Sequence[ChunkSpec], k: int) -> str:
+def _prefix_bytes(p: PlacementProblem, k: int) -> int:
+    """What the first ``k`` chunks on the device (the rest on the host) add on the device, bytes."""
+    return p.device_bytes_of(_placement(len(p.chunks), k))
+
+
+def _split_reason(p: PlacementProblem, k: int) -> str:
+    chunks = p.chunks
     host = chunks[k:]
+    working = (f", plus {fb(p.host_grad_working_bytes)} of the host chunks' gradients on their way to the "
+               "host" if host and p.host_grad_working_bytes else "")
     return (
         f"{k} of {len(chunks)} chunks ({fb(_sum(chunks[:k]))}) on the device, in first-use order; "
-        f"{len(host)} chunks ({fb(sum(c.host_bytes for c in host))} of pinned memory) on the host."
+        f"{len(host)} chunks ({fb(sum(c.host_bytes for c in host))} of pinned memory) on the host{working}."
     )
 
 
-def _prefix_within(chunks: Sequence[ChunkSpec], limit: int) -> int:
-    """Length of the longest first-use prefix whose ``device_bytes`` sum to at most ``limit`` bytes."""
-    used = 0
-    for i, c in enumerate(chunks):
-        used += c.device_bytes
-        if used > limit:
-            return i
-    return len(chunks)
+def _prefix_within(p: PlacementProblem, limit: int) -> int:
+    """Length of the longest first-use prefix that fits ``limit`` bytes on the device (:func:`_prefix_bytes`:
+    the host chunks' gradient working set counts while any chunk stays on the host); 0 when none does."""
+    n, used, best = len(p.chunks), 0, 0
+    for k in range(n + 1):
+        if used + (p.host_grad_working_bytes if k < n else 0) <= limit:
+            best = k
+        if k < n:
+            used += p.chunks[k].device_bytes
+    return best
 
 
 @register("cuda", help="Every optimizer-state chunk on the device; fails if they do not fit the GPU margin.")
@@ -84,7 +94,7 @@ def cuda_policy(problem: PlacementProblem) -> PlacementPlan:
         PlacementError: resident + peak non-model + all chunks' ``device_bytes`` exceed the capacity; the
             message gives capacity, peak non-model, resident, chunks and shortfall, and suggests auto/cpu.
     """
-    p, total = problem, _sum(problem.chunks)
+    p, total = problem, _prefix_bytes(problem, len(problem.chunks))
     if total > p.margin_bytes:
         raise PlacementError(
             f"policy 'cuda': the optimizer state does not fit on the device: capacity "
@@ -122,15 +132,16 @@ def cpu_policy(problem: PlacementProblem) -> PlacementPlan:
     return make_plan(p, _placement(len(p.chunks), 0), budget_bytes=0, reasons=reasons)
 
 
-def _min_offload_frac(chunks: Sequence[ChunkSpec], margin_bytes: int) -> float:
+def _min_offload_frac(p: PlacementProblem, margin_bytes: int) -> float:
     """A short ``offload_optim_frac`` (3 decimals when possible) that makes ``static`` fit ``margin_bytes``.
 
     Any fraction above ``rest / total`` offloads at least the suffix after the longest prefix that fits the
     margin, where ``rest`` is that suffix's bytes without its first chunk. Needs ``_sum(chunks) >
     margin_bytes >= 0``.
     """
+    chunks = p.chunks
     total = _sum(chunks)
-    fits = _prefix_within(chunks, margin_bytes)
+    fits = _prefix_within(p, margin_bytes)
     need = total - _sum(chunks[:fits])
     rest = need - chunks[fits].device_bytes  # chunks[fits] has > 0 bytes: it is where the prefix overflowed
     exact = Fraction(need * 1000, total)
@@ -177,20 +188,20 @@ def static_policy(
             n_host += 1
             offloaded += chunks[-n_host].device_bytes
     k = len(chunks) - n_host
-    dev = _sum(chunks[:k])
+    dev = _prefix_bytes(p, k)
     if dev > p.margin_bytes:
         raise PlacementError(
             f"policy 'static' with offload_optim_frac={offload_optim_frac:g} keeps {k} chunks ({fb(dev)}) "
             f"on the device, more than the GPU margin {fb(p.margin_bytes)} (capacity "
             f"{fb(p.capacity_bytes)}, peak non-model data {fb(p.peak_non_model_bytes)}, resident model data "
             f"{fb(p.resident_model_bytes)}); use offload_optim_frac >= "
-            f"{_min_offload_frac(chunks, p.margin_bytes):g} or policy 'auto'"
+            f"{_min_offload_frac(p, p.margin_bytes):g} or policy 'auto'"
         )
     reasons = [
         _margin_reason(p),
         f"offload_optim_frac {offload_optim_frac:g}: the last-used chunks go to the host first (their "
         "gradients arrive first in backward, so their D2H copies overlap the rest of it).",
-        _split_reason(chunks, k),
+        _split_reason(p, k),
     ]
     if dev > p.gpu_margin_mem_ratio * p.margin_bytes:
         reasons.append(
@@ -270,16 +281,16 @@ def auto_policy(
     p, chunks = problem, problem.chunks
     reserve = auto_reserve_bytes(p.capacity_bytes, reserve_frac, reserve_bytes, p.fragmentation_bytes)
     budget = auto_budget_bytes(p, reserve_frac, reserve_bytes)
-    k = _prefix_within(chunks, budget) if budget > 0 else 0
+    k = _prefix_within(p, budget) if budget > 0 else 0
     reasons = [
         _margin_reason(p),
         _reserve_reason(p, reserve, reserve_frac, reserve_bytes),
         f"Budget {fb(budget)} = gpu_margin_mem_ratio {p.gpu_margin_mem_ratio:g} x max(0, margin - reserve).",
-        _split_reason(chunks, k),
+        _split_reason(p, k),
     ]
     if k < len(chunks) and budget > 0:
         reasons.append(
             f"Chunk {k} ({fb(chunks[k].device_bytes)}) would exceed the budget by "
-            f"{fb(_sum(chunks[: k + 1]) - budget)}; it and all later chunks stay on the host."
+            f"{fb(_prefix_bytes(p, k + 1) - budget)}; it and all later chunks stay on the host."
         )
     return make_plan(p, _placement(len(chunks), k), budget_bytes=budget, reasons=reasons)

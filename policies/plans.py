@@ -37,8 +37,7 @@ def check_base_fits(problem: PlacementProblem) -> None:
 
 def _sums(problem: PlacementProblem, placement: Sequence[str]) -> tuple[int, int]:
     pairs = list(zip(problem.chunks, placement, strict=True))
-    dev = sum(c.device_bytes for c, p in pairs if p == DEVICE)
-    return dev, sum(c.host_bytes for c, p in pairs if p == HOST)
+    return problem.device_bytes_of(placement), sum(c.host_bytes for c, p in pairs if p == HOST)
 
 
 def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> None:
@@ -87,7 +86,8 @@ def make_plan(
     options: Mapping[str, Any] | None = None,
 ) -> PlacementPlan:
     """Build a :class:`PlacementPlan` from a placement (one ``DEVICE``/``HOST`` per chunk), computing
-    ``device_bytes`` and ``host_bytes`` (sums over the chunks, bytes) and ``margin_bytes`` from ``problem``.
+    ``device_bytes`` (:meth:`PlacementProblem.device_bytes_of`) and ``host_bytes`` (sums over the chunks,
+    bytes) and ``margin_bytes`` from ``problem``.
     ``Policy.plan`` fills in ``policy`` and ``options``.
 
     Raises:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,10 @@ class PlacementProblem:
         fragmentation_bytes: allocator fragmentation measured during warmup, bytes (on CUDA: the caching
             allocator's reserved minus allocated bytes at the peak of non-model data); ``None`` = not measured
             (the CPU and the stand-in have no caching allocator). ``auto`` sizes its reserve from it.
+        host_grad_working_bytes: the device gradient buffers of host-placed chunks alive at once, bytes: a
+            host chunk's gradients leave the device as backward completes them (one rank), so a plan with
+            any chunk on the host holds this much more on the device (:meth:`device_bytes_of`), while a chunk
+            placed on the device keeps its own gradients (in its ``device_bytes``).
     """
 
     capacity_bytes: int
@@ -104,6 +108,7 @@ class PlacementProblem:
     host_capacity_bytes: int | None = None
     host_capacity_source: str | None = None
     fragmentation_bytes: int | None = None
+    host_grad_working_bytes: int = 0
 
     def __post_init__(self) -> None:
         """Validate once, here, so that every policy (built-in or custom) sees a sane problem.
@@ -113,7 +118,8 @@ class PlacementProblem:
                 :class:`ChunkSpec`, ``gpu_margin_mem_ratio`` is not a number in [0, 1] (NaN included), or
                 ``host_capacity_source`` is neither text nor ``None``.
         """
-        for name in ("capacity_bytes", "peak_non_model_bytes", "resident_model_bytes"):
+        for name in ("capacity_bytes", "peak_non_model_bytes", "resident_model_bytes",
+                     "host_grad_working_bytes"):
             _check_bytes(self, name, getattr(self, name))
         _check_bytes(self, "host_capacity_bytes", self.host_capacity_bytes, optional=True)
         _check_bytes(self, "fragmentation_bytes", self.fragmentation_bytes, optional=True)
@@ -133,6 +139,12 @@ class PlacementProblem:
     def margin_bytes(self) -> int:
         """The GPU margin, bytes (may be negative when even non-model + resident data do not fit)."""
         return self.capacity_bytes - self.peak_non_model_bytes - self.resident_model_bytes
+
+    def device_bytes_of(self, placement: Sequence[str]) -> int:
+        """What a placement (one ``DEVICE``/``HOST`` per chunk) adds on the device, bytes: the device-placed
+        chunks' ``device_bytes``, plus :attr:`host_grad_working_bytes` when any chunk is on the host."""
+        dev = sum(c.device_bytes for c, where in zip(self.chunks, placement, strict=True) if where == DEVICE)
+        return dev + (self.host_grad_working_bytes if HOST in placement else 0)
 
 
 @dataclass(frozen=True)

@@ -59,8 +59,7 @@ def gpt2():
     return base, tokens
 
 
-def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monkeypatch,
-                    early_d2h: bool = False) -> dict:
+def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monkeypatch) -> dict:
     from accelerate import Accelerator
 
     _reset_accelerate()
@@ -86,8 +85,12 @@ def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monk
             loss = p_model(input_ids=batch, labels=batch).loss
             accelerator.backward(loss)
             out["losses"].append(loss.item())
-            if sched is not None:
-                view = sched.store.grad_view
+            if sched is not None:  # host chunks' gradients: host views between steps; the others: chunk views
+                store = sched.store
+
+                def view(p, store=store):
+                    return store.host_view("grad", p) if store.host_bound_chunk(p) else store.grad_view(p)
+
                 out["unbound"] += [n for n, p in model.named_parameters()
                                    if p.grad is None or p.grad.data_ptr() != view(p).data_ptr()]
             if accelerator.sync_gradients:
@@ -96,11 +99,9 @@ def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monk
             p_sched.step()
             p_opt.zero_grad()
             if sched is not None and accelerator.sync_gradients:
-                # this step's D2H bytes, those of its backwards included (early D2H)
+                # this step's D2H bytes, those of its backwards included
                 out["d2h"].append(sched.transfers.last_d2h_bytes)
                 out["h2d"].append(sched.transfers.last_h2d_bytes)
-                if early_d2h:  # on by itself on CUDA only; the stand-in's copies are synchronous
-                    sched.optimizer.early_d2h = True
     out["lr"] = p_sched.get_last_lr()
     out["model"] = model
     if sched is not None:
@@ -116,12 +117,11 @@ def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monk
     return out
 
 
-@pytest.mark.parametrize("early_d2h", [False, True], ids=["d2h-at-step", "early-d2h"])
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
-def test_accelerate_loop_with_memsched_equals_fused_adamw(gpt2, mixed_precision, early_d2h, monkeypatch):
+def test_accelerate_loop_with_memsched_equals_fused_adamw(gpt2, mixed_precision, monkeypatch):
     base, tokens = gpt2
     ref = _accelerate_run(base, tokens, mixed_precision, False, monkeypatch)
-    got = _accelerate_run(base, tokens, mixed_precision, True, monkeypatch, early_d2h=early_d2h)
+    got = _accelerate_run(base, tokens, mixed_precision, True, monkeypatch)
 
     assert got["prepared"] == (True, "AcceleratedOptimizer", True, "AcceleratedScheduler")
     assert got["places"] == {"device", "host"}
@@ -134,20 +134,17 @@ def test_accelerate_loop_with_memsched_equals_fused_adamw(gpt2, mixed_precision,
     if mixed_precision == "bf16":  # autocast ran: the losses are not the fp32 ones
         assert got["losses"] != _accelerate_run(base, tokens, "no", False, monkeypatch)["losses"]
 
-    # Gradients stayed in the chunk views: none allocated by autograd, every .grad a view after backward.
+    # Gradients stayed in the chunk views (none allocated by autograd), and after backward every .grad is
+    # its chunk view, or its host view for a chunk whose gradients went to the host.
     assert got["copies"] == [] and got["unbound"] == []
     # AcceleratedOptimizer stepped memsched once per accumulation cycle.
     assert got["steps"] == STEPS
-    # D2H: the warmup step copies every chunk's gradients (all chunks live on the host during warmup); after
-    # it the host chunks' gradients, read from the chunk buffers: at the step, or with early D2H once per
-    # backward plus once more at the step when clipping wrote them after the copy.
+    # D2H: every backward of the warmup step copies every chunk's gradients (all chunks live on the host
+    # during warmup); after it each backward copies the host chunks' gradients, once (clipping then writes
+    # the host copy itself: nothing is copied again at the step).
     host = got["host_grad_bytes"]
     assert 0 < host < got["all_grad_bytes"]
-    if early_d2h:
-        expected = [ACCUM * host + (host if c else 0) for c in clipped[1:]]
-    else:
-        expected = [host] * (STEPS - 1)
-    assert got["d2h"] == [got["all_grad_bytes"], *expected]
+    assert got["d2h"] == [ACCUM * got["all_grad_bytes"], *[ACCUM * host] * (STEPS - 1)]
     assert got["h2d"][1:] == [got["host_data_bytes"]] * (STEPS - 1)
 
 

@@ -232,14 +232,22 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     problem, layout = build_problem(meta, 1000, 10**6, gpu_margin_mem_ratio=0.5)
     store = make_store(real)
     assert layout == store.layout
-    resident = sum(2 * c.data.nbytes for c in store.chunks) + 40  # gradient buffers (made in backward) too
+    # compute buffers and the buffer; the gradient buffers of the host chunks offloading at once (here both)
+    # count while any chunk is on the host
+    assert len(store.chunks) == 2
+    resident = sum(c.data.nbytes for c in store.chunks) + 40
     assert problem.resident_model_bytes == resident
+    assert problem.host_grad_working_bytes == sum(c.data.nbytes for c in store.chunks)
+    one, _ = build_problem(meta, 1000, 10**6, grad_working_chunks=1)
+    assert one.host_grad_working_bytes == store.chunks[0].data.nbytes
     assert problem.margin_bytes == 10**6 - 1000 - resident
     steps = [4 * len(slots) for slots in layout.chunks]  # one fp32 step count per parameter
-    assert [c.device_bytes for c in problem.chunks] == [layout.chunk_numel * 8 + s for s in steps]
+    # on the device: moments and step counts, and the chunk's gradients stay there too (fp32)
+    assert [c.device_bytes for c in problem.chunks] == [layout.chunk_numel * (8 + 4) + s for s in steps]
     mixed, _ = build_problem(meta, 0, 10**6, master_weights=True)
-    assert mixed.chunks[0].device_bytes == layout.chunk_numel * 12 + steps[0]
-    assert mixed.chunks[0].host_bytes == layout.chunk_numel * (16 + 2) + steps[0]
+    assert mixed.chunks[0].device_bytes == layout.chunk_numel * (12 + 2) + steps[0]
+    # fp32 master, moments, update gradients; bf16 host values and host gradients
+    assert mixed.chunks[0].host_bytes == layout.chunk_numel * (16 + 2 + 2) + steps[0]
     zero2, _ = build_problem(meta, 0, 10**6, world_size=4)
     assert zero2.chunks[0].device_bytes == -(-layout.chunk_numel // 4) * 8 + steps[0]
     with pytest.raises(ValueError, match="world_size"):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from memsched.cli.main import main
-from tracer.timeline import SCHEMA, VERSION
+from tracer.timeline import READABLE_VERSIONS, SCHEMA, VERSION
 
 
 def one_error_line(err: str, command: str) -> str:
@@ -35,7 +35,7 @@ FOLDER, MISSING = b"<a folder>", b"<no file>"
 # name -> (the file's bytes, or FOLDER / MISSING; what the message says besides the file's name)
 BAD_FILES: dict[str, tuple[bytes, str]] = {
     "truncated-json": (timeline()[:40], "is not valid JSON (Unterminated string"),
-    "empty": (b"", "is empty; expected a memsched timeline (JSON, schema 'memsched.timeline', version 1)"),
+    "empty": (b"", "is empty; expected a memsched timeline (JSON, schema 'memsched.timeline', version 2)"),
     "blank": (b"  \n", "is empty; expected a memsched timeline"),
     "binary": (b"\x89PNG\r\n\x1a\n\x00\xff", "is not UTF-8 text (byte 0x89 at offset 0)"),
     "other-schema": (json.dumps({"schema": "other", "version": 1}).encode(),
@@ -43,7 +43,8 @@ BAD_FILES: dict[str, tuple[bytes, str]] = {
     "json-array": (b"[1, 2]", "not a memsched timeline: expected schema 'memsched.timeline', got a JSON "
                               "array"),
     "newer-version": (timeline(version=VERSION + 1),
-                      f"unsupported timeline version {VERSION + 1}: this release reads {VERSION}"),
+                      f"unsupported timeline version {VERSION + 1}: this release reads "
+                      f"{', '.join(map(str, READABLE_VERSIONS))}"),
     "no-samples": (json.dumps({"schema": SCHEMA, "version": VERSION}).encode(),
                    "'samples' must be a list, got null"),
     "sample-missing-field": (timeline([{k: v for k, v in GOOD_SAMPLE.items() if k != "phase"}]),

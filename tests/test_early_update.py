@@ -193,8 +193,8 @@ def test_state_moved_between_backward_and_step_is_not_committed(slow_early_worke
     def move_and_back(i):
         sched.optimizer.early_updates.wait()
         c = next(c for c in sched.store.chunks if c.placement == HOST)
-        c.move_to("device", sched.store.alloc)
-        c.move_to(HOST, sched.store.alloc)
+        sched.store.place(c, "device")  # with its gradients and its parameters' binding
+        sched.store.place(c, HOST)
         assert c.spare is None
 
     with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",

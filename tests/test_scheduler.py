@@ -82,9 +82,16 @@ def test_first_use_order_and_problem_match_the_model():
         assert order[-2:] == [m.head.weight, m.head.bias]
         p = sched.problem
         assert p.capacity_bytes == 64 * 2**20
-        # the plan counts each chunk's gradient buffer (compute dtype) although it exists in backward only
-        assert p.resident_model_bytes == sum(2 * c.data.nbytes for c in sched.store.chunks)
+        # resident: the compute buffers (a chunk placed on the device would add its gradient buffer); the host
+        # chunks' gradients on their way to the host add what the warmup trace saw them add to its peak
+        chunk = sched.store.chunks[0].data.nbytes
+        assert p.resident_model_bytes == chunk * len(sched.store.chunks)
+        timeline = sched.timeline
+        assert p.peak_non_model_bytes == timeline.peak_non_model_bytes()
+        working = timeline.peak_non_model_grad_bytes() - timeline.peak_non_model_bytes()
+        assert p.host_grad_working_bytes == working and 0 < working <= chunk * len(sched.store.chunks)
         assert set(sched.plan.placement) == {HOST}
+        assert sched.plan.device_bytes == working
 
 
 def test_cpu_device_plan_is_everything_on_the_device():

@@ -135,21 +135,19 @@ class StorageAccountant(TorchDispatchMode):
         state = self._states.get(device_name(device))
         if state is None:
             return 0, 0
-        peaks = state.peak_total, state.peak_non_model
-        state.peak_total, state.peak_non_model = state.total, state.non_model
-        return peaks
+        return state.restart_peaks()[:2]
 
-    def _snapshot(self, name: str) -> tuple[tuple[int, ...], int, int]:
-        """``(live bytes per category in ALL_CATEGORIES order, peak_total, peak_non_model)`` for a canonical
-        device name, starting a new interval: :meth:`live_bytes` + :meth:`take_peaks` in one cheap call."""
+    def _snapshot(self, name: str) -> tuple[tuple[int, ...], int, int, int]:
+        """``(live bytes per category in ALL_CATEGORIES order, peak_total, peak_non_model,
+        peak_non_model_grad)`` for a canonical device name, starting a new interval: :meth:`live_bytes` +
+        :meth:`take_peaks` in one cheap call."""
         if self._log:
             self._replay()
         state = self._states.get(name)
         if state is None:
-            return _ZEROS, 0, 0
-        peaks = state.peak_total, state.peak_non_model
-        state.peak_total, state.peak_non_model = state.total, state.non_model
-        return tuple(state.counts), peaks[0], peaks[1]
+            return _ZEROS, 0, 0, 0
+        counts = tuple(state.counts)
+        return (counts, *state.restart_peaks())
 
     def _device_names(self) -> list[str]:
         if self._log:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA
+from tracer.categories import ALL_CATEGORIES, NON_MODEL_DATA, Category
 
 MOVE, GROW = 1, 2
 _IS_NON_MODEL: tuple[bool, ...] = tuple(c in NON_MODEL_DATA for c in ALL_CATEGORIES)
+_GRADIENT = ALL_CATEGORIES.index(Category.GRADIENT)
 
 
 class Entry(weakref.ref):
@@ -23,9 +24,11 @@ class Entry(weakref.ref):
 
 
 class DeviceState:
-    """One device's folded counters (bytes): per category, total, non-model data, and the two peaks."""
+    """One device's folded counters (bytes): per category, total, non-model data, and their peaks, plus the
+    peak of non-model data and gradients together (``peak_non_model_grad``: what the device holds besides
+    parameters, buffers and optimizer state, where gradients come and go)."""
 
-    __slots__ = ("counts", "total", "non_model", "peak_total", "peak_non_model")
+    __slots__ = ("counts", "total", "non_model", "peak_total", "peak_non_model", "peak_non_model_grad")
 
     def __init__(self) -> None:
         self.counts = [0] * len(ALL_CATEGORIES)
@@ -33,6 +36,7 @@ class DeviceState:
         self.non_model = 0
         self.peak_total = 0
         self.peak_non_model = 0
+        self.peak_non_model_grad = 0
 
     def add(self, c: int, n: int, non_model: bool) -> None:
         """``n`` bytes more in category index ``c`` (an allocation, or a storage that grew)."""
@@ -44,6 +48,21 @@ class DeviceState:
             self.non_model += n
             if self.non_model > self.peak_non_model:
                 self.peak_non_model = self.non_model
+        if non_model or c == _GRADIENT:
+            self.bump_non_model_grad()
+
+    def bump_non_model_grad(self) -> None:
+        now = self.non_model + self.counts[_GRADIENT]
+        if now > self.peak_non_model_grad:
+            self.peak_non_model_grad = now
+
+    def restart_peaks(self) -> tuple[int, int, int]:
+        """The three peaks since the last restart (total, non-model, non-model and gradients), then start a
+        new interval at the current values."""
+        peaks = self.peak_total, self.peak_non_model, self.peak_non_model_grad
+        self.peak_total, self.peak_non_model = self.total, self.non_model
+        self.peak_non_model_grad = self.non_model + self.counts[_GRADIENT]
+        return peaks
 
 
 def fold(log: list, state_of: Callable[[str], DeviceState]) -> None:
@@ -85,6 +104,7 @@ def fold(log: list, state_of: Callable[[str], DeviceState]) -> None:
                 s.non_model += n
                 if s.non_model > s.peak_non_model:
                     s.peak_non_model = s.non_model
+            s.bump_non_model_grad()
         else:  # GROW
             e.cbytes += arg
             s.add(c, arg, nm_flag[c])

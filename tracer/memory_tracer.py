@@ -18,6 +18,7 @@ from __future__ import annotations
 import platform
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,6 +69,9 @@ class MemoryTracer:
             discover steps of any optimizer holding a parameter of ``model`` (global optimizer hooks).
         device: the traced device (``"cpu"``, ``"cuda:0"``, ``torch.device``); default: the device of the
             model's first parameter (or buffer), else ``"cpu"``.
+        ignore: ``ignore(tensor) -> bool``: model tensors (parameters, gradients) for which it is true are not
+            classified: memory that is not on the traced device although its device type says so (a
+            stand-in device's host memory, whose tensors are CPU tensors as its device's are). ``None``: none.
         backend: ``"tensor"``: exact tensor accounting on any device (CPU, CUDA, ``FakeTensorMode``);
             ``"cuda"``: tensor accounting plus, on a real CUDA device, the caching allocator's view and
             NVML's device-level used memory in ``Sample.cuda`` (the probe resets torch's CUDA peak statistics
@@ -85,7 +89,8 @@ class MemoryTracer:
     """
 
     def __init__(self, model: nn.Module, *, optimizer: torch.optim.Optimizer | None = None,
-                 device: str | torch.device | None = None, backend: str = "auto") -> None:
+                 device: str | torch.device | None = None, backend: str = "auto",
+                 ignore: Callable[[torch.Tensor], bool] | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"expected torch.nn.Module, got {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -114,6 +119,7 @@ class MemoryTracer:
         self.backend = backend
         self.model = model
         self.optimizer = optimizer
+        self._ignore = ignore or (lambda t: False)
         self._timeline = MemoryTimeline()
         self._raw: list[tuple] = []
         self._last_step = 0
@@ -141,8 +147,8 @@ class MemoryTracer:
             self._raw = []
             self._timeline.samples.extend(
                 Sample(t, step, phase, module, event, dev, dict(zip(_CAT_NAMES, counts, strict=True)), peak,
-                       peak_nm, cuda)
-                for t, step, phase, module, event, dev, counts, peak, peak_nm, cuda in raw)
+                       peak_nm, cuda, peak_nmg)
+                for t, step, phase, module, event, dev, counts, peak, peak_nm, peak_nmg, cuda in raw)
 
     @property
     def accountant(self) -> StorageAccountant | None:
@@ -277,10 +283,11 @@ class MemoryTracer:
 
     # ---- classification --------------------------------------------------------------------------------
     def _scan_model(self) -> None:
-        acc = self._acc
+        acc, ignore = self._acc, self._ignore
         for p in self.model.parameters():
-            acc.classify(p, Category.PARAMETER)
-            if p.grad is not None:
+            if not ignore(p):
+                acc.classify(p, Category.PARAMETER)
+            if p.grad is not None and not ignore(p.grad):
                 acc.classify(p.grad, Category.GRADIENT)
         for b in self.model.buffers():
             acc.classify(b, Category.BUFFER)
@@ -300,7 +307,7 @@ class MemoryTracer:
                     acc.classify(value, Category.OPTIMIZER_STATE)
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._active and param.grad is not None:
+        if self._active and param.grad is not None and not self._ignore(param.grad):
             self._acc.classify(param.grad, Category.GRADIENT)
 
     def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -376,6 +383,6 @@ class MemoryTracer:
         if len(names) != 1 or names[0] != traced:  # the traced device first, even before it has data
             names = [traced, *(d for d in names if d != traced)]
         for dev in names:
-            counts, peak, peak_nm = acc._snapshot(dev)
+            counts, peak, peak_nm, peak_nmg = acc._snapshot(dev)
             cuda = self._probe.read() if self._probe is not None and dev == traced else None
-            raw.append((t_ns, step, phase, module, event, dev, counts, peak, peak_nm, cuda))
+            raw.append((t_ns, step, phase, module, event, dev, counts, peak, peak_nm, peak_nmg, cuda))

@@ -1,7 +1,8 @@
 """The tracer's output: a list of memory samples plus the queries the rest of memsched needs.
 
 A :class:`MemoryTimeline` is plain data (no tensors, no torch import needed to read one), saved as
-versioned JSON (``schema = "memsched.timeline"``, ``version = 1``) that round-trips losslessly.
+versioned JSON (``schema = "memsched.timeline"``, ``version = 2``) that round-trips losslessly. Version 2
+added each sample's ``peak_non_model_grad_bytes``; version 1 files are read (without it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 from tracer.categories import ALL_CATEGORIES, MODEL_DATA, NON_MODEL_DATA, Category
 
 SCHEMA = "memsched.timeline"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 PHASES = ("forward", "backward", "optimizer", "other")
 EVENTS = ("pre", "post", "mark")
@@ -40,6 +42,9 @@ class Sample:
         peak_non_model_bytes: peak of non-model bytes on the device since the previous sample, in bytes.
         cuda: on CUDA only: ``allocated``, ``peak_allocated`` (the allocator's high-water mark), ``reserved``
             (caching allocator) and ``nvml_used`` (device-level, all processes), in bytes; else ``None``.
+        peak_non_model_grad_bytes: peak of non-model bytes plus gradient bytes on the device since the
+            previous sample, in bytes: what the device holds at once besides parameters, buffers and optimizer
+            state when gradients come and go (``None`` in version-1 files).
     """
 
     t_ns: int
@@ -52,6 +57,7 @@ class Sample:
     peak_bytes: int
     peak_non_model_bytes: int
     cuda: dict[str, int] | None = None
+    peak_non_model_grad_bytes: int | None = None
 
     @property
     def model_bytes(self) -> int:
@@ -113,6 +119,14 @@ class MemoryTimeline:
         bytes."""
         samples = self.for_device(device)
         return max((s.peak_non_model_bytes for s in samples), default=0)
+
+    def peak_non_model_grad_bytes(self, device: str | None = None) -> int:
+        """Peak of non-model data plus gradients on ``device`` (default: traced device), bytes: the most the
+        device held at once besides parameters, buffers and optimizer state. A version-1 sample, which lacks
+        the figure, counts its interval's non-model peak plus the gradients live at the sample."""
+        samples = self.for_device(device)
+        return max((s.peak_non_model_grad_bytes if s.peak_non_model_grad_bytes is not None
+                    else s.peak_non_model_bytes + s.bytes.get("gradient", 0) for s in samples), default=0)
 
     def peak_non_model_sample(self, device: str | None = None) -> Sample | None:
         """The sample that closes the interval in which the non-model peak occurred (module + phase of the
@@ -239,9 +253,9 @@ class MemoryTimeline:
             got = (repr(data.get("schema")) if isinstance(data, dict) and "schema" in data
                    else "no 'schema' key" if isinstance(data, dict) else f"a JSON {_json_type(data)}")
             raise ValueError(f"not a memsched timeline: expected schema {SCHEMA!r}, got {got}")
-        if data.get("version") != VERSION:
+        if data.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"unsupported timeline version {data.get('version')!r}: "
-                             f"this release reads {VERSION}")
+                             f"this release reads {', '.join(map(str, READABLE_VERSIONS))}")
         samples, meta = data.get("samples"), data.get("meta", {})
         if not isinstance(samples, list):
             raise ValueError(f"'samples' must be a list, got {_json_type(samples)}")
@@ -312,20 +326,22 @@ _SAMPLE_FIELDS: dict[str, tuple[Any, str]] = {
     # nvml_used is null when NVML could not be read
     "cuda": (lambda v: v is None or _is_byte_counts(v, unknown_ok=True),
              "null or an object of name -> integer bytes or null"),
+    "peak_non_model_grad_bytes": (lambda v: v is None or _is_int(v), "null or an integer"),
 }
+_OPTIONAL_FIELDS = ("cuda", "peak_non_model_grad_bytes")
 
 
 def _sample_from_dict(d: Any, i: int) -> Sample:
     """One saved sample, checked (a bad one would otherwise fail far from here, in a report)."""
     if not isinstance(d, dict):
         raise ValueError(f"sample {i} must be an object, got {_json_type(d)}")
-    missing = [k for k in _SAMPLE_FIELDS if k not in d and k != "cuda"]
+    missing = [k for k in _SAMPLE_FIELDS if k not in d and k not in _OPTIONAL_FIELDS]
     unknown = sorted(k for k in d if k not in _SAMPLE_FIELDS)
     if missing or unknown:
         problems = ([f"lacks {', '.join(map(repr, missing))}"] if missing else []) + (
             [f"has unknown {', '.join(map(repr, unknown))}"] if unknown else [])
         raise ValueError(f"sample {i} {' and '.join(problems)}; expected the fields "
-                         f"{', '.join(_SAMPLE_FIELDS)} (cuda optional)")
+                         f"{', '.join(_SAMPLE_FIELDS)} ({' and '.join(_OPTIONAL_FIELDS)} optional)")
     for key, value in d.items():
         check, what = _SAMPLE_FIELDS[key]
         if not check(value):

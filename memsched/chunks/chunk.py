@@ -28,10 +28,18 @@ class Chunk:
             ``torch.optim.AdamW``).
         ``host_grad``: ``[hi - lo]`` fp32 host buffer the CPU update reads its gradients from (host placement
             only; in fp32 the D2H copy lands there directly).
-        ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the D2H copy
-            of the gradients lands there in the compute dtype and is upcast on the CPU (a D2H that converts
-            dtype would first make an fp32 temporary on the device), and the updated parameters are cast there
-            on the CPU for the H2D copy.
+        ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the
+            parameters' values in the compute dtype, cast from the master on the CPU after each update (the
+            H2D copy's source; between steps the parameters are views into it, :mod:`memsched.chunks.store`).
+            With more ranks the D2H copy of the gradients lands there too.
+        ``grad_host``: ``[hi - lo]`` compute-dtype host gradients (host placement): where the gradients go
+            when backward completes them and what ``p.grad`` shows between steps (one rank,
+            :mod:`memsched.chunks.grad_offload`); the same tensor as ``host_grad`` in fp32, its own buffer
+            under mixed precision (upcast into ``host_grad`` for the update).
+        ``param_host``: the parameters' values on the host in the compute dtype (host placement): ``master``
+            in fp32, ``staging`` under mixed precision.
+        ``landing``: ``[hi - lo]`` compute-dtype host buffer for a second micro-batch's gradients, added into
+            ``grad_host`` on the CPU (allocated at the first accumulation, :meth:`landing_buffer`).
 
     The optimizer state of one placement is one allocation (:meth:`Allocator.arena`). The chunk owns its
     transitions: its shard (:meth:`set_shard`, :meth:`reshard`), its copies and their events
@@ -59,6 +67,14 @@ class Chunk:
         self.steps: torch.Tensor | None = None
         self.host_grad: torch.Tensor | None = None
         self.staging: torch.Tensor | None = None
+        self.grad_host: torch.Tensor | None = None
+        self.landing: torch.Tensor | None = None
+        # One rank: the optimizer state of a host chunk comes with host gradients (``grad_host``) and the
+        # parameters' host values; set by the store before the state exists. ``private_grads`` (overlap=True):
+        # the CPU update reads its own fp32 copy (``host_grad``) even in fp32, so that writes to ``p.grad``
+        # after the step cannot reach an update still running on the worker.
+        self.offload_grads = False
+        self.private_grads = False
         # Parameters whose gradient is complete in the backward pass ``ready_task`` (autograd graph task id):
         # readiness is per backward pass, so accumulation with a parameter unused in one micro-batch never
         # declares a chunk ready while that backward still writes into it.
@@ -87,8 +103,15 @@ class Chunk:
         """The fp32 master of the shard wherever it lives (``data[lo:hi]`` in fp32 on the device)."""
         return self.master if self.master is not None else self.data[self.lo:self.hi]
 
+    @property
+    def param_host(self) -> torch.Tensor | None:
+        """The parameters' values on the host in the compute dtype (``[hi - lo]``, host placement): the
+        master in fp32, ``staging`` under mixed precision; ``None`` on the device."""
+        return self.staging if self.staging is not None else self.master if self.placement == HOST else None
+
     def state_tensors(self) -> list[torch.Tensor]:
-        ts = (self.master, self.exp_avg, self.exp_avg_sq, self.steps, self.host_grad, self.staging)
+        ts = (self.master, self.exp_avg, self.exp_avg_sq, self.steps, self.host_grad, self.staging,
+              self.grad_host if self.grad_host is not self.host_grad else None, self.landing)
         return [t for t in ts if t is not None]
 
     def state_nbytes(self) -> int:
@@ -113,6 +136,8 @@ class Chunk:
                 new["master"].copy_(src_master)
             elif master is not None:
                 self.data[self.lo:self.hi].copy_(master)
+            if new["staging"] is not None:  # the parameters' compute-dtype values, as the model has them
+                new["staging"].copy_(self.data[self.lo:self.hi])
             for k, src in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                 if src is None:
                     new[k].zero_()
@@ -137,8 +162,17 @@ class Chunk:
         parts.append(("steps", f32, len(self.params)))
         if host and self.mixed:
             parts.append(("staging", self.compute_dtype, n))
+        if host and self.offload_grads and (self.mixed or self.private_grads):
+            parts.append(("grad_host", self.compute_dtype, n))
         views = alloc.arena(placement, parts)
-        return {k: views.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "steps", "host_grad", "staging")}
+        out = {k: views.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "steps", "host_grad", "staging",
+                                         "grad_host")}
+        for k in ("host_grad", "grad_host"):  # gradients are not state: their own version counters
+            if out[k] is not None:
+                out[k] = out[k].data
+        if host and out["grad_host"] is None and self.offload_grads:
+            out["grad_host"] = out["host_grad"]  # fp32: the update reads the gradients where they land
+        return out
 
     def _install(self, placement: str, new: dict[str, torch.Tensor | None]) -> None:
         self.placement = placement
@@ -148,7 +182,22 @@ class Chunk:
         self.steps = new["steps"]
         self.host_grad = new["host_grad"]
         self.staging = new["staging"]
+        self.grad_host = new.get("grad_host")
+        self.landing = None  # made for the old placement's shard
         self.d2h_event = None
+
+    def landing_buffer(self, alloc: Allocator) -> torch.Tensor:
+        """``landing``, allocated (compute dtype, ``[hi - lo]``, pinned like the state) at its first use: a
+        later micro-batch's gradients land there and are added into ``grad_host`` on the CPU.
+
+        Raises:
+            RuntimeError: the chunk is not on the host, or the allocation failed (out of host memory).
+        """
+        if self.placement != HOST:
+            raise RuntimeError(f"chunk {self.index} is not on the host: it has no host gradients")
+        if self.landing is None:
+            self.landing = alloc.host_empty(self.shard_numel, self.compute_dtype)
+        return self.landing
 
     # -- spare host state (memsched.optim.early_update)
     # -----------------------------------------------------------
@@ -165,7 +214,8 @@ class Chunk:
 
     def spare_nbytes(self) -> int:
         """Bytes held by the spare host state (0 without one), bytes."""
-        return sum(t.numel() * t.element_size() for t in (self.spare or {}).values() if t is not None)
+        distinct = {id(t): t for t in (self.spare or {}).values() if t is not None}  # fp32: grad_host aliases
+        return sum(t.numel() * t.element_size() for t in distinct.values())
 
     def swap_spare(self) -> None:
         """The spare host state becomes the chunk's state, and the state in force becomes the spare.
@@ -175,14 +225,19 @@ class Chunk:
         """
         if self.spare is None or self.placement != HOST:
             raise RuntimeError(f"chunk {self.index} has no spare host state to swap in")
+        # The gradients stay (``p.grad`` shows them between steps); the state and the parameters' host values
+        # swap (the store points the parameters at the new ones: ChunkStore.refresh_host).
+        keep = {"host_grad": self.host_grad, "grad_host": self.grad_host}
         current = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
-                   "steps": self.steps, "host_grad": self.host_grad, "staging": self.staging}
-        self._install(HOST, self.spare)
+                   "steps": self.steps, "staging": self.staging, **{k: self.spare[k] for k in keep}}
+        landing = self.landing
+        self._install(HOST, {**self.spare, **keep})
+        self.landing = landing
         self.spare = current
 
     def state_version(self) -> int:
-        """The version counter of the state's allocation (all its parts are views of one arena, so any
-        in-place write to any of them moves it)."""
+        """The version counter of the state's allocation (all its parts but the gradients are views of one
+        arena sharing it, so any in-place write to any of them moves it)."""
         assert self.exp_avg is not None
         return self.exp_avg._version
 
@@ -206,6 +261,9 @@ class Chunk:
                 new["master"].copy_(src_master)
             else:  # fp32 to the device: the compute buffer becomes the master (it already holds its value)
                 self.data[self.lo:self.hi].copy_(src_master)
+            if new["staging"] is not None:
+                src = self.staging if self.staging is not None else self.data[self.lo:self.hi]
+                new["staging"].copy_(src)
             new["exp_avg"].copy_(self.exp_avg)
             new["exp_avg_sq"].copy_(self.exp_avg_sq)
             new["steps"].copy_(self.steps)
@@ -279,15 +337,17 @@ class Chunk:
         """Drop every tensor (the buffers are freed when nothing else holds them)."""
         self.data = self.grad = None  # type: ignore[assignment]
         self.master = self.exp_avg = self.exp_avg_sq = self.steps = self.host_grad = self.staging = None
+        self.grad_host = self.landing = None
         self.initial_master = None
         self.spare = None
 
     # -- H2D / D2H ------------------------------------------------------------------------------------------
-    def start_d2h(self, streams: Any, after: Any = None) -> int:
+    def start_d2h(self, streams: Any, after: Any = None, dst: torch.Tensor | None = None) -> int:
         """Copy the gradients of the shard to host memory after the work queued so far on the compute stream
-        (or after the CUDA event ``after``) (``staging`` in the compute dtype under mixed precision, else
-        ``host_grad``); returns the bytes."""
-        dst = self.staging if self.staging is not None else self.host_grad
+        (or after the CUDA event ``after``) into ``dst`` (default: ``staging`` in the compute dtype under
+        mixed precision, else ``host_grad``); returns the bytes."""
+        if dst is None:
+            dst = self.staging if self.staging is not None else self.host_grad
         self.wait_h2d()  # the previous step's H2D may still read ``staging``
         self.wait_d2h()
         self.d2h_event = streams.copy_d2h(dst, self.grad[self.lo:self.hi], after)

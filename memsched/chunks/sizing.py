@@ -29,8 +29,9 @@ class ChunkBytes:
             of the shard, plus an fp32 master copy of the shard under mixed precision (in fp32 the compute
             buffer is the master), plus one fp32 step count per parameter (``n_params``).
         host_state_bytes: pinned host memory when placed on the host: fp32 master, ``exp_avg``, ``exp_avg_sq``
-            and gradient buffer of the shard, plus a compute-dtype staging buffer for the H2D copy under mixed
-            precision, plus one fp32 step count per parameter (``n_params``).
+            and gradient buffer of the shard, plus under mixed precision a compute-dtype staging buffer (the
+            parameters' host values, the H2D copy's source) and, with the gradients offloaded, the host
+            gradients in the compute dtype, plus one fp32 step count per parameter (``n_params``).
     """
 
     compute_bytes: int
@@ -46,19 +47,26 @@ class ChunkBytes:
 
 def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
                 shard_numel: int | None = None, master_weights: bool | None = None,
-                n_params: int = 1) -> ChunkBytes:
+                n_params: int = 1, offload_grads: bool | None = None,
+                private_grads: bool = False) -> ChunkBytes:
     """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
 
     Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
-    on the device and a compute-dtype H2D staging buffer on the host. Used by :mod:`memsched.planning.problem`
-    and checked against the real tensors of :class:`Chunk` in the tests.
+    on the device and a compute-dtype H2D staging buffer on the host, and with ``offload_grads`` (one rank: a
+    host chunk's gradients go to the host in backward, :mod:`memsched.chunks.grad_offload`; default: the
+    state covers the whole chunk) its host gradients in the compute dtype, a buffer of their own in fp32 too
+    with ``private_grads`` (``overlap=True``: the CPU update reads its own copy). Used by
+    :mod:`memsched.planning.problem` and checked against the real tensors of :class:`Chunk` in the tests.
     """
     shard = chunk_numel if shard_numel is None else shard_numel
     cb = dtype_bytes(compute_dtype)
     mixed = compute_dtype != torch.float32 if master_weights is None else master_weights
+    offload = shard == chunk_numel if offload_grads is None else offload_grads
     return ChunkBytes(
         compute_bytes=chunk_numel * cb,
         grad_bytes=chunk_numel * cb,
         device_state_bytes=shard * 4 * (3 if mixed else 2) + STEP_BYTES * n_params,
-        host_state_bytes=shard * 4 * 4 + (shard * cb if mixed else 0) + STEP_BYTES * n_params,
+        host_state_bytes=(shard * 4 * 4 + (shard * cb if mixed else 0)
+                          + (shard * cb if offload and (mixed or private_grads) else 0)
+                          + STEP_BYTES * n_params),
     )

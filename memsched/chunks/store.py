@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from memsched.chunks.buffers import Allocator
 from memsched.chunks.chunk import Chunk
@@ -32,6 +33,8 @@ class ChunkStore:
             :class:`memsched.distributed.base.DataParallel`; default one process): told when a chunk's
             gradients are ready, after its update and before gradients are zeroed; its ``align`` aligns the
             parameters in the chunks (:func:`build_layout`).
+        private_grads: host chunks' CPU updates read a copy of their gradients of their own (``overlap=True``:
+            :class:`Chunk`'s ``private_grads``).
 
     Raises:
         ValueError: a parameter is on the meta device or the groups are empty.
@@ -40,9 +43,10 @@ class ChunkStore:
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
                  compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
                  on_grads_ready: Callable[[Chunk], None] | None = None,
-                 dp: ChunkEvents | None = None) -> None:
+                 dp: ChunkEvents | None = None, private_grads: bool = False) -> None:
         self.groups = [list(g) for g in groups]
         self.alloc = alloc
+        self.private_grads = private_grads
         self.compute_dtype = compute_dtype
         self.dp: ChunkEvents = dp if dp is not None else OneProcess()
         self._views: dict[tuple[str, int], torch.Tensor] = {}
@@ -51,6 +55,21 @@ class ChunkStore:
             self._grads_ready_observers.append(on_grads_ready)
         self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
         self.closed = False
+        # [Note: host binding]: host chunks' parameters are host views from backward's end to the next forward
+        self.host_bound: set[int] = set()  # chunk indices whose parameters and gradients are host views now
+        self.host_grads: set[int] = set()  # parameters whose gradient is in their chunk's ``grad_host``
+        self._host_versions: dict[int, int] = {}  # each host-bound parameter's version counter when bound
+        self.computing = False  # between a forward's start and its backward's end (device-bound)
+        # Whether some chunk offloads (a plain flag: compiled hooks read it, see memsched.runtime.waits)
+        self.offloading = False
+        self.in_backward = False  # a backward is running (its end callback is queued)
+        self._backward_end_observers: list[Callable[[], None]] = []
+        self._zero_grad_observers: list[Callable[[], None]] = []
+        # The gradient offload (memsched.chunks.grad_offload) once installed; without it host chunks keep
+        # their gradients on the device until the step, as with more ranks.
+        self.offloader: object | None = None
+        # Called before memsched writes a host chunk's host buffers (the CPU worker must be done reading them)
+        self.before_host_write: Callable[[Chunk], None] = lambda c: None
         # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
         # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
         self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
@@ -88,7 +107,8 @@ class ChunkStore:
 
     # -- building / re-packing ------------------------------------------------------------------------------
     def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
-               keep_initial: bool = True, staged: dict[int, tuple[torch.Tensor, ...]] | None = None) -> None:
+               keep_initial: bool = True, staged: dict[int, tuple[torch.Tensor, ...]] | None = None,
+               grads: bool = True) -> None:
         """Allocate chunk buffers for ``layout`` one chunk at a time, copy parameters (and gradients) in and
         bind them as views at once, so the storage they had is freed before the next chunk is allocated (a
         model already on the device peaks near its final size plus one chunk, not at three times its
@@ -96,13 +116,14 @@ class ChunkStore:
 
         On failure (e.g. out of memory) every parameter bound so far gets standalone tensors back, with its
         values (its ``staged`` host copies when given, else fresh copies), and the error is re-raised: the
-        model is as it was, only its storages are new.
+        model is as it was, only its storages are new. ``grads=False``: gradients are not bound (the caller
+        puts them where their chunk's placement wants them, :meth:`_place_staged_grads`).
         """
         new_chunks: list[Chunk] = []
         try:
             with torch.no_grad():
                 for ci, slots in enumerate(layout.chunks):
-                    new_chunks.append(self._build_chunk(ci, layout, slots, groups, keep_initial))
+                    new_chunks.append(self._build_chunk(ci, layout, slots, groups, keep_initial, grads))
         except BaseException:
             if staged is not None:
                 self._point_at(staged, [p for c in new_chunks for p in c.params])
@@ -117,10 +138,10 @@ class ChunkStore:
         self._views: dict[tuple[str, int], torch.Tensor] = {}  # (kind, id(p)) -> chunk view, made once
 
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
-                     groups: list[list[torch.nn.Parameter]], keep_initial: bool) -> Chunk:
+                     groups: list[list[torch.nn.Parameter]], keep_initial: bool, grads: bool = True) -> Chunk:
         data = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
         params = [groups[s.group][s.index] for s in slots]
-        has_grad = [p.grad is not None and p.grad.shape == p.shape for p in params]
+        has_grad = [grads and p.grad is not None and p.grad.shape == p.shape for p in params]
         grad = (self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
                 if any(has_grad) or not self.lazy_grads else None)
         ranges = [(s.offset, s.numel) for s in slots]
@@ -145,8 +166,11 @@ class ChunkStore:
                 p.grad = self.slot(grad, off, p)
             else:
                 p.grad = None
-        return Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad,
-                     initial_master=initial)
+        chunk = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad,
+                      initial_master=initial)
+        chunk.offload_grads = self.lazy_grads
+        chunk.private_grads = self.private_grads
+        return chunk
 
     def _unbind(self, chunks: Sequence[Chunk]) -> None:
         """Give the parameters of ``chunks`` standalone copies of their values (newest chunk first, so each
@@ -187,31 +211,80 @@ class ChunkStore:
         staged: dict[int, tuple[torch.Tensor, ...]] = {}
         side: dict[int, str | None] = {}
         old_layout, old_groups = self.layout, self.groups
+        for c in self.chunks:  # host-bound gradients are staged from the host
+            if c.index in self.host_bound:
+                self.before_host_write(c)
         with torch.no_grad(), self.alloc.host_context():
             for c in self.chunks:
                 c.wait_h2d()
                 c.wait_d2h()
-                tensors = (c.data, c.grad, c.master_view(), c.exp_avg, c.exp_avg_sq)
+                host_bound = c.index in self.host_bound
+                data = c.param_host if host_bound else c.data
+                grad = c.grad_host if host_bound else c.grad
+                lo = c.lo if host_bound else 0
+                tensors = (data, grad, c.master_view(), c.exp_avg, c.exp_avg_sq)
                 flat = [t.to("cpu", copy=True) if t is not None else None for t in tensors]
                 for p, (off, n) in zip(c.params, c.ranges, strict=True):
                     # a parameter with no gradient keeps none (``p.grad`` is None, not a zeroed view)
                     no_grad = flat[1] is None or (self.lazy_grads and p.grad is None)
-                    staged[id(p)] = tuple(None if (t is None or (k == 1 and no_grad)) else t[off:off + n]
-                                          for k, t in enumerate(flat))
+                    staged[id(p)] = tuple(
+                        None if (t is None or (k == 1 and no_grad))
+                        else t[off - (lo if k < 2 else 0):off - (lo if k < 2 else 0) + n]
+                        for k, t in enumerate(flat))
                     side[id(p)] = c.placement
+        self.host_bound.clear()
+        self.host_grads.clear()
         self._release(staged)
         try:
-            self._build(layout, new_groups, keep_initial=False, staged=staged)
+            self._build(layout, new_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads)
             self.groups = new_groups
             self._restore_state(staged, side, steps)
+            self._place_staged_grads(staged)
         except BaseException:
             # Put the old packing back from the staged copies (it fitted before), then re-raise.
             self._release(staged)
-            self._build(old_layout, old_groups, keep_initial=False, staged=staged)
+            self._build(old_layout, old_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads)
             self.groups = old_groups
             self._restore_state(staged, side, steps)
+            self._place_staged_grads(staged)
+            self.rebind_hosts()
             raise
+        self.rebind_hosts()
         return True
+
+    def _place_staged_grads(self, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """One rank, after a re-pack: each staged gradient goes where its chunk keeps gradients (a host
+        chunk's host gradients, or a device chunk's buffer, allocated then), so a host chunk's never takes
+        device memory."""
+        if not self.lazy_grads:
+            return
+        with torch.no_grad():
+            for c in self.chunks:
+                for p in c.params:
+                    g = staged[id(p)][1]
+                    if g is None:
+                        p.grad = None
+                        continue
+                    g = self.slot(g, 0, p)
+                    if self.offloads(c):
+                        with self.alloc.host_context():
+                            self.host_view("grad", p, c).copy_(g)
+                        self.host_grads.add(id(p))
+                        p.grad = None  # host-bound next (rebind_hosts)
+                    else:
+                        view = self.grad_view(p, c)
+                        view.copy_(g)
+                        p.grad = view
+
+    def rebind_hosts(self) -> None:
+        """After (re)building the chunks: host chunks' gradients go to the host and, between steps, their
+        parameters are host-bound again (see [Note: host binding])."""
+        self.note_placements()
+        for c in self.chunks:
+            if self.offloads(c):
+                self._grads_to_host(c)
+                if not self.computing:
+                    self.bind_host(c)
 
     def _point_at(self, staged: dict[int, tuple[torch.Tensor, ...]],
                   params: Iterable[torch.nn.Parameter]) -> None:
@@ -245,7 +318,7 @@ class ChunkStore:
         if self.dp.world != 1:
             return done
         for p in self.params():
-            view = self.data_view(p)
+            view = self.expected_view(p)
             if p.data_ptr() == view.data_ptr() or p.dtype != view.dtype or p.device != view.device \
                     or p.shape != view.shape or p.stride() == view.stride() \
                     or dense_strides(p.data) != p.stride():
@@ -253,6 +326,9 @@ class ChunkStore:
             c = self.param_chunk[id(p)]
             off, _n = self.param_range[id(p)]
             old, new = self.stride_of(p), tuple(p.stride())
+            host_bound = c.index in self.host_bound
+            if host_bound:
+                self.before_host_write(c)
             c.wait_h2d()
             c.wait_d2h()
             with torch.no_grad():
@@ -265,11 +341,24 @@ class ChunkStore:
                         logical = seg.as_strided(p.shape, old).clone()
                         seg.as_strided(p.shape, new).copy_(logical)
                 self._strides[id(p)] = new
-                self._views.pop(("data", id(p)), None)
-                self._views.pop(("grad", id(p)), None)
-                values, grad = p.data, p.grad
+                for key in ("data", "grad", "data@host", "grad@host"):
+                    self._views.pop((key, id(p)), None)
+                values = p.data
+                grad = p.grad.clone() if p.grad is not None else None  # it may alias the slot it goes to
                 slot = self.data_view(p)
                 slot.copy_(values)
+                if host_bound:  # the host values and gradients in the new order too
+                    with self.alloc.host_context():
+                        hslot = self.host_view("data", p, c)
+                        hslot.copy_(values)
+                        p.data = hslot
+                        if grad is not None:
+                            gview = self.host_view("grad", p, c)
+                            gview.copy_(grad)
+                            p.grad = gview
+                    self._host_versions[id(p)] = p._version
+                    done.append(p)
+                    continue
                 p.data = slot
                 if grad is not None:
                     gview = self.grad_view(p, c)
@@ -304,6 +393,229 @@ class ChunkStore:
                 c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                              steps=[steps[id(p)] for p in c.params])
 
+    # -- where the parameters point: the device while computing, the host between steps ---------------------
+    def install_offloader(self, offloader: object) -> None:
+        """From now on host chunks' gradients go to the host in backward, through ``offloader``
+        (:class:`memsched.chunks.grad_offload.GradOffload`, which observes the store)."""
+        self.offloader = offloader
+        self.note_placements()
+
+    def note_placements(self) -> None:
+        """The chunks' placements changed (state made, moved or re-packed): refresh :attr:`offloading`."""
+        self.offloading = any(self.offloads(c) for c in self.chunks)
+
+    def offloads(self, c: Chunk) -> bool:
+        """Whether ``c``'s gradients leave the device as backward completes them and its parameters are host
+        views between steps (see [Note: host binding]): one rank, optimizer state on the host."""
+        return self.offloader is not None and self.lazy_grads and not self.closed and c.placement == HOST
+
+    def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
+        """``p``'s slot in its chunk's host values (``kind="data"``: ``param_host``) or host gradients
+        (``"grad"``: ``grad_host``), shaped and strided like ``p``."""
+        c = c or self.param_chunk[id(p)]
+        buf = c.param_host if kind == "data" else c.grad_host
+        hit = self._views.get((kind + "@host", id(p)))
+        if hit is not None and hit[0] is buf:
+            return hit[1]
+        off, _n = self.param_range[id(p)]
+        v = self.slot(buf, off - c.lo, p)
+        self._views[kind + "@host", id(p)] = (buf, v)
+        return v
+
+    def in_host_memory(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a view into a chunk's host buffers (a host-bound parameter or gradient)."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr == b.untyped_storage().data_ptr() for c in self.chunks if c.placement == HOST
+                   for b in (c.param_host, c.grad_host) if b is not None)
+
+    def expected_view(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The view ``p`` must be now: its host slot while its chunk is host-bound, else its chunk view."""
+        c = self.param_chunk[id(p)]
+        return self.host_view("data", p, c) if c.index in self.host_bound else self.data_view(p)
+
+    def bind_host(self, c: Chunk) -> None:
+        """[Note: host binding]
+        One rank: a host chunk's gradients leave the device as backward completes them
+        (:mod:`memsched.chunks.grad_offload`), so from backward's end to the next forward its parameters and
+        their ``.grad`` are views into the chunk's host buffers (``param_host``, ``grad_host``): torch's
+        ``clip_grad_norm_(model.parameters())``, ``model.state_dict()``, ``torch.save`` and anything else
+        between steps see every gradient and the current values, and torch requires a gradient on its
+        parameter's device. The next forward binds them to the device again (:meth:`enter_compute`), where
+        writes made to the host views meanwhile are taken in. FSDP2's ``CPUOffloadPolicy`` keeps its sharded
+        parameters and their gradients on the host between steps in the same way."""
+        with torch.no_grad():
+            if c.index not in self.host_bound and any(
+                    p._version != self._host_versions.get(id(p), -1) for p in c.params):
+                # Written on the device since it was device-bound (or never bound before): the host values
+                # take the device's (the fp32 master itself in fp32; under mixed precision the master follows
+                # at the step, GradChecks.sync_user_param_writes).
+                self.before_host_write(c)
+                c.wait_h2d()
+                with self.alloc.host_context():
+                    c.param_host.copy_(c.data[c.lo:c.hi])
+                if not c.mixed:
+                    increment_version(c.master)  # the state changed (memsched.optim.early_update)
+            for p in c.params:
+                p.data = self.host_view("data", p, c)
+                p.grad = self.host_view("grad", p, c) if id(p) in self.host_grads else None
+                self._host_versions[id(p)] = p._version
+        self.host_bound.add(c.index)
+
+    def refresh_host(self, c: Chunk) -> None:
+        """``c``'s host buffers were replaced (an update made during backward was swapped in): host-bound
+        parameters and gradients point at the new ones."""
+        if c.index in self.host_bound:
+            self.bind_host(c)
+
+    def enter_compute(self) -> None:
+        """Before a forward (or a backward that finds parameters host-bound): every parameter becomes its
+        chunk view on the device again. Host-bound gradients stay where they are (backward adds a new
+        micro-batch's on the host); a gradient set to None meanwhile (``model.zero_grad()``) is dropped, and
+        one set by hand is taken into the host gradients. Writes to the host views (``load_state_dict``,
+        ``nn.init``, ``p.copy_(...)``: their version counters moved) reach the fp32 master and the device
+        copy first. Idempotent."""
+        if self.computing:
+            return
+        self.computing = True
+        for c in self.chunks:
+            if c.index not in self.host_bound:
+                continue
+            written = False
+            with torch.no_grad():
+                for p in c.params:
+                    g = p.grad
+                    if g is None:
+                        if id(p) in self.host_grads:  # dropped by the user
+                            self.host_grads.discard(id(p))
+                            self.with_grad.discard(id(p))
+                    elif g.data_ptr() != self.host_view("grad", p, c).data_ptr():  # set by hand
+                        with self.alloc.host_context():
+                            self.host_view("grad", p, c).copy_(g)
+                        self.host_grads.add(id(p))
+                        self.with_grad.add(id(p))
+                        p.grad = self.host_view("grad", p, c)
+                    written |= p._version != self._host_versions.get(id(p), p._version)
+                if written:
+                    self._take_host_writes(c)
+                for p in c.params:
+                    p.data = self.data_view(p)
+                    self._host_versions[id(p)] = p._version
+            self.host_bound.discard(c.index)
+
+    def _take_host_writes(self, c: Chunk) -> None:
+        """The host values of ``c`` were written since it was host-bound: the fp32 master takes them (under
+        mixed precision where they differ from the master's rounding, as
+        :meth:`memsched.optim.grads.GradChecks.sync_user_param_writes` does), and the device copy is
+        refreshed."""
+        self.before_host_write(c)
+        c.wait_h2d()
+        with self.alloc.host_context():
+            if c.staging is not None:
+                new = c.staging
+                c.master.copy_(torch.where(new != c.master.to(new.dtype), new.float(), c.master))
+        c.data[c.lo:c.hi].copy_(c.param_host)
+
+    def leave_compute(self) -> None:
+        """Backward's end (or a step with none): the host chunks become host-bound (their gradients were
+        offloaded first by the store's observers). Idempotent."""
+        if not self.computing:
+            return
+        self.computing = False
+        for c in self.chunks:
+            if self.offloads(c) and c.index not in self.host_bound:
+                self.bind_host(c)
+
+    def _grads_to_device(self, c: Chunk) -> None:
+        """``c``'s host gradients go into its device gradient buffer (a chunk placed on the device, or
+        ``close()``): ``p.grad`` becomes the device view. ``c`` must be device-bound."""
+        mine = [p for p in c.params if id(p) in self.host_grads]
+        if not mine:
+            return
+        self.before_host_write(c)
+        c.wait_d2h()
+        with torch.no_grad():
+            for p in mine:
+                view = self.grad_view(p, c)
+                view.copy_(self.host_view("grad", p, c))
+                p.grad = view
+                self.host_grads.discard(id(p))
+
+    def _grads_to_host(self, c: Chunk) -> None:
+        """``c``'s device gradients go into its host gradients (a chunk placed on the host between steps, or
+        re-packed): its device gradient buffer is freed; ``p.grad`` follows at host binding."""
+        if c.grad is None:
+            return
+        mine = [p for p in c.params
+                if p.grad is not None and p.grad.data_ptr() == self.grad_view(p, c).data_ptr()]
+        with torch.no_grad(), self.alloc.host_context():
+            for p in mine:
+                self.host_view("grad", p, c).copy_(self.grad_view(p, c))
+                self.host_grads.add(id(p))
+        self.free_grad(c)
+
+    def place(self, c: Chunk, placement: str) -> int:
+        """Move ``c``'s optimizer state to ``placement`` (:meth:`Chunk.move_to`), with its gradients and, one
+        rank, its binding: a chunk moved to the host while nothing computes is host-bound, one moved to the
+        device device-bound. Returns the bytes copied.
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): the state does not fit; the chunk is as it was.
+        """
+        if placement == c.placement:
+            return 0
+        if c.index in self.host_bound:  # to the device: device-bound first, with any host writes taken in
+            if any(p._version != self._host_versions.get(id(p), p._version) for p in c.params):
+                self._take_host_writes(c)
+            for p in c.params:
+                p.data = self.data_view(p)
+                self._host_versions[id(p)] = p._version
+            self.host_bound.discard(c.index)
+        if placement != HOST:
+            self._grads_to_device(c)  # while its host gradients still exist
+        moved = c.move_to(placement, self.alloc)
+        self.note_placements()
+        if self.offloads(c):
+            self._grads_to_host(c)
+            if not self.computing:
+                self.bind_host(c)
+        return moved
+
+    def values(self, c: Chunk) -> torch.Tensor:
+        """The values ``c``'s parameters show now, flat over its shard (``[hi - lo]``, compute dtype): the
+        host copy while host-bound (written there by ``load_state_dict`` between steps), else the device
+        buffer."""
+        return c.param_host if c.index in self.host_bound else c.data[c.lo:c.hi]
+
+    def has_grads(self, c: Chunk) -> bool:
+        """Whether any parameter of ``c`` holds a gradient memsched keeps: in its device buffer, or on the
+        host."""
+        return c.grad is not None or any(id(p) in self.host_grads for p in c.params)
+
+    def settle(self) -> None:
+        """Before a step: gradients still on the device of host chunks go to the host and the host chunks
+        become host-bound, as at backward's end (a forward with no backward, gradients set by hand).
+
+        Raises:
+            RuntimeError: a backward began and did not end (it raised): part of its gradients are on the host
+                and part are not, so anything reading them now (torch's ``clip_grad_norm_``, the step) would
+                see only part of them. ``zero_grad()`` drops them.
+        """
+        if self.in_backward:
+            raise RuntimeError(
+                "memsched: the last backward did not finish (it raised, or this runs inside it): its "
+                "gradients are partly on the host and partly on the device, so a clip_grad_norm_ over "
+                "model.parameters() or this step would see only part of them. Nothing was updated; call "
+                "optimizer.zero_grad() (or model.zero_grad()) and run the backward again")
+        if self.computing or any(self.offloads(c) and c.grad is not None for c in self.chunks):
+            for observer in self._backward_end_observers:
+                observer()
+            self.computing = True
+            self.leave_compute()
+
+    def host_bound_chunk(self, p: torch.nn.Parameter) -> bool:
+        """Whether ``p``'s chunk is host-bound now (its ``.grad`` is a host view or None)."""
+        return self.param_chunk[id(p)].index in self.host_bound
+
     # -- gradients ------------------------------------------------------------------------------------------
     def _pre_grad_hook(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
         """[Note: gradients land in the chunk]
@@ -311,14 +623,30 @@ class ChunkStore:
         zeroed chunk view (the chunk's buffer is allocated at its first gradient), so that autograd adds the
         gradient into the chunk in place instead of allocating a tensor memsched would copy. ``0 + g == g``
         for every ``g`` (only the sign of an exact zero may differ, which AdamW's moments and updates never
-        see).
+        see). A host chunk's earlier gradients stay on the host: the new ones are added to them there when
+        they are offloaded (:mod:`memsched.chunks.grad_offload`).
         A parameter that gets no gradient keeps ``p.grad is None``, as in torch."""
 
         def hook(_grad: torch.Tensor) -> None:
-            if not self.lazy_grads or p.grad is not None:
+            if not self.lazy_grads:
                 return
             c = self.param_chunk.get(id(p))
             if c is None:
+                return
+            if not self.computing:  # a backward with no forward since the last one ended (retain_graph)
+                self.enter_compute()
+            g = p.grad
+            if g is not None and self.offloads(c) and (c.grad is None
+                                                       or g.data_ptr() != self.grad_view(p, c).data_ptr()):
+                # The host gradients of earlier micro-batches stay on the host; a gradient set by hand since
+                # the forward replaces them there. Either way the new gradient is added on the host.
+                host = self.host_view("grad", p, c)
+                if g.data_ptr() != host.data_ptr() or id(p) not in self.host_grads:
+                    with torch.no_grad(), self.alloc.host_context():
+                        host.copy_(g)
+                    self.host_grads.add(id(p))
+                p.grad = None
+            if p.grad is not None:
                 return
             with torch.no_grad():
                 view = self.grad_view(p, c)
@@ -337,24 +665,34 @@ class ChunkStore:
         task = graph_task_id()
         if task != self._end_task and self.dp.world == 1:
             self._end_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._none_without_grad)
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         if c.mark_grad_ready(id(p), task):
             self.on_grads_ready(c)
 
-    def _none_without_grad(self) -> None:
-        """At the end of a backward: a parameter that has no gradient (none since ``zero_grad``) gets
-        ``p.grad = None``, as in torch, instead of its zeroed chunk view: code that tests for None (fill
-        missing gradients with zeros, skip unused parameters) then behaves as with ``torch.optim.AdamW``. The
-        view comes back before the next forward (:meth:`bind_dropped_grads`) or at the step. With more ranks
-        the views stay: the reduction may still bring the parameter a gradient."""
+    def _backward_end(self) -> None:
+        """At the end of a backward (one rank): a parameter of a device chunk that has no gradient (none since
+        ``zero_grad``) gets ``p.grad = None``, as in torch, instead of its zeroed chunk view: code that tests
+        for None (fill missing gradients with zeros, skip unused parameters) then behaves as with
+        ``torch.optim.AdamW``. The view comes back before the next forward (:meth:`bind_dropped_grads`) or at
+        the step. Then the observers finish the gradients' offload, and the host chunks become host-bound
+        (:meth:`leave_compute`)."""
         self._end_task = None
-        if len(self.with_grad) >= self._n_params:
-            return
-        for p in self.params():
-            if id(p) not in self.with_grad and p.grad is not None \
-                    and self.param_chunk[id(p)].grad is not None \
-                    and p.grad.data_ptr() == self.grad_view(p).data_ptr():
-                p.grad = None
+        if len(self.with_grad) < self._n_params:
+            for p in self.params():
+                if id(p) not in self.with_grad and p.grad is not None \
+                        and self.param_chunk[id(p)].grad is not None \
+                        and p.grad.data_ptr() == self.grad_view(p).data_ptr():
+                    p.grad = None
+        for observer in self._backward_end_observers:
+            observer()
+        self.in_backward = False
+        self.leave_compute()
+
+    def observe_backward_end(self, observer: Callable[[], None]) -> None:
+        """Call ``observer()`` at the end of every backward (one rank), before the host chunks are
+        host-bound."""
+        self._backward_end_observers.append(observer)
 
     def step_of(self, p: torch.nn.Parameter) -> torch.Tensor:
         """``p``'s step count: a 0-d fp32 view into its chunk's ``steps``."""
@@ -375,7 +713,7 @@ class ChunkStore:
         storage address and the dtype only (a conversion changes one of them; strides changed in place on the
         same storage are left to the full check), about three times cheaper: the check before each forward."""
         for p in self.params():
-            view = self.data_view(p)
+            view = self.expected_view(p)
             if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
                 return p
             if not quick and (p.stride() != view.stride() or p.device != view.device):
@@ -394,7 +732,7 @@ class ChunkStore:
         p = self.unbound()
         if p is None:
             return
-        view = self.data_view(p)
+        view = self.expected_view(p)
         name = names.get(id(p), f"of shape {tuple(p.shape)}")
         if p.dtype != view.dtype:
             unsupported = "" if p.dtype in TRAINABLE_DTYPES else (
@@ -446,9 +784,11 @@ class ChunkStore:
         return c.grad
 
     def absent_grad_bytes(self) -> int:
-        """Bytes of the gradient buffers that do not exist now (one rank, between ``zero_grad`` and the
-        backward that makes them), bytes."""
-        return sum(c.numel * c.data.element_size() for c in self.chunks if c.grad is None)
+        """Bytes of the gradient buffers the plan counts as resident that do not exist now: the device chunks'
+        buffers between ``zero_grad`` and the backward that makes them (one rank), bytes. A host chunk's
+        gradients are not resident (they are in the measured peak on their way to the host)."""
+        return sum(c.numel * c.data.element_size() for c in self.chunks
+                   if c.grad is None and not self.offloads(c))
 
     def free_grad(self, c: Chunk) -> None:
         """Free ``c``'s gradient buffer: its parameters' ``.grad`` become None (one rank; see ``lazy_grads``).
@@ -484,6 +824,8 @@ class ChunkStore:
         (``model.zero_grad()``) frees its buffer here, before the forward's peak."""
         if self.lazy_grads:
             for c in self.chunks:
+                if c.index in self.host_bound:  # enter_compute takes care of host-bound gradients
+                    continue
                 for p in c.params:
                     if p.grad is None:
                         self.with_grad.discard(id(p))
@@ -499,7 +841,8 @@ class ChunkStore:
                     self.with_grad.discard(id(p))
 
     def on_grads_ready(self, chunk: Chunk) -> None:
-        """All of ``chunk``'s gradients are complete in this backward (a reduce-scatter goes there)."""
+        """All of ``chunk``'s gradients are complete in this backward (a reduce-scatter goes there, or their
+        offload to the host)."""
         self.dp.grads_ready(chunk)
         for observer in self._grads_ready_observers:
             observer(chunk)
@@ -519,8 +862,12 @@ class ChunkStore:
         are freed and every ``.grad`` is None. Otherwise the buffers that exist are zeroed and the views
         kept."""
         self.dp.before_zero_grad()  # pending gradient reductions finish first
+        for observer in self._zero_grad_observers:  # pending offloads are dropped
+            observer()
+        self.in_backward = False
         if set_to_none and not self.closed:
             self.with_grad.clear()
+            self.host_grads.clear()
         if set_to_none and self.lazy_grads and not self.closed:  # the buffers go: every .grad is None
             for c in self.chunks:
                 c.reset_ready()
@@ -531,15 +878,27 @@ class ChunkStore:
         with torch.no_grad():
             for c in self.chunks:
                 c.reset_ready()
+                held = [p for p in c.params if id(p) in self.host_grads]
+                if held:  # host gradients: zeroed where they are, as torch zeroes p.grad
+                    self.before_host_write(c)
+                    with self.alloc.host_context():
+                        for p in held:
+                            self.host_view("grad", p, c).zero_()
                 if c.grad is None:  # no gradient since the last zero_grad: p.grad stays None, as in torch
                     continue
                 c.grad.zero_()
                 for p in c.params:
                     if self.lazy_grads and p.grad is None:  # stays None, as torch's zero_grad leaves it
                         continue
+                    if id(p) in self.host_grads:
+                        continue
                     view = self.grad_view(p, c)
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view
+
+    def observe_zero_grad(self, observer: Callable[[], None]) -> None:
+        """Call ``observer()`` at the start of every :meth:`zero_grad` (gradients in flight are dropped)."""
+        self._zero_grad_observers.append(observer)
 
     def close(self) -> None:
         """Remove the gradient hooks (parameters stay views into the chunks). Without them nothing tells which
@@ -548,6 +907,10 @@ class ChunkStore:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if not self.closed:  # without hooks nothing offloads: host gradients come back to the device
+            self.enter_compute()
+            for c in self.chunks:
+                self._grads_to_device(c)
         self.closed = True
         self.with_grad.update(id(p) for p in self.params())
 

@@ -7,15 +7,15 @@ host chunk's update as soon as its gradients are complete, on the same CPU worke
 the step only commits it:
 
 1. **Speculate** (:meth:`EarlyUpdates.start`, from the store's gradients-ready signal, training thread): the
-   chunk's gradients are copied to its host buffer (on CUDA by the early D2H copy, whose exact fingerprint
-   :mod:`memsched.chunks.fingerprint` is taken on the device; on the stand-in by the worker). The worker then
-   copies the chunk's optimizer state into a *spare* host state of the same layout (:meth:`Chunk.alloc_spare`)
-   and runs the very same fused AdamW on it, with the hyper-parameters and the fp16 inverse scale in force,
-   recording the state allocation's version counter around its reads.
+   chunk's gradients are on their way to its host gradients (:mod:`memsched.chunks.grad_offload`). The worker
+   waits for that copy, snapshots them, copies the chunk's optimizer state into a *spare* host state of the
+   same layout (:meth:`Chunk.alloc_spare`) and runs the very same fused AdamW on it, with the
+   hyper-parameters and the fp16 inverse scale in force, recording the state allocation's version counter
+   around its reads. A micro-batch whose gradients are added to an earlier one's speculates nothing.
 2. **Commit** (:meth:`EarlyUpdates.commit`, in ``optimizer.step()``): the update is swapped in
-   (:meth:`Chunk.swap_spare`, no copy) only if it is the update ``step()`` would make now: the gradients are
-   bit for bit the ones it used (``torch.equal`` on the stand-in, the fingerprint on CUDA: clipping,
-   ``p.grad.mul_()``, another backward, ``zero_grad()`` all show), no clip coefficient is pending (fp16
+   (:meth:`Chunk.swap_spare`, no copy) only if it is the update ``step()`` would make now: the host gradients
+   are bit for bit the ones it used (``torch.equal``: clipping, ``p.grad.mul_()``, another backward,
+   ``zero_grad()`` all show), no clip coefficient is pending (fp16
    clipping), the group's hyper-parameters and the inverse scale are equal, every parameter of the chunk has a
    gradient, and nothing wrote the chunk's state since (its version counter: ``load_state_dict``, a
    checkpoint, a user's write to a parameter). Otherwise the spare result is dropped and the chunk is updated
@@ -33,9 +33,10 @@ when it equals the one the step would make.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,10 @@ class Ticket:
     future: Future | None = None
     version: int | None = None  # the state's version counter after the worker read it (None: changed)
     error: BaseException | None = None
+    # Held by the worker while it runs; a later ticket of the chunk cancels this one (it then never starts)
+    # and takes the lock before touching the spare's buffers, which the two share.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
 
 
 @dataclass
@@ -126,30 +131,53 @@ class EarlyUpdates:
                           "backward from now on", RuntimeWarning, stacklevel=3)
             return False
 
-    def start(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,
-              copy_event: Any = None) -> None:
+    def start(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None, copy_event: Any = None,
+              landing: torch.Tensor | None = None, parts: Sequence[tuple[int, int, bool]] = ()) -> None:
         """Speculate the update of host chunk ``c`` whose gradients are complete (training thread).
-        ``copy_event``: the CUDA event of the early D2H copy already issued, or ``None`` (the worker
-        copies)."""
+        ``copy_event``: the event of their D2H copy (a CUDA event, the stand-in link's), or ``None`` when it
+        is done already. ``landing``: where a later micro-batch's copy lands (``None``: in ``c.grad_host``);
+        then ``parts`` says how each parameter's joins its host gradient (``(offset, numel, add)``, as
+        :meth:`memsched.chunks.grad_offload.GradOffload.in_flight`), which the update does on its snapshot
+        exactly as the offload will on the host gradients at backward's end."""
         if not self._alloc_spare(c):
             return
-        snapshot = c.staging if c.staging is not None else c.host_grad
+        assert c.spare is not None
+        prev = self.tickets.get(c.index)
+        if prev is not None:  # an earlier micro-batch's: replaced (if it is running, it finishes first)
+            prev.cancelled = True
+            with prev.lock:
+                pass
+        snapshot = c.spare["grad_host"]  # the spare's own host gradients: a private copy
+        if landing is not None:  # the earlier micro-batches' host gradients, before backward's end adds
+            with torch.no_grad(), self.alloc.host_context():
+                snapshot.copy_(c.grad_host)
         ticket = Ticket(hp, inv_scale, snapshot, c.exp_avg)
         self.tickets[c.index] = ticket  # a later backward (accumulation) replaces it; the worker keeps order
-        ticket.future = self.submit(lambda: self._run(c, ticket, copy_event))
+        ticket.future = self.submit(lambda: self._run(c, ticket, copy_event, landing, list(parts)))
 
-    def _run(self, c: Chunk, ticket: Ticket, copy_event: Any) -> None:
-        """The worker: copy the gradients (stand-in), then the state into the spare, then update the spare."""
+    def _run(self, c: Chunk, ticket: Ticket, copy_event: Any, landing: torch.Tensor | None,
+             parts: list[tuple[int, int, bool]]) -> None:
+        """The worker: wait for the gradients' copy and snapshot them, copy the state into the spare, then
+        update the spare."""
+        with ticket.lock:
+            if not ticket.cancelled:
+                self._speculate(c, ticket, copy_event, landing, parts)
+
+    def _speculate(self, c: Chunk, ticket: Ticket, copy_event: Any, landing: torch.Tensor | None,
+                   parts: list[tuple[int, int, bool]]) -> None:
         t0 = t1 = time.perf_counter()
         try:
             with torch.no_grad():
                 if copy_event is not None:
                     copy_event.synchronize()
-                else:
-                    last_h2d = c.h2d_event  # the stand-in's link: the last H2D may still read ``staging``
-                    if last_h2d is not None:
-                        last_h2d.synchronize()
-                    ticket.snapshot.copy_(c.grad[c.lo:c.hi])
+                if landing is None:
+                    ticket.snapshot.copy_(c.grad_host)
+                else:  # what the offload makes of the host gradients at backward's end
+                    for a, n, add in parts:
+                        if add:
+                            ticket.snapshot[a:a + n].add_(landing[a:a + n])
+                        else:
+                            ticket.snapshot[a:a + n].copy_(landing[a:a + n])
                 before = c.state_version()
                 spare = c.spare
                 assert spare is not None and c.master is not None

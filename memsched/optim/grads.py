@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from memsched.chunks import Chunk, ChunkStore
 
@@ -51,19 +52,27 @@ class GradChecks:
         counters moved). Only elements whose value differs from the master as the compute dtype rounds it are
         taken: loading a model state dict after the optimizer's (whose fp32 ``master_weight`` it rounds to)
         keeps the full-precision masters, in either order."""
-        for c in self._store.chunks:
+        store = self._store
+        for c in store.chunks:
             changed = [(p, r) for p, r in zip(c.params, c.ranges, strict=True)
                        if p._version != self._param_versions.get(id(p), p._version)]
             if not changed or c.master is None:
                 continue  # fp32 on the device: the compute buffer is the master already
-            with self._store.alloc.host_context():
+            if c.index in store.host_bound and not c.mixed:
+                # fp32 host-bound: the parameters are views of the master itself, written already; the
+                # state's version counter says so (an update made during backward from the old values is
+                # then not committed: memsched.optim.early_update)
+                increment_version(c.master)
+                continue
+            with store.alloc.host_context():
                 c.wait_h2d()
+                values = store.values(c)  # what the parameters show (their host copy while host-bound)
                 for _p, (off, n) in changed:
                     a, b = max(off, c.lo), min(off + n, c.hi)
                     if a >= b:
                         continue
                     master = c.master[a - c.lo:b - c.lo]
-                    new = c.data[a:b].to(master.device)
+                    new = values[a - c.lo:b - c.lo].to(master.device)
                     written = new != master.to(new.dtype)
                     master.copy_(torch.where(written, new.float(), master))
 
@@ -82,11 +91,13 @@ class GradChecks:
                 fixes.append((p, None))
                 continue
             c = store.param_chunk[id(p)]
-            if c.grad is not None:
-                view = store.grad_view(p, c)
+            host_bound = c.index in store.host_bound
+            if host_bound or c.grad is not None:
+                view = store.host_view("grad", p, c) if host_bound else store.grad_view(p, c)
                 if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
                     continue
-            dtype, device = c.data.dtype, c.data.device  # the gradient buffer's
+            dtype = c.data.dtype  # the gradient buffer's
+            device = c.grad_host.device if host_bound else c.data.device
             if g.shape != p.shape or g.device != device or g.dtype != dtype or g.is_sparse:
                 raise ValueError(
                     f"gradient of parameter {self._name(p)} has shape {tuple(g.shape)}, dtype {g.dtype}, "
@@ -95,19 +106,26 @@ class GradChecks:
                 )
             fixes.append((p, g))
         for p, g in fixes:  # gradients set by hand into a chunk without a buffer: allocated before any write
-            if g is not None:
+            if g is not None and not store.host_bound_chunk(p):
                 store.alloc_grad(store.param_chunk[id(p)])
         return fixes
 
     # ---- fp16 ---------------------------------------------------------------------------------------------
+    def _signatures(self) -> list[Any]:
+        """What changes whenever any gradient is written: each chunk's device buffer signature and, for host
+        chunks, the version of their host gradients (and which parameters hold one)."""
+        store = self._store
+        return [(c.grad_signature(), c.grad_host._version if store.offloads(c) else None,
+                 sum(1 for p in c.params if id(p) in store.host_grads)) for c in store.chunks]
+
     def note_scaled_backward(self) -> None:
         """fp16: :meth:`memsched.Scheduler.backward` ran a backward of the scaled loss; the gradients as they
         are now hold the loss scale, and the step checks that nothing changed them since."""
-        self._scaled_versions = [c.grad_signature() for c in self._store.chunks]
+        self._scaled_versions = self._signatures()
 
     def scaled_grads_unchanged(self) -> bool:
-        """fp16: nothing wrote the gradient buffers since the last :meth:`note_scaled_backward`."""
-        return self._scaled_versions == [c.grad_signature() for c in self._store.chunks]
+        """fp16: nothing wrote the gradients since the last :meth:`note_scaled_backward`."""
+        return self._scaled_versions == self._signatures()
 
     def check_scaled_grads(self) -> None:
         """fp16: refuse a step whose gradients changed after the last ``sched.backward``: a backward outside
@@ -120,7 +138,7 @@ class GradChecks:
         """
         if self.scaled_grads_unchanged():
             return
-        sums = _sums([c for c in self._store.chunks if c.grad is not None])
+        sums = _sums(self._store, [c for c in self._store.chunks if self._store.has_grads(c)])
         if not bool(torch.isfinite(sums).all()):  # an overflow: the step is skipped, nothing is applied
             return
         raise RuntimeError(
@@ -137,7 +155,7 @@ class GradChecks:
         scaler = self._scaler
         assert scaler is not None
         # A float32 sum of fp16 values is finite iff every value is (|sum| <= 65504 * numel << fp32 max).
-        sums = _sums(chunks)
+        sums = _sums(self._store, chunks)
         found = self._dp.reduce_found_inf((~torch.isfinite(sums).all()).float().reshape(1).cpu())
         scaler.update(found)
         with self._store.alloc.host_context():  # the host has waited for the device already (found)
@@ -145,8 +163,19 @@ class GradChecks:
         return bool(found.item() > 0)
 
 
-def _sums(chunks: list[Chunk]) -> torch.Tensor:
-    """Each chunk's gradient buffer summed in fp32 (``[len(chunks)]``; ``[1]`` zeros without any)."""
+def _sums(store: ChunkStore, chunks: list[Chunk]) -> torch.Tensor:
+    """Each chunk's gradients summed in fp32 (``[len(chunks)]``; ``[1]`` zeros without any): the device
+    buffer, and for a host chunk its host gradients too (on the CPU), on the device buffer's device."""
     if not chunks:
         return torch.zeros(1)
-    return torch.stack([c.grad.sum(dtype=torch.float32) for c in chunks])
+    out = []
+    for c in chunks:
+        total = c.grad.sum(dtype=torch.float32) if c.grad is not None else None
+        held = [p for p in c.params if id(p) in store.host_grads] if store.offloads(c) else []
+        if held:  # only the parameters that hold a host gradient (the rest of the buffer is stale)
+            with store.alloc.host_context():
+                host = torch.stack([store.host_view("grad", p, c).sum(dtype=torch.float32) for p in held])
+                host = host.sum().to(c.data.device)
+            total = host if total is None else total + host
+        out.append(total)
+    return torch.stack(out)

@@ -19,6 +19,7 @@ does not move; each parameter has its own step count.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,7 +33,6 @@ from memsched.distributed.base import DataParallel
 from memsched.optim import state_dict as optim_state
 from memsched.optim.adam import fp32_grad, fused_adamw_
 from memsched.optim.clipping import Clipper
-from memsched.optim.early_d2h import EarlyD2H
 from memsched.optim.early_update import EarlyUpdates
 from memsched.optim.grads import GradChecks
 from memsched.optim.host_updates import HostUpdates
@@ -66,13 +66,16 @@ class HybridAdamW(torch.optim.Optimizer):
             (the stand-in device's capacity check), or ``None``.
         names: ``id(param) -> qualified name`` for error messages.
         dp: the data parallelism (:class:`memsched.distributed.base.DataParallel`); default one rank.
+        owner_thread: the thread steps must run on (``None``: any).
+        grad_offload: the store's :class:`memsched.chunks.grad_offload.GradOffload` (where a host chunk's
+            gradients land, for the updates during backward), or ``None``.
     """
 
     def __init__(self, store: ChunkStore, groups: Sequence[dict[str, Any]], *, defaults: dict[str, Any],
                  streams: Streams, transfers: TransferStats, scaler: LossScaler | None = None,
                  capacity_check: Callable[[int, str], None] | None = None,
                  names: dict[int, str] | None = None, dp: DataParallel | None = None,
-                 owner_thread: int | None = None) -> None:
+                 owner_thread: int | None = None, grad_offload: Any = None) -> None:
         full = {**adamw_default_keys(), **defaults}
         super().__init__([dict(g) for g in groups], full)
         for i, g in enumerate(self.param_groups):
@@ -85,6 +88,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.names = names or {}
         self.dp = dp if dp is not None else DataParallel()  # one rank, or ZeRO
         self.owner_thread = owner_thread  # steps must run on the attaching thread (None: any)
+        self.grad_offload = grad_offload  # memsched.chunks.grad_offload.GradOffload (one rank), or None
         self._active: set[int] = set()  # ids of the parameters updated by the step in progress
         self.checks = GradChecks(store, self.dp, scaler, self._name)
         self.clipper = Clipper(store, scaler)
@@ -94,7 +98,6 @@ class HybridAdamW(torch.optim.Optimizer):
         self.overlap = False
         self.host_updates = HostUpdates(store.alloc.device)
         self.timeline = StepTimeline()
-        self._early_d2h = EarlyD2H(store.alloc, self._start_d2h)  # memsched.optim.early_d2h
         self._zero_grad_observers: list[Callable[[], None]] = []  # memsched.runtime.elastic_hooks
         # overlap="backward" (after warmup): host chunks are updated during backward into spare state,
         # committed at the step when exact (memsched.optim.early_update).
@@ -102,21 +105,20 @@ class HybridAdamW(torch.optim.Optimizer):
                                           self.timeline.span, store.alloc)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
-    def enter_steady_state(self, *, overlap: bool, early_d2h: bool, early_update: bool) -> None:
-        """The end of warmup (the plan is applied): host chunks update on the worker (``overlap``), their
-        gradients go D2H during backward (``early_d2h``: CUDA, one rank) and their updates start during
-        backward (``early_update``: ``overlap="backward"``); the step timeline starts recording."""
+    def enter_steady_state(self, *, overlap: bool, early_update: bool) -> None:
+        """The end of warmup (the plan is applied): host chunks update on the worker (``overlap``) and their
+        updates start during backward (``early_update``: ``overlap="backward"``); the step timeline starts
+        recording."""
         self.overlap = overlap
-        self._early_d2h.enabled = early_d2h
         if early_update:
             self.early_updates.enable(self.dp.world, self.store.chunks)
         self.timeline.start(overlap=overlap)
 
     def detach(self) -> None:
-        """``close()``: the overlapped update in flight finishes and none starts later, the early D2H stops,
-        the step timeline stops, and steps may run on any thread. The optimizer keeps working."""
+        """``close()``: the overlapped update in flight finishes and none starts later, the step timeline
+        stops, and steps may run on any thread. The optimizer keeps working."""
         try:
-            self.overlap = self._early_d2h.enabled = False
+            self.overlap = False
             self.timeline.stop()
             self.host_updates.close()
         finally:
@@ -127,15 +129,6 @@ class HybridAdamW(torch.optim.Optimizer):
         ``except`` tells elastic placement of an out-of-memory error:
         :mod:`memsched.runtime.elastic_hooks`)."""
         self._zero_grad_observers.append(observer)
-
-    @property
-    def early_d2h(self) -> bool:
-        """Host chunks' gradients start their D2H during backward (:mod:`memsched.optim.early_d2h`)."""
-        return self._early_d2h.enabled
-
-    @early_d2h.setter
-    def early_d2h(self, value: bool) -> None:
-        self._early_d2h.enabled = bool(value)
 
     @property
     def _clip_coefs(self) -> list[torch.Tensor]:
@@ -208,28 +201,36 @@ class HybridAdamW(torch.optim.Optimizer):
         self.timeline.step_begin()
         self.wait_updates("step()")  # the previous step's overlapped CPU update
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
+        self.store.settle()  # host chunks' gradients on the host (refuses after a backward that failed)
         if self.scaler is not None:
             self.checks.check_scaled_grads()
         self.store.follow_memory_format()  # model.to(memory_format=...) since the last forward
         self.store.check_bound(self.names)
         fixes = self.checks.validate_grads()  # allocates the buffers that gradients set by hand go into
-        chunks = [c for c in self.store.chunks if c.grad is not None]  # the others have no gradient at all
+        store = self.store
+        chunks = [c for c in store.chunks if store.has_grads(c) or any(
+            g is not None for p, g in fixes if store.param_chunk[id(p)] is c)]  # the others have no gradient
         device_chunks = [c for c in chunks if c.placement == DEVICE]
         host_chunks = [c for c in chunks if c.placement == HOST]
         if self.capacity_check is not None:
             self.capacity_check(self._step_temporary_bytes(device_chunks), "optimizer step temporaries")
         # ---- no failure expected below this line: in-place writes start ------------------------------------
-        with_grad = self.store.with_grad
+        with_grad = store.with_grad
         for p, g in fixes:
+            host_bound = store.host_bound_chunk(p)
             if g is None:  # p.grad = None (e.g. model.zero_grad()): no gradient, not updated (torch's rule)
-                if self.store.param_chunk[id(p)].grad is not None:
-                    self.store.grad_view(p).zero_()  # a later backward writes its gradient from zero
+                if not host_bound and store.param_chunk[id(p)].grad is not None:
+                    store.grad_view(p).zero_()  # a later backward writes its gradient from zero
                 with_grad.discard(id(p))
+                store.host_grads.discard(id(p))
             else:
-                view = self.store.grad_view(p)
-                view.copy_(g)
+                view = store.host_view("grad", p) if host_bound else store.grad_view(p)
+                with store.alloc.host_context() if host_bound else contextlib.nullcontext():
+                    view.copy_(g)
                 p.grad = view
                 with_grad.add(id(p))
+                if host_bound:
+                    store.host_grads.add(id(p))
         self.checks.sync_user_param_writes()
         self.dp.before_update()  # gradient reductions are complete
         self._active = self.dp.agree_with_grad(self.store, with_grad)
@@ -245,10 +246,11 @@ class HybridAdamW(torch.optim.Optimizer):
         with self.store.alloc.host_context():
             inv_host = inv_scale.cpu() if inv_scale is not None and host_chunks else None
             coefs_host = [k.cpu() for k in coefs] if host_chunks else []
-        copied = self._early_d2h.take_valid(host_chunks)
-        committed = self._commit_early(host_chunks, hps, inv_host, coefs, copied)
+        committed = self._commit_early(host_chunks, hps, inv_host, coefs)
         for c in host_chunks:
-            if c.index not in copied and c.index not in committed:  # not copied in backward, or written since
+            # One rank: the gradients reached the host in backward (memsched.chunks.grad_offload); with more
+            # ranks they are copied now, after their reduction.
+            if not store.offloads(c) and c.index not in committed:
                 self._start_d2h(c)
         # Device chunks first (the device works while the CPU updates the host chunks).
         for gi, hp in enumerate(hps):
@@ -330,11 +332,13 @@ class HybridAdamW(torch.optim.Optimizer):
             self.store.after_update(c)
 
     def _update_host(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,
-                     coefs: list[torch.Tensor], after: Any = None, updated: bool = False) -> None:
+                     coefs: list[torch.Tensor], after: Any = None, updated: bool = False,
+                     prepared: bool = False) -> None:
         """Update host chunk ``c`` on the CPU and start the H2D copy of its parameters (on the training
         thread, or on the overlap worker, which never enters the stand-in's accounting contexts).
         ``updated``: the update was made during backward and committed (:mod:`memsched.optim.early_update`):
-        only the H2D copy is left."""
+        only the H2D copy is left. ``prepared``: ``c.host_grad`` holds the unscaled, clipped fp32 gradients
+        already (the overlapped step made that copy on the training thread)."""
         span = self.timeline.span
         if updated:
             t0 = time.perf_counter()
@@ -345,8 +349,8 @@ class HybridAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()
         c.wait_d2h()
         t1 = time.perf_counter()
-        src = c.staging if c.staging is not None else c.host_grad
-        fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
+        if not prepared:
+            self._update_grads(c, inv_scale, coefs)
         self._adamw([c], [c.master], [c.host_grad], hp)
         src = c.master
         if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
@@ -359,6 +363,15 @@ class HybridAdamW(torch.optim.Optimizer):
         span(CPU_UPDATE, "update", t1, t2, chunk=c.index)
         span(CPU_UPDATE, "h2d", t2, t3, chunk=c.index)
 
+    def _update_grads(self, c: Chunk, inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
+        """``c.host_grad``: the fp32 gradients its CPU update reads, upcast, unscaled and clipped from where
+        they are (the host gradients backward offloaded, or the D2H copy of the step)."""
+        if self.store.offloads(c):
+            src = c.grad_host  # where backward's gradients went (and what p.grad shows)
+        else:
+            src = c.staging if c.staging is not None else c.host_grad
+        fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
+
     def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of ``params`` to a total norm of ``max_norm``; returns the total norm before
@@ -367,26 +380,21 @@ class HybridAdamW(torch.optim.Optimizer):
         and before :meth:`step`."""
         return self.clipper.clip_grad_norm_(params, max_norm, norm_type)
 
-    # ---- the host chunks: early D2H, updates during backward, the overlapped update ------------------------
+    # ---- the host chunks: updates during backward, the overlapped update ---------------------------------
     def grads_ready(self, c: Chunk) -> None:
-        """The store's observer: all of ``c``'s gradients are complete in this backward. With ``early_d2h``, a
-        host chunk's D2H starts now, overlapping the rest of backward (ZeRO-Offload's overlap, arXiv
-        2101.06840 section 4.2), and its gradients are fingerprinted so that the step can tell whether
-        anything wrote them after the copy (clipping, ``p.grad.mul_()``, another backward). With
-        ``overlap="backward"`` its update starts too (:mod:`memsched.optim.early_update`)."""
-        if c.placement != HOST:
+        """The store's observer, after the gradients' offload began (:mod:`memsched.chunks.grad_offload`): all
+        of ``c``'s gradients are complete in this backward. With ``overlap="backward"`` a host chunk's update
+        starts now from the gradients its D2H copy brings (:mod:`memsched.optim.early_update`), unless they
+        are to be added to an earlier micro-batch's."""
+        if c.placement != HOST or not self.store.offloads(c) or self.grad_offload is None:
             return
         hp = self._early_hyperparameters(c)
-        if not self.early_d2h and hp is None:
+        flight = self.grad_offload.in_flight(c)
+        if hp is None or flight is None:
             return
-        self.host_updates.wait([c.index])  # the worker no longer reads its host buffers
-        if self.early_d2h:
-            self._early_d2h.copy(c)
-        elif hp is not None:  # the worker copies the gradients (synchronous copies: no CUDA)
-            self.transfers.add_d2h(c.shard_numel * c.grad.element_size())
-        if hp is not None:
-            self.early_updates.start(c, hp, self.checks.next_inv_scale if self.scaler is not None else None,
-                                     c.d2h_event if self.early_d2h else None)
+        landing, parts = flight
+        self.early_updates.start(c, hp, self.checks.next_inv_scale if self.scaler is not None else None,
+                                 c.d2h_event, landing=landing, parts=parts)
 
     def _early_hyperparameters(self, c: Chunk) -> dict[str, Any] | None:
         """The hyper-parameters for an update of ``c`` during backward, or ``None`` when it is not made: not
@@ -402,20 +410,22 @@ class HybridAdamW(torch.optim.Optimizer):
             return None
 
     def _commit_early(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
-                      inv_host: torch.Tensor | None,
-                      coefs: list[torch.Tensor], copied: set[int]) -> set[int]:
-        """Swap in the updates made during backward that equal the step's (:meth:`EarlyUpdates.commit`); the
-        gradients are compared by fingerprint where they were copied early (CUDA), else bit for bit."""
+                      inv_host: torch.Tensor | None, coefs: list[torch.Tensor]) -> set[int]:
+        """Swap in the updates made during backward that equal the step's (:meth:`EarlyUpdates.commit`): the
+        host gradients the step reads are compared bit for bit with the ones the update read. A chunk whose
+        update is swapped in has new host buffers: its host-bound parameters follow."""
         if not self.early_updates.tickets:
             return set()
 
         def grads_equal(c: Chunk, ticket: Any) -> bool:
-            if self.early_d2h:
-                return c.index in copied
             with self.store.alloc.host_context():
-                return torch.equal(_bits(c.grad[c.lo:c.hi]), _bits(ticket.snapshot))
+                return torch.equal(_bits(c.grad_host), _bits(ticket.snapshot))
 
-        return self.early_updates.commit(host_chunks, hps, inv_host, coefs, self._active, grads_equal)
+        done = self.early_updates.commit(host_chunks, hps, inv_host, coefs, self._active, grads_equal)
+        for c in host_chunks:
+            if c.index in done:
+                self.store.refresh_host(c)
+        return done
 
     def _submit_host(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],
                      inv_scale: torch.Tensor | None, coefs: list[torch.Tensor], committed: set[int]) -> None:
@@ -424,10 +434,17 @@ class HybridAdamW(torch.optim.Optimizer):
         forward. The ``committed`` ones were updated during backward: only their H2D copies are left."""
         after = self.streams.record()
         by_index = {c.index: c for c in host_chunks}
+        # The worker reads its own copy of the host gradients, made here: p.grad (the host gradients) may be
+        # written after step() returns (model.zero_grad(set_to_none=False), p.grad.zero_()).
+        prepared = {c.index for c in host_chunks if self.store.offloads(c) and c.index not in committed}
+        with self.store.alloc.host_context():
+            for i in prepared:
+                self._update_grads(by_index[i], inv_scale, coefs)
 
         def update(i: int) -> None:
             c = by_index[i]
-            self._update_host(c, hps[c.group], inv_scale, coefs, after=after, updated=i in committed)
+            self._update_host(c, hps[c.group], inv_scale, coefs, after=after, updated=i in committed,
+                              prepared=i in prepared)
 
         def follow_up(i: int) -> None:  # on the training thread: collectives, version bookkeeping
             c = by_index[i]
@@ -464,7 +481,6 @@ class HybridAdamW(torch.optim.Optimizer):
         for observer in self._zero_grad_observers:
             observer()
         self.clipper.clear()
-        self._early_d2h.forget()  # copies of gradients that are now zeroed: the next backward copies again
         if not (set_to_none and self.store.lazy_grads):
             # Zeroed in place: after the D2H copies of an overlapped step that may still read them. A freed
             # buffer needs no wait (CUDA: its copy's stream was recorded on it; the stand-in's link: the copy

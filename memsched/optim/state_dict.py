@@ -183,7 +183,7 @@ def load_state_dict(opt: ChunkedOptimizer, sd: dict[str, Any]) -> None:
                         c.master[ss:ss + n].copy_(store.memory_order(p, src)[ps:ps + n])
                     else:  # the parameter's value, but the master's where it rounds to the parameter
                         master = c.master[ss:ss + n]
-                        new = c.data[part.chunk_start:part.chunk_start + n].to(master.device)
+                        new = store.values(c)[ss:ss + n].to(master.device)
                         master.copy_(torch.where(new != master.to(new.dtype), new.float(), master))
                 for k, p in enumerate(c.params):
                     c.steps[k].fill_(steps[id(p)])

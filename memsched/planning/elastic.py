@@ -130,10 +130,13 @@ class PeakProbe:
 
     def begin(self) -> None:
         # [Note: gradients in the measured peak]
-        # The plan counts every chunk's gradient buffer as resident model data, but with one rank a buffer
-        # exists only from backward on. Counting the absent buffers in the base keeps the measurement what
-        # the plan needs: plan + measured <= capacity still bounds the real peak, and a peak in the forward
-        # (no gradient alive) measures that much less.
+        # The plan counts a device chunk's gradient buffer as resident model data, but with one rank it exists
+        # only from backward on, and a host chunk's gradients only on their way to the host (the plan counts
+        # their working set, from the warmup trace, apart). Counting both in the base keeps the measurement
+        # what the plan in force needs: plan + measured <= capacity still bounds the real peak. A step under
+        # a plan with more chunks on the device measures less than under the all-host step of the same
+        # inputs (its gradients are counted whole by the plan): a plan made from such a measurement keeps at
+        # least as many chunks on the device, or re-measures inputs that exceed what was seen.
         absent = self.absent_bytes() if self.absent_bytes is not None else 0
         if self.sim is not None:
             self.base = self.sim.reset_peak() + absent
@@ -190,11 +193,15 @@ class Elastic:
         self._sig: Signature | None = None  # the signature of the step in progress (its first forward)
         self.failed: Signature | None = None  # the inputs of the last step that ran out of memory
 
-    def start(self, planned_peak: int) -> int:
+    def start(self, planned_peak: int, discount: int = 0) -> int:
         """Re-planning begins; ``planned_peak``: the peak non-model data the warmup plan was made for (the
         tracer's). Returns the peak the plan in force stands for: the larger of it and what the warmup steps'
-        own measurement gave (the two count the same bytes, up to the step's temporaries)."""
+        own measurement gave (the two count the same bytes, up to the step's temporaries). ``discount``
+        (bytes): what the probe's base leaves out of later measurements, but the warmup steps' held (the host
+        chunks' gradient working set, known once warmup ends); it comes off those."""
         self.active = True
+        if discount:
+            self.measured = OrderedDict((sig, max(0, v - discount)) for sig, v in self.measured.items())
         self.planned_peak = max([planned_peak, *self.measured.values()])
         self._update_quiet()
         return self.planned_peak

@@ -39,7 +39,7 @@ def check_host_room(store: ChunkStore, config: SchedulerConfig, alloc: Allocator
         policies.PlacementError: the host budget is too small (names both sizes and the limit).
     """
     sizes = [chunk_bytes(c.numel, compute_dtype=config.compute_dtype, shard_numel=c.hi - c.lo,
-                         n_params=len(c.params)) for c in store.chunks]
+                         n_params=len(c.params), private_grads=store.private_grads) for c in store.chunks]
     need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin) for b in sizes)
     check_initial_host_state(need, host_budget(pinned=alloc.pin,
                                                stand_in_bytes=config.device.host_capacity_bytes))
@@ -65,6 +65,8 @@ class Planner:
         history: :class:`memsched.planning.elastic.PlanChange` list, oldest first.
         warmup_costs: the last warmup step's measurements (:mod:`memsched.planning.cost_model`) or ``None``.
         predicted_step: the modelled step of the plan in force, or ``None``.
+        host_grad_working_bytes: what the host chunks' gradients add to the peak on their way to the host,
+            bytes (from the warmup trace; 0 before).
     """
 
     def __init__(self, config: SchedulerConfig, model: torch.nn.Module, store: ChunkStore, dp: DataParallel,
@@ -84,6 +86,9 @@ class Planner:
         self.history: list[PlanChange] = []
         self.warmup_costs: WarmupCosts | None = None
         self.predicted_step: dict[str, Any] | None = None
+        # What the host chunks' gradients on their way to the host add to the peak (from the warmup trace):
+        # every plan counts it while a chunk is on the host, and measured peaks leave it out (probe's base)
+        self.host_grad_working_bytes = 0
 
     def measure_warmup(self, costs: WarmupCosts) -> None:
         """Keep the last warmup step's measurements for the predicted steps of the plans to come."""
@@ -98,13 +103,17 @@ class Planner:
             warnings.warn(f"memsched: re-packing the chunks in first-use order ran out of memory ({e}); the "
                           "chunks keep their registration-order packing", RuntimeWarning, stacklevel=4)
 
-    def plan_initial(self, peak_non_model_bytes: int, timeline: Any, steps: int) -> PlacementPlan:
+    def plan_initial(self, peak_non_model_bytes: int, timeline: Any, steps: int, *,
+                     host_grad_working_bytes: int = 0) -> PlacementPlan:
         """The plan of the end of warmup, applied (see [Note: planning at the end of warmup]).
+        ``host_grad_working_bytes``: what the host chunks' gradients add to the peak on their way to the host
+        (:meth:`memsched.Scheduler.host_grad_working_bytes`).
 
         Raises:
             policies.PlacementError: the policy found no plan; the optimizer state stays on the host.
         """
         self._timeline = timeline
+        self.host_grad_working_bytes = host_grad_working_bytes
         problem = self.problem = self._problem(peak_non_model_bytes)
         if self._device.kind == "cpu":
             self.plan = policies.make_plan(
@@ -153,7 +162,8 @@ class Planner:
         return dataclasses.replace(plan, reasons=(*plan.reasons, text))
 
     def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:
-        """The placement problem of the chunks in force for a peak non-model data (bytes)."""
+        """The placement problem of the chunks in force for a peak non-model data (bytes), with the host
+        chunks' gradient working set measured in warmup (:attr:`host_grad_working_bytes`)."""
         store, dp = self._store, self._dp
         order = [p for g in store.groups for p in g]  # the packing in force
         capacity, peak = dp.agree_margin_inputs(self._device.capacity_bytes, peak_non_model_bytes)
@@ -162,9 +172,13 @@ class Planner:
             gpu_margin_mem_ratio=self._config.placement.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=store.layout.chunk_numel, param_groups=store.groups,
             compute_dtype=self._config.compute_dtype, align=store.align, pinned=store.alloc.pin,
-            world_size=dp.world if dp.sharded else 1,
+            world_size=dp.world if dp.sharded else 1, private_grads=store.private_grads,
+            offload_grads=store.offloader is not None and store.lazy_grads,
+            grad_working_chunks=0,
             **machine_inputs(self._timeline, self._device, store, dp))  # host budget, fragmentation
         assert layout == store.layout, "planning and chunks disagree on the layout"
+        if self.host_grad_working_bytes:
+            problem = dataclasses.replace(problem, host_grad_working_bytes=self.host_grad_working_bytes)
         return problem
 
     def _apply(self, plan: PlacementPlan) -> None:
@@ -173,10 +187,10 @@ class Planner:
         try:
             for c, where in zip(self._store.chunks, plan.placement, strict=True):
                 if c.placement != where:
-                    self._transfers.add_chunk_move(c.move_to(where, self._store.alloc))
+                    self._transfers.add_chunk_move(self._store.place(c, where))
                     moved.append(c)
         except BaseException:
             for c in moved:
-                c.move_to(HOST, self._store.alloc)
+                self._store.place(c, HOST)
             raise
         self.plan = plan

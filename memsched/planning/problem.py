@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from tracer.timeline import MemoryTimeline
 
 
+#: Host chunks assumed to hold device gradients at once when nothing was measured (a chunk being completed
+#: and one whose parameters are used far apart, such as tied embeddings).
+DEFAULT_GRAD_WORKING_CHUNKS = 2
+
+
 def trainable_groups(model: torch.nn.Module,
                      param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None,
                      ) -> list[list[torch.nn.Parameter]]:
@@ -71,6 +76,9 @@ def build_problem(
     pinned: bool = False,
     host_capacity_source: str | None = None,
     fragmentation_bytes: int | None = None,
+    grad_working_chunks: int = DEFAULT_GRAD_WORKING_CHUNKS,
+    private_grads: bool = False,
+    offload_grads: bool | None = None,
 ) -> tuple[PlacementProblem, ChunkLayout]:
     """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
 
@@ -97,6 +105,13 @@ def build_problem(
         host_capacity_source: what sets ``host_capacity_bytes``, in words (named when a plan exceeds it).
         fragmentation_bytes: allocator fragmentation measured in warmup, bytes (``None`` = not measured);
             ``auto`` sizes its reserve from it.
+        grad_working_chunks: with one rank, the host chunks whose gradients are on the device at once before
+            their offload (:mod:`memsched.chunks.grad_offload`; measured in warmup): the problem's
+            ``host_grad_working_bytes``, while a chunk placed on the device keeps its own gradients.
+        private_grads: ``overlap=True``: a host chunk's CPU update reads a copy of its gradients of its own
+            (:func:`memsched.chunks.chunk_bytes`).
+        offload_grads: host chunks' gradients go to the host in backward (one rank; default: ``world_size``
+            is 1).
 
     Returns:
         ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
@@ -114,14 +129,22 @@ def build_problem(
         if master_weights and compute_dtype == torch.float32:
             compute_dtype = torch.bfloat16
     shard = math.ceil(layout.chunk_numel / world_size)
+    # One rank: a host chunk's gradients go to the host as backward completes them, so only a working set of
+    # gradient buffers is resident; a chunk whose optimizer state is on the device keeps its gradients there.
+    offload = world_size == 1 if offload_grads is None else offload_grads
     specs = []
     for i, slots in enumerate(layout.chunks):  # the step counts make chunks differ by 4 bytes per parameter
         cb = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype, shard_numel=shard,
-                         master_weights=master_weights or None, n_params=len(slots))
-        specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes,
+                         master_weights=master_weights or None, n_params=len(slots), offload_grads=offload,
+                         private_grads=private_grads)
+        grads = cb.grad_bytes if offload else 0  # a device chunk keeps its gradients on the device
+        specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes + grads,
                                host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
                                numel=layout.chunk_numel))
-    resident = layout.n_chunks * cb.resident_bytes + resident_extra_bytes(model, groups)
+    resident = layout.n_chunks * cb.compute_bytes + resident_extra_bytes(model, groups)
+    working = min(grad_working_chunks, layout.n_chunks) * cb.grad_bytes if offload else 0
+    if not offload:  # more ranks: every chunk's gradient buffer stays on the device
+        resident += layout.n_chunks * cb.grad_bytes
     problem = PlacementProblem(
         capacity_bytes=int(capacity_bytes),
         peak_non_model_bytes=int(peak_non_model_bytes),
@@ -131,6 +154,7 @@ def build_problem(
         host_capacity_bytes=host_capacity_bytes,
         host_capacity_source=host_capacity_source,
         fragmentation_bytes=fragmentation_bytes,
+        host_grad_working_bytes=working,
     )
     return problem, layout
 

@@ -182,13 +182,18 @@ class H2DWaits:
                 self.store.check_bound({id(p): n for n, p in self.model.named_parameters()})
 
     def _bind_dropped_grads(self) -> None:
-        """Gradients set to None since the last step go back into their chunk views (after any D2H copy that
-        still reads the buffers). Not in compiled code (it would break the graph): there backward allocates
-        the gradient and the store's post-accumulate hook copies it into the chunk view."""
+        """The parameters become device views again ([Note: host binding] in :mod:`memsched.chunks.store`),
+        and gradients set to None since the last step go back into their chunk views (after any D2H copy that
+        still reads the buffers). In compiled code the binding runs eagerly (one graph break at the forward's
+        start, with one rank); the gradients are not rebound there (backward allocates the gradient and the
+        store's post-accumulate hook copies it into the chunk view)."""
         if torch.compiler.is_compiling():
+            if self.store.offloading:
+                _enter_compute_eager(self.store)
             return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
             if self.store.lazy_grads:  # frees unused gradient buffers; a copy in flight keeps its own alive
+                self.store.enter_compute()
                 self.store.bind_dropped_grads()
                 return
             dropped = any(p.grad is None for p in self.store.params())
@@ -230,6 +235,12 @@ class H2DWaits:
 def _in_flight(event: Any) -> bool:
     """A chunk's H2D copy (a CUDA event, a stand-in link's event, or ``None``) may still be running."""
     return event is not None and not event.query()
+
+
+@torch.compiler.disable
+def _enter_compute_eager(store: ChunkStore) -> None:
+    with torch._C.DisableTorchFunction():
+        store.enter_compute()
 
 
 @torch.compiler.disable

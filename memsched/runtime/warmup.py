@@ -5,6 +5,7 @@ arXiv 2108.05818 section 5; ColossalAI Gemini's warmup phase)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,16 +23,20 @@ class WarmupTrace:
         model: the model traced.
         optimizer: the optimizer whose steps delimit the traced steps.
         device: the compute device; the stand-in's tensors are CPU tensors, so there the CPU is traced.
+        host_memory: ``f(tensor) -> bool``: the tensor lives in host memory (between steps parameters and
+            gradients of host chunks are host views); on the stand-in the tracer must not count them.
 
     Attributes:
         tracer: the live :class:`tracer.MemoryTracer` during warmup, else ``None``.
         timeline: the :class:`tracer.MemoryTimeline` once the trace stopped, else ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: DeviceSpec) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: DeviceSpec,
+                 host_memory: Callable[[torch.Tensor], bool] | None = None) -> None:
         self._model = model
         self._optimizer = optimizer
         self._device = device
+        self._host_memory = host_memory  # tensors in host memory (the stand-in cannot tell them apart)
         # torch.compile: eager while tracing (memsched.runtime.compile_stance)
         self._eager = EagerDuringWarmup()
         self.tracer: Any = None
@@ -48,7 +53,8 @@ class WarmupTrace:
         self._eager.start()
         dev = "cpu" if self._device.is_sim else self._device.name
         try:
-            tracer = MemoryTracer(self._model, optimizer=self._optimizer, device=dev)
+            tracer = MemoryTracer(self._model, optimizer=self._optimizer, device=dev,
+                                  ignore=self._host_memory if self._device.is_sim else None)
             tracer.__enter__()
         except BaseException:
             self._eager.stop()
@@ -89,3 +95,11 @@ class WarmupTrace:
         if self.timeline is None:
             return 0
         return int(self.timeline.peak_non_model_bytes(self.timeline.device))
+
+    def peak_non_model_grad_bytes(self) -> int:
+        """Peak of non-model data plus gradients of the trace on the compute device, bytes (0 before the trace
+        exists): with the host chunks' gradients offloaded as backward completes them (every chunk is on the
+        host during warmup), what the device holds besides persistent model data."""
+        if self.timeline is None:
+            return 0
+        return int(self.timeline.peak_non_model_grad_bytes(self.timeline.device))
