@@ -37,7 +37,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import policies
-from memsched.chunks import Allocator, ChunkStore
+from memsched.chunks import Allocator, ChunkStore, build_layout
 from memsched.chunks.grad_offload import GradOffload
 from memsched.config import SchedulerConfig, make_config
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
@@ -51,11 +51,13 @@ from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
 from memsched.planning.planner import Planner, check_host_room
 from memsched.runtime.compile_stance import warn_compiled_on_stand_in
-from memsched.runtime.elastic_hooks import explain_unfittable, install_elastic_hooks, unfittable_message
+from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, unfittable_message
+from memsched.runtime.param_fetch import ParamFetcher
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import WarmupTrace
 from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
 from memsched.telemetry.step_timeline import StepTimeline
+from policies.builtin import warmup_params_on_host
 from policies.types import DEVICE, HOST, PlacementPlan
 
 
@@ -127,18 +129,39 @@ class Scheduler:
             alloc = Allocator(tdev, host_context=self.sim.paused if self.sim is not None else None)
             self.dp.prepare_build([g["params"] for g in groups], chunk_numel, self.device, alloc,
                                   self.compute_dtype)
-            self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
-                                    chunk_numel=chunk_numel, dp=self.dp, private_grads=bool(config.overlap))
-            # Frozen parameters and buffers go to the device too (trainable ones already are chunk views).
-            if self.device.kind != "sim":
-                model.to(tdev)
             initial = DEVICE if self.device.kind == "cpu" else HOST
+            # [Note: parameters on the host in warmup] A model whose parameters take much of the device is
+            # traced with every chunk's parameters on the host, each fetched for its reads (nothing is known
+            # yet to plan from): its chunks are built, given their host state and sent away one at a time.
+            self.warmup_params_on_host = self.dp.world == 1 and initial == HOST and warmup_params_on_host(
+                self.config.placement.policy.name, dict(self.config.placement.policy.options),
+                self.device.capacity_bytes,
+                sum(p.numel() for g in groups for p in g["params"]) * self.compute_dtype.itemsize)
+            if self.warmup_params_on_host and alloc.pin:  # checked before anything is pinned
+                check_host_room(build_layout([[p.numel() for p in g["params"]] for g in groups],
+                                             chunk_numel=chunk_numel), config, alloc)
+
+            def away(store: ChunkStore, c: Any) -> None:  # built: its host state, its parameters leave
+                c.init_state(HOST, alloc)
+                store.note_placements()
+                store.detach_data(c)
+
+            self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
+                                    chunk_numel=chunk_numel, dp=self.dp, private_grads=bool(config.overlap),
+                                    after_chunk=away if self.warmup_params_on_host else None)
+            # Frozen parameters and buffers go to the device too (trainable ones already are chunk views, or
+            # host views when their parameters are on the host: those stay).
+            if self.device.kind != "sim":
+                model._apply(lambda t: t if t.device == tdev or id(t) in trainable
+                             or self.store.in_host_memory(t) else t.to(tdev))
             self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
             self.dp.shard(self.store)  # each chunk's own shard
-            if initial == HOST and alloc.pin:  # pinned now, before any plan checks the host budget
-                check_host_room(self.store, config, alloc)
+            if initial == HOST and alloc.pin and not self.warmup_params_on_host:  # before pinning
+                check_host_room(self.store.layout, config, alloc,
+                                shard_numel=max(c.hi - c.lo for c in self.store.chunks))
             for c in self.store.chunks:
-                c.init_state(initial, alloc)
+                if c.placement is None:
+                    c.init_state(initial, alloc)
             self.store.note_placements()
         except BaseException:
             if self.sim is not None:
@@ -159,8 +182,16 @@ class Scheduler:
             dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload)
         self.store.observe_grads_ready(self.optimizer.grads_ready)
         self.streams.trace_to(self.optimizer.timeline)
+        # Parameters that live on the host come to the device for their reads (one rank, not on the CPU)
+        self.params: ParamFetcher | None = None
+        if self.dp.world == 1 and self.device.kind != "cpu":
+            updates = self.optimizer.host_updates
+            self.params = ParamFetcher(model, self.store, self.streams, self.transfers,
+                                       lambda i: updates.wait([i]), updates.ready, self.optimizer.timeline)
+            if self.sim is not None:
+                self.params.on_move = self.sim.move
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
-                               self.optimizer.wait_updates)
+                               self.optimizer.wait_updates, params=self.params)
         self.warmup = WarmupTrace(model, self.optimizer, self.device, host_memory=self.store.in_host_memory)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
@@ -168,9 +199,9 @@ class Scheduler:
         installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
         self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
                               self.optimizer.timeline, drain_after_forward=self.dp.world > 1,
-                              needed=self.streams.asynchronous or config.overlap)
+                              needed=self.streams.asynchronous or config.overlap, fetcher=self.params)
         installed.track(store=self.store, optimizer=self.optimizer, waits=self.waits, warmup=self.warmup,
-                        streams=self.streams)
+                        streams=self.streams, params=self.params)
         # A scheduler dropped without close() (an exception escaped the training function) cleans up when it
         # is garbage-collected: nothing it installed outlives it.
         self._finalizer = weakref.finalize(self, installed.remove)
@@ -178,17 +209,25 @@ class Scheduler:
         self.optimizer.timeline.start()  # warmup steps are recorded too: the cost model reads the last one
         self.elastic: Elastic | None = None
         if config.replan == "auto" and self.device.kind != "cpu":
-            probe = PeakProbe(self.device.torch_device, self.sim, weak_method(self._planned_absent_bytes))
+            probe = PeakProbe(self.device.torch_device, self.sim, weak_method(self._planned_absent_bytes),
+                              moving=self.params)
             self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max, probe, world=self.dp.world)
-            hooks = install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad, self.planner)
+            hooks = install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad,
+                                          weak_method(self._explain_oom))
             for h in hooks:
                 installed.add_handle(h)
-        if self.sim is not None and self.elastic is not None:  # an unfittable input says so where it fails
-            self.sim.explain = weak_method(self._unfittable)
+        if self.sim is not None:  # an out-of-memory error says why where it fails
+            self.sim.explain = weak_method(self._explain_oom)
         if self.sim is not None:  # compiled code runs eagerly under the stand-in's accounting: say so, once
             installed.add_handle(warn_compiled_on_stand_in(model, self.sim.capacity_bytes))
         try:
             self.warmup.start()
+            if self.params is not None:  # the warmup's reads, for the plan's fetch schedule
+                self.params.install()
+                self.params.on_alloc = self.warmup.classify_parameter
+                self.params.record(self.warmup.sample_count)
+                if self.warmup_params_on_host:
+                    self.params.use(range(len(self.store.chunks)), None)
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
             self.close()
             raise
@@ -282,19 +321,30 @@ class Scheduler:
         self.optimizer.timeline.step_end(self.steps)
         if self.elastic is not None:
             self.elastic.after_step()
-        if self.phase is not Phase.WARMUP or self.steps < self.warmup_steps:
+        if self.phase is not Phase.WARMUP:
             return
+        if self.steps < self.warmup_steps:
+            if self.params is not None and self.params.recording is not None:
+                self.params.recording.clear()  # the last warmup step's reads make the schedule
+            return
+        reads = self.params.stop_recording() if self.params is not None else []
+        if self.params is not None:
+            self.params.on_alloc = None
         self.warmup.stop()
         last = self.optimizer.timeline.take_last()
         if last is not None:
             host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
             self.planner.measure_warmup(WarmupCosts.from_record(last, host))
         self.phase = Phase.PLAN_FAILED  # until the plan is applied
-        self.planner.repack(self.first_use_order())
+        # with the parameters on the host in warmup, each new chunk's leave the device as it is built
+        away = (lambda store, c: store.detach_data(c)) if self.warmup_params_on_host else None
+        self.planner.repack(self.first_use_order(), after_chunk=away)
+        if self.params is not None:
+            self.params.repacked()
         self.optimizer.record_param_versions()
         self.waits.install(self.traced_modules())
         self.planner.plan_initial(self.peak_non_model_bytes(), self.timeline, self.steps,
-                                  host_grad_working_bytes=self.host_grad_working_bytes())
+                                  host_grad_working_bytes=self.host_grad_working_bytes(), reads=reads)
         if self.elastic is not None and self.problem is not None:
             self.elastic.start(self.problem.peak_non_model_bytes,
                                discount=self.planner.host_grad_working_bytes)
@@ -324,12 +374,27 @@ class Scheduler:
         if optimizer is not None:
             optimizer.host_updates.wait([c.index])
 
-    def _unfittable(self, exc: BaseException) -> str | None:
-        """The stand-in's explanation of an out-of-memory error in the step in progress (see
-        :func:`memsched.runtime.elastic_hooks.unfittable_message`)."""
+    def _explain_oom(self, exc: BaseException) -> str | None:
+        """Why the step in progress ran out of memory, when memsched knows: a warmup step with the parameters
+        on the device (they could have been traced on the host), or inputs that do not fit with everything
+        already on the host (:func:`memsched.runtime.elastic_hooks.unfittable_message`)."""
+        if self.phase is Phase.WARMUP and not self.warmup_params_on_host and self.dp.world == 1 \
+                and self.device.kind != "cpu":
+            policy = self.config.placement.policy.name
+            how = {"auto": "policy_options={'warmup_non_model_share': 1.0}",
+                   "static": "policy_options={'offload_param_frac': F} with F > 0"}
+            if policy in how:
+                fix = (f"attach with {how[policy]} to trace with the parameters on the host, each chunk "
+                       "fetched for its reads")
+            else:
+                fix = f"policy {policy!r} keeps every parameter on the device; 'auto' can keep them on the " \
+                    "host"
+            return ("memsched: the warmup step ran out of memory with every parameter on the device "
+                    f"(nothing is traced yet to plan from); {fix}")
         if self.elastic is None:
             return None
-        return unfittable_message(self.elastic, self.planner, self.elastic.in_progress, exc)
+        sig = self.elastic.in_progress or self.elastic.failed  # failed: after on_oom()
+        return unfittable_message(self.elastic, self.planner, sig, exc)
 
     def _replan(self, peak: int | None, reason: str) -> None:
         """Elastic placement's re-plan (:meth:`memsched.planning.planner.Planner.replan`)."""
@@ -377,7 +442,7 @@ class Scheduler:
             if self.elastic is not None:
                 # nothing was updated; the next step makes room (memsched.planning.elastic)
                 self.elastic.on_oom()
-                explain_unfittable(e, self.elastic, self.planner)
+            explain_oom(e, self._explain_oom(e))
             raise
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

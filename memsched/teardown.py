@@ -6,6 +6,7 @@ writing one parameter (the first one's steps stop reaching it): refused by param
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -71,13 +72,14 @@ class Installed:
         self._sim: Any = None  # memsched.devices.simdevice.SimDevice
         self._warmup: Any = None  # memsched.runtime.warmup.WarmupTrace (its tracer and compiler stance)
         self._streams: Any = None  # memsched.devices.transfers.Streams (the stand-in link's copy threads)
+        self._fetcher: Any = None  # memsched.runtime.param_fetch.ParamFetcher (its hooks and read guard)
 
     def add_handle(self, handle: Any) -> None:
         """A hook handle (anything with ``remove()``) to remove."""
         self._handles.append(handle)
 
     def track(self, *, sim: Any = None, store: Any = None, optimizer: Any = None, waits: Any = None,
-              warmup: Any = None, streams: Any = None) -> None:
+              warmup: Any = None, streams: Any = None, params: Any = None) -> None:
         """The components to take down, as they are built (a part given once; ``None`` leaves it as it is)."""
         self._sim = sim if sim is not None else self._sim
         self._store = store if store is not None else self._store
@@ -85,6 +87,7 @@ class Installed:
         self._waits = waits if waits is not None else self._waits
         self._warmup = warmup if warmup is not None else self._warmup
         self._streams = streams if streams is not None else self._streams
+        self._fetcher = params if params is not None else self._fetcher
 
     def remove(self) -> None:
         """Wait for copies in flight, then remove everything (idempotent)."""
@@ -101,18 +104,23 @@ class Installed:
                 if self._warmup is not None:
                     self._warmup.stop()  # the tracer's hooks and modes, the compiler stance
         finally:
-            for h in self._handles:
-                h.remove()
-            self._handles.clear()
-            if self._waits is not None:
-                self._waits.remove()
-            if self._store is not None:
-                self._store.close()
-            if self._streams is not None:  # the copies queued are done (waited above); the threads end
-                self._streams.close()
-            if self._sim is not None:
-                self._sim.stop()
-            release(self._params)
-            model = self._model_ref()
-            if model is not None:
-                ATTACHED.discard(model)
+            # Every part comes off even when one raises (raised once all ran, earlier ones chained): the
+            # stand-in's accounting mode, say, must not outlive a store whose close() ran out of memory.
+            with contextlib.ExitStack() as parts:  # callbacks run last-pushed first
+                parts.callback(self._forget_model)
+                parts.callback(release, self._params)
+                for part, method in ((self._sim, "stop"), (self._streams, "close"), (self._store, "close"),
+                                     (self._fetcher, "remove"), (self._waits, "remove")):
+                    if part is not None:
+                        parts.callback(getattr(part, method))
+                parts.callback(self._remove_handles)
+
+    def _remove_handles(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _forget_model(self) -> None:
+        model = self._model_ref()
+        if model is not None:
+            ATTACHED.discard(model)

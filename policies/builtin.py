@@ -24,13 +24,15 @@ import math
 from collections.abc import Sequence
 from fractions import Fraction
 
+from policies.plans import fixed_bytes, schedule_for
 from policies.registry import Option, PlacementError, make_plan, register
-from policies.types import DEVICE, HOST, ChunkSpec, PlacementPlan, PlacementProblem
+from policies.types import DEVICE, HOST, ChunkSpec, ParamSchedule, PlacementPlan, PlacementProblem
 from policies.units import format_bytes as fb
 
 __all__ = [
-    "DEFAULT_RESERVE_FRAC", "DEFAULT_OFFLOAD_OPTIM_FRAC", "auto_reserve_bytes", "auto_budget_bytes",
-    "auto_policy", "cpu_policy", "cuda_policy", "static_policy",
+    "DEFAULT_RESERVE_FRAC", "DEFAULT_OFFLOAD_OPTIM_FRAC", "DEFAULT_MAX_PREFETCH", "auto_reserve_bytes",
+    "auto_budget_bytes", "auto_policy", "warmup_params_on_host", "WARMUP_NON_MODEL_SHARE", "cpu_policy",
+    "cuda_policy", "static_policy",
 ]
 
 #: Default fragmentation reserve of ``auto``, as a share of the device capacity. Filling the margin to the
@@ -39,6 +41,85 @@ DEFAULT_RESERVE_FRAC = 0.05
 
 #: Default of ``static``: all optimizer state on the host, safe when nothing is known about the margin.
 DEFAULT_OFFLOAD_OPTIM_FRAC = 1.0
+
+#: How many reads ahead a host-placed parameter chunk may be fetched (``max_prefetch``).
+DEFAULT_MAX_PREFETCH = 2
+
+#: The share of the device warmup leaves to non-model data before parameters go to the host (ColossalAI
+#: Gemini's ``warmup_non_model_data_ratio``).
+WARMUP_NON_MODEL_SHARE = 0.8
+
+
+def warmup_params_on_host(policy: str, options: dict[str, object], capacity_bytes: int,
+                          param_bytes: int) -> bool:
+    """Whether the warmup steps keep the parameters on the host, each chunk fetched for its reads (nothing is
+    traced yet to plan from): ``static`` with ``offload_param_frac`` > 0, and ``auto`` when the parameters'
+    compute copies (``param_bytes``) take more than ``1 - warmup_non_model_share`` of the device (an option
+    of ``auto``, default :data:`WARMUP_NON_MODEL_SHARE`; Gemini's ``warmup_non_model_data_ratio``: warmup's
+    non-model data may take that share). Other policies keep every parameter on the device."""
+    if policy == "static":
+        return float(options.get("offload_param_frac", 0.0)) > 0  # type: ignore[arg-type]
+    if policy == "auto":
+        share = float(options.get("warmup_non_model_share", WARMUP_NON_MODEL_SHARE))  # type: ignore[arg-type]
+        return param_bytes > (1 - share) * capacity_bytes
+    return False
+
+
+def _params_fit(p: PlacementProblem) -> bool:
+    """Whether the parameters can all stay on the device: the margin holds at least what every chunk on the
+    host adds there (the host chunks' gradient working set)."""
+    return p.margin_bytes >= p.device_bytes_of([HOST] * len(p.chunks))
+
+
+def _no_room_for_params(p: PlacementProblem, name: str) -> PlacementError:
+    """The error of a policy that keeps every parameter on the device when they do not fit."""
+    fix = ("use policy 'auto' (keeps parameters on the host as far as needed) or 'static' with "
+           "offload_param_frac" if p.accesses else "reduce activation memory (smaller batch, activation "
+           "checkpointing) or use a larger device")
+    if p.margin_bytes < 0:
+        what, short = "before any optimizer state is placed", -p.margin_bytes
+        gradients = ""
+    else:  # what the margin leaves is less than the host chunks' gradients on their way to the host
+        working = p.device_bytes_of([HOST] * len(p.chunks))
+        what, short = "with every optimizer-state chunk on the host", working - p.margin_bytes
+        gradients = f" + the host chunks' gradients on their way to the host ({fb(working)})"
+    return PlacementError(
+        f"policy {name!r} keeps every parameter on the device, but resident model data "
+        f"({fb(p.resident_model_bytes)}) + peak non-model data ({fb(p.peak_non_model_bytes)}){gradients} "
+        f"exceed the device capacity ({fb(p.capacity_bytes)}) by {fb(short)} {what}; {fix}")
+
+
+def _param_plan(p: PlacementProblem, k: int, limit: int, share: float,
+                max_prefetch: int) -> tuple[list[str], ParamSchedule]:
+    """Parameters of the first ``k`` chunks (first-use order) on the host, with every chunk's optimizer state
+    there, and their schedule within ``limit`` bytes (``share`` of the room at each read).
+
+    The first-used chunks go first: forward reads them first and backward last, so they are the farthest
+    from the peak of non-model data (at the turn from forward to backward), where they can be away."""
+    n = len(p.chunks)
+    placement = [HOST] * n
+    params = [HOST] * k + [DEVICE] * (n - k)
+    return params, schedule_for(p, placement, params, limit, share=share, max_prefetch=max_prefetch)
+
+
+def _param_reasons(p: PlacementProblem, params: list[str], sched: ParamSchedule,
+                   peak: int | None) -> list[str]:
+    """The plan's sentences on the parameters kept on the host."""
+    k = params.count(HOST)
+    per = max(c.param_bytes for c in p.chunks)
+    out = [
+        f"Parameters do not all fit: those of {k} of {len(p.chunks)} chunks ({fb(k * per)}), the first used, "
+        f"stay on the host (with every chunk's optimizer state and gradients); the device keeps "
+        f"{fb(fixed_bytes(p, [HOST] * len(p.chunks), params))} of model data and at most "
+        f"{sched.max_resident} of those chunks at a time.",
+        f"Schedule from the warmup's {len(p.accesses)} chunk reads: {sched.fetches} fetches per step, "
+        f"{sched.prefetched} of them ahead of their read (up to the room left at every read), "
+        f"{sched.demand_fetches} at it; the chunk read farthest ahead leaves first; {len(sched.keep)} stay "
+        f"cached across steps; {fb(sched.h2d_copies * per)} H2D per step for these parameters.",
+    ]
+    if peak is not None:
+        out.append(f"Predicted device peak {fb(peak)} of {fb(p.capacity_bytes)}.")
+    return out
 
 
 def _margin_reason(p: PlacementProblem) -> str:
@@ -95,6 +176,8 @@ def cuda_policy(problem: PlacementProblem) -> PlacementPlan:
             message gives capacity, peak non-model, resident, chunks and shortfall, and suggests auto/cpu.
     """
     p, total = problem, _prefix_bytes(problem, len(problem.chunks))
+    if p.margin_bytes < 0:
+        raise _no_room_for_params(p, "cuda")
     if total > p.margin_bytes:
         raise PlacementError(
             f"policy 'cuda': the optimizer state does not fit on the device: capacity "
@@ -124,6 +207,8 @@ def cpu_policy(problem: PlacementProblem) -> PlacementPlan:
         PlacementError: the chunks need more pinned memory than ``host_capacity_bytes`` (``Policy.plan``).
     """
     p = problem
+    if not _params_fit(p):
+        raise _no_room_for_params(p, "cpu")
     reasons = [
         _margin_reason(p),
         f"All {len(p.chunks)} chunks on the host ({fb(sum(c.host_bytes for c in p.chunks))} of pinned "
@@ -158,11 +243,21 @@ def _min_offload_frac(p: PlacementProblem, margin_bytes: int) -> float:
             float, DEFAULT_OFFLOAD_OPTIM_FRAC,
             "share of optimizer-state bytes kept on the host; the last-used chunks go first", min=0, max=1,
         ),
+        "offload_param_frac": Option(
+            float, 0.0,
+            "share of parameter bytes kept on the host, fetched for their reads; the first-used chunks go "
+            "first (needs offload_optim_frac 1)", min=0, max=1,
+        ),
+        "max_prefetch": Option(
+            int, DEFAULT_MAX_PREFETCH, "how many reads ahead a host-placed parameter chunk may be fetched",
+            min=0,
+        ),
     },
-    help="A fixed share of the optimizer state on the host, last-used chunks first (Gemini 'static').",
+    help="A fixed share of the optimizer state (and parameters) on the host (Gemini 'static').",
 )
 def static_policy(
-    problem: PlacementProblem, offload_optim_frac: float = DEFAULT_OFFLOAD_OPTIM_FRAC
+    problem: PlacementProblem, offload_optim_frac: float = DEFAULT_OFFLOAD_OPTIM_FRAC,
+    offload_param_frac: float = 0.0, max_prefetch: int = DEFAULT_MAX_PREFETCH,
 ) -> PlacementPlan:
     """Offload a fixed share of the optimizer state, whatever the trace says (ColossalAI Gemini ``static``).
 
@@ -171,15 +266,46 @@ def static_policy(
     on the device; ``offload_optim_frac=1`` puts every chunk on the host, ``0`` none. The default, 1.0, is
     the safe choice (same placement as ``cpu``).
 
+    ``offload_param_frac`` (Gemini's, which also needs all optimizer state on the host) keeps the parameters
+    of the shortest prefix of the chunk list (the first-used chunks) whose parameter bytes reach that share on
+    the host; they come to the device for their reads on the schedule of
+    :func:`policies.schedule.schedule_params` (fetched up to ``max_prefetch`` reads ahead where room allows).
+
     The margin does not change the split. If the device part exceeds the margin the policy raises rather
     than return a plan certain to run out of memory; if it exceeds ``gpu_margin_mem_ratio`` x margin, a
     reason warns about it.
 
     Raises:
         PlacementError: the device part exceeds the GPU margin (the message names an
-            ``offload_optim_frac`` that fits, and suggests ``auto``).
+            ``offload_optim_frac`` that fits, and suggests ``auto``), ``offload_param_frac`` > 0 with
+            ``offload_optim_frac`` < 1 or without a trace of the step's reads, or its schedule does not fit.
     """
     p, chunks = problem, problem.chunks
+    if offload_param_frac > 0:
+        if offload_optim_frac < 1:
+            raise PlacementError(
+                f"policy 'static': offload_param_frac={offload_param_frac:g} needs offload_optim_frac=1 (a "
+                f"chunk whose parameters are on the host is updated there), got {offload_optim_frac:g}")
+        if not p.accesses:
+            raise PlacementError("policy 'static': offload_param_frac needs the chunk reads of a traced step "
+                                 "(the problem has none)")
+        total_params = sum(c.param_bytes for c in chunks)
+        target, k, kept = Fraction(offload_param_frac) * total_params, 0, 0
+        while kept < target:
+            kept += chunks[k].param_bytes
+            k += 1
+        params, sched = _param_plan(p, k, p.capacity_bytes, 1.0, max_prefetch)
+        plan = make_plan(p, [HOST] * len(chunks), budget_bytes=0, param_placement=params, schedule=sched)
+        reasons = [
+            _margin_reason(p),
+            f"offload_param_frac {offload_param_frac:g}: the first-used chunks' parameters go to the host "
+            "first.",
+            *_param_reasons(p, params, sched, plan.peak_bytes),
+        ]
+        return make_plan(p, [HOST] * len(chunks), budget_bytes=0, reasons=reasons, param_placement=params,
+                         schedule=sched)
+    if not _params_fit(p):
+        raise _no_room_for_params(p, "static")
     total = _sum(chunks)
     n_host = len(chunks)
     if offload_optim_frac < 1:
@@ -259,11 +385,22 @@ def auto_budget_bytes(problem: PlacementProblem, reserve_frac: float, reserve_by
         "reserve_bytes": Option(
             int, 0, "minimum fragmentation reserve, bytes (e.g. '512MiB')", min=0, is_bytes=True,
         ),
+        "max_prefetch": Option(
+            int, DEFAULT_MAX_PREFETCH, "how many reads ahead a host-placed parameter chunk may be fetched",
+            min=0,
+        ),
+        "warmup_non_model_share": Option(
+            float, WARMUP_NON_MODEL_SHARE,
+            "share of the device the warmup leaves to non-model data: parameters taking more than the rest "
+            "are traced on the host (Gemini's warmup_non_model_data_ratio)", min=0, max=1,
+        ),
     },
-    help="Fill gpu_margin_mem_ratio of the GPU margin (less a reserve) with chunks in first-use order.",
+    help="Fill gpu_margin_mem_ratio of the GPU margin (less a reserve) with chunks in first-use order; "
+         "parameters go to the host too when they do not fit.",
 )
 def auto_policy(
-    problem: PlacementProblem, reserve_frac: float = DEFAULT_RESERVE_FRAC, reserve_bytes: int = 0
+    problem: PlacementProblem, reserve_frac: float = DEFAULT_RESERVE_FRAC, reserve_bytes: int = 0,
+    max_prefetch: int = DEFAULT_MAX_PREFETCH, warmup_non_model_share: float = WARMUP_NON_MODEL_SHARE,
 ) -> PlacementPlan:
     """Place as much optimizer state on the device as the traced margin allows (PatrickStar, Gemini auto).
 
@@ -275,11 +412,43 @@ def auto_policy(
     whose ``device_bytes`` fit the budget goes to the device (nothing when the budget is 0, so ratio 0
     places like ``cpu``), the rest to the host.
 
+    When even the parameters do not all fit (the margin is negative), every chunk's optimizer state goes to
+    the host and the parameters of the fewest first-used chunks that make a schedule fit stay there too:
+    at each read, ``gpu_margin_mem_ratio`` of what the capacity less the reserve leaves beside the non-model
+    data and the model data on the device holds the fetched chunks, and never less than the read itself
+    needs (:func:`policies.plans.param_slots`; :func:`policies.schedule.schedule_params` fetches up to
+    ``max_prefetch`` reads ahead). So ``auto`` offloads optimizer state, then gradients, then parameters,
+    and only as far as the device needs. ``warmup_non_model_share`` only decides where the parameters are
+    while the warmup traces (:func:`warmup_params_on_host`).
+
     Raises:
-        PlacementError: only from the common checks (margin < 0, host part over ``host_capacity_bytes``).
+        PlacementError: the common checks (host part over ``host_capacity_bytes``), or even with every
+            parameter on the host some read finds no room (names it).
     """
     p, chunks = problem, problem.chunks
     reserve = auto_reserve_bytes(p.capacity_bytes, reserve_frac, reserve_bytes, p.fragmentation_bytes)
+    if not _params_fit(p):
+        if not p.accesses:
+            raise _no_room_for_params(p, "auto")
+        limit = p.capacity_bytes - reserve
+        share = p.gpu_margin_mem_ratio
+        last: PlacementError | None = None
+        for k in range(1, len(chunks) + 1):
+            try:
+                params, sched = _param_plan(p, k, limit, share, max_prefetch)
+            except PlacementError as e:
+                last = e
+                continue
+            plan = make_plan(p, [HOST] * len(chunks), budget_bytes=0, param_placement=params, schedule=sched)
+            if plan.peak_bytes is not None and plan.peak_bytes > p.capacity_bytes:
+                continue
+            reasons = [_margin_reason(p), _reserve_reason(p, reserve, reserve_frac, reserve_bytes),
+                       *_param_reasons(p, params, sched, plan.peak_bytes)]
+            return make_plan(p, [HOST] * len(chunks), budget_bytes=0, reasons=reasons,
+                             param_placement=params, schedule=sched)
+        raise PlacementError(
+            f"policy 'auto': even with every chunk's parameters on the host the step does not fit: {last}; "
+            "reduce activation memory (smaller batch, activation checkpointing) or use a larger device")
     budget = auto_budget_bytes(p, reserve_frac, reserve_bytes)
     k = _prefix_within(p, budget) if budget > 0 else 0
     reasons = [

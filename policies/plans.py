@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from policies.types import DEVICE, HOST, PlacementPlan, PlacementProblem
+from policies.schedule import ScheduleError, schedule_params
+from policies.types import DEVICE, HOST, ParamSchedule, PlacementPlan, PlacementProblem
 from policies.units import format_bytes
 
 
@@ -19,13 +20,15 @@ class PlacementError(ValueError):
 
 
 def check_base_fits(problem: PlacementProblem) -> None:
-    """Raise :class:`PlacementError` when resident model data + peak non-model data exceed the capacity.
+    """Raise :class:`PlacementError` when resident model data + peak non-model data exceed the capacity and
+    no parameter can leave the device (the problem has no traced accesses to schedule fetches from).
 
     ``Policy.plan`` calls this before any policy: the GPU margin is then negative, and no placement of
-    optimizer state can prevent an out-of-memory error.
+    optimizer state can prevent an out-of-memory error. With accesses, a policy may still keep parameters on
+    the host (:func:`param_offload_plan`); those that cannot say so themselves.
     """
     p = problem
-    if p.margin_bytes < 0:
+    if p.margin_bytes < 0 and not p.accesses:
         raise PlacementError(
             f"resident model data ({format_bytes(p.resident_model_bytes)}) + peak non-model data "
             f"({format_bytes(p.peak_non_model_bytes)}) exceed the device capacity "
@@ -35,9 +38,109 @@ def check_base_fits(problem: PlacementProblem) -> None:
         )
 
 
+def fixed_bytes(problem: PlacementProblem, placement: Sequence[str], param_placement: Sequence[str]) -> int:
+    """Model data on the device whatever the step does, with the parameters of ``param_placement``'s host
+    chunks off it: the resident model data less those parameters, plus the device-placed chunks' optimizer
+    state and gradients, bytes. (The host chunks' gradients on their way to the host are in each access's
+    ``non_model_bytes``.)"""
+    chunks = problem.chunks
+    off = sum(c.param_bytes for c, where in zip(chunks, param_placement, strict=True) if where == HOST)
+    dev = sum(c.device_bytes for c, where in zip(chunks, placement, strict=True) if where == DEVICE)
+    return problem.resident_model_bytes - off + dev
+
+
+def param_slots(problem: PlacementProblem, placement: Sequence[str], param_placement: Sequence[str],
+                limit_bytes: int, share: float = 1.0) -> list[int]:
+    """Per access of ``problem.accesses``: how many host-placed parameter chunks fit on the device from it to
+    the next, within ``limit_bytes``: ``share`` of what is left beside the non-model data and the fixed model
+    data (:func:`fixed_bytes`), and never fewer than the two a read may need (the chunk read and the one
+    read right before it) where they fit at all: ``share`` bounds what is cached and fetched ahead, not
+    the reads themselves."""
+    per = max((c.param_bytes for c in problem.chunks), default=0) or 1
+    fixed = fixed_bytes(problem, placement, param_placement)
+    out = []
+    for a in problem.accesses:
+        room = max(0, limit_bytes - a.non_model_bytes - fixed)
+        out.append(max(int(share * room) // per, min(2, room // per)))
+    return out
+
+
+def schedule_for(problem: PlacementProblem, placement: Sequence[str], param_placement: Sequence[str],
+                 limit_bytes: int, *, share: float = 1.0, max_prefetch: int = 2) -> ParamSchedule:
+    """The fetch schedule of ``param_placement``'s host chunks within ``limit_bytes``
+    (:func:`policies.schedule.schedule_params` over :func:`param_slots`).
+
+    Raises:
+        PlacementError: no schedule exists (names the read with no room and the bytes involved).
+    """
+    offloaded = [i for i, where in enumerate(param_placement) if where == HOST]
+    slots = param_slots(problem, placement, param_placement, limit_bytes, share)
+    try:
+        return schedule_params(problem.accesses, offloaded, slots, max_prefetch=max_prefetch)
+    except ScheduleError as e:
+        raise PlacementError(
+            f"{e} (device limit {format_bytes(limit_bytes)}, fixed model data "
+            f"{format_bytes(fixed_bytes(problem, placement, param_placement))})") from None
+
+
+def schedule_peak_bytes(problem: PlacementProblem, placement: Sequence[str], param_placement: Sequence[str],
+                        schedule: ParamSchedule) -> int:
+    """The most a step following ``schedule`` holds on the device, bytes: at each access its non-model data,
+    the fixed model data and the host-placed parameter chunks on the device then."""
+    per = max((c.param_bytes for c in problem.chunks), default=0)
+    fixed = fixed_bytes(problem, placement, param_placement)
+    resident: set[int] = set(schedule.keep)
+    k, peak = 0, 0
+    for a in problem.accesses:  # the targets apply from each scheduled access to the next one
+        if k < len(schedule.accesses) and a.chunk == schedule.accesses[k].chunk and a.phase == \
+                schedule.accesses[k].phase:
+            resident = set(schedule.targets[k])
+            k += 1
+        peak = max(peak, a.non_model_bytes + fixed + len(resident) * per)
+    return peak
+
+
 def _sums(problem: PlacementProblem, placement: Sequence[str]) -> tuple[int, int]:
     pairs = list(zip(problem.chunks, placement, strict=True))
     return problem.device_bytes_of(placement), sum(c.host_bytes for c, p in pairs if p == HOST)
+
+
+def _check_param_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> None:
+    """A plan with parameters on the host: every such chunk's optimizer state is on the host too, its
+    schedule is the one of those chunks, reads each of them where it is read and fits the device at every
+    access (its peak, :func:`schedule_peak_bytes`, within the capacity)."""
+    n = len(problem.chunks)
+    pp = plan.param_placement
+    if len(pp) != n or any(p not in (DEVICE, HOST) for p in pp):
+        raise ValueError(f"placement policy {name!r} returned param_placement {pp!r}: one of {DEVICE!r}/"
+                         f"{HOST!r} per chunk ({n})")
+    bad = [i for i, (state, param) in enumerate(zip(plan.placement, pp, strict=True))
+           if param == HOST and state != HOST]
+    if bad:
+        raise ValueError(f"placement policy {name!r} kept chunk {bad[0]}'s parameters on the host but its "
+                         "optimizer state on the device: a chunk whose parameters are on the host is updated "
+                         "on the host")
+    offloaded = tuple(i for i, where in enumerate(pp) if where == HOST)
+    sched = plan.schedule
+    if not offloaded:
+        if sched is not None:
+            raise ValueError(f"placement policy {name!r} returned a schedule with no parameter on the host")
+        return
+    if sched is None or sched.offloaded != offloaded or not problem.accesses:
+        raise ValueError(f"placement policy {name!r} kept parameters of chunks {list(offloaded)} on the host "
+                         "without their fetch schedule (policies.plans.schedule_for makes it)")
+    if any(a.chunk not in t for a, t in zip(sched.accesses, sched.targets, strict=True)):
+        raise ValueError(f"placement policy {name!r} returned a schedule that does not fetch a chunk it "
+                         "reads")
+    peak = schedule_peak_bytes(problem, plan.placement, pp, sched)
+    if peak > problem.capacity_bytes:
+        raise PlacementError(
+            f"placement policy {name!r} keeps {len(offloaded)} chunks' parameters on the host, but its "
+            f"schedule still needs {format_bytes(peak)} on the device, more than its capacity "
+            f"{format_bytes(problem.capacity_bytes)}; try 'auto'")
+    if plan.peak_bytes is not None and plan.peak_bytes != peak:
+        raise ValueError(f"placement policy {name!r} returned peak_bytes={plan.peak_bytes}; its schedule "
+                         f"gives {peak} (build plans with policies.make_plan)")
 
 
 def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> None:
@@ -59,7 +162,9 @@ def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> Non
             f"host_bytes={plan.host_bytes}, margin_bytes={plan.margin_bytes}; the placement gives {dev}, "
             f"{host}, {problem.margin_bytes} (build plans with policies.make_plan)"
         )
-    if dev > problem.margin_bytes:
+    if plan.param_placement or plan.schedule is not None:
+        _check_param_plan(name, problem, plan)
+    elif dev > problem.margin_bytes:
         raise PlacementError(
             f"placement policy {name!r} put {format_bytes(dev)} of optimizer state on the device, more "
             f"than the GPU margin of {format_bytes(problem.margin_bytes)}; try 'auto' or 'cpu'"
@@ -84,10 +189,14 @@ def make_plan(
     reasons: Iterable[str] = (),
     policy: str = "",
     options: Mapping[str, Any] | None = None,
+    param_placement: Sequence[str] = (),
+    schedule: ParamSchedule | None = None,
 ) -> PlacementPlan:
     """Build a :class:`PlacementPlan` from a placement (one ``DEVICE``/``HOST`` per chunk), computing
     ``device_bytes`` (:meth:`PlacementProblem.device_bytes_of`) and ``host_bytes`` (sums over the chunks,
-    bytes) and ``margin_bytes`` from ``problem``.
+    bytes) and ``margin_bytes`` from ``problem``. With ``param_placement`` (chunks whose parameters stay on
+    the host) and their ``schedule`` (:func:`schedule_for`), ``peak_bytes`` is the schedule's
+    (:func:`schedule_peak_bytes`).
     ``Policy.plan`` fills in ``policy`` and ``options``.
 
     Raises:
@@ -100,6 +209,9 @@ def make_plan(
             f"got {placement!r}"
         )
     dev, host = _sums(problem, placement)
+    param_placement = tuple(param_placement)
+    peak = (schedule_peak_bytes(problem, placement, param_placement, schedule)
+            if schedule is not None and param_placement else None)
     return PlacementPlan(
         policy=policy,
         placement=placement,
@@ -109,6 +221,9 @@ def make_plan(
         budget_bytes=int(budget_bytes),
         reasons=tuple(reasons),
         options=dict(options or {}),
+        param_placement=param_placement,
+        schedule=schedule,
+        peak_bytes=peak,
     )
 
 

@@ -61,12 +61,15 @@ class ChunkSpec:
         host_bytes: bytes of pinned CPU memory it needs when placed on the host (master copy, ``exp_avg``,
             ``exp_avg_sq`` and a gradient buffer), bytes.
         numel: parameters in the chunk (capacity, including padding).
+        param_bytes: its parameters' compute buffer on the device, bytes (part of the problem's resident model
+            data unless a plan keeps the parameters on the host).
     """
 
     index: int
     device_bytes: int
     host_bytes: int
     numel: int = 0
+    param_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Raises ValueError naming the field: a negative or fractional size would silently corrupt every sum.
@@ -74,6 +77,82 @@ class ChunkSpec:
         _check_bytes(self, "device_bytes", self.device_bytes)
         _check_bytes(self, "host_bytes", self.host_bytes)
         _check_bytes(self, "numel", self.numel, unit="")
+        _check_bytes(self, "param_bytes", self.param_bytes)
+
+
+FORWARD, BACKWARD = "forward", "backward"  # the phases of a chunk access
+
+
+@dataclass(frozen=True)
+class ChunkAccess:
+    """One read of a chunk's parameters in a traced step: a module's forward (a re-forward of a checkpointed
+    block in backward included), a read outside any module's own, or backward reading what forward saved.
+
+    Attributes:
+        chunk: the chunk read (its index in first-use order).
+        phase: ``"forward"`` or ``"backward"``.
+        non_model_bytes: the most non-model data (and gradients on their way to the host) held on the device
+            from this access to the next, bytes (from the trace's samples around them).
+    """
+
+    chunk: int
+    phase: str
+    non_model_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _check_bytes(self, "chunk", self.chunk, unit="")
+        _check_bytes(self, "non_model_bytes", self.non_model_bytes)
+        if self.phase not in (FORWARD, BACKWARD):
+            raise ValueError(f"ChunkAccess.phase must be {FORWARD!r} or {BACKWARD!r}, got {self.phase!r}")
+
+
+@dataclass(frozen=True)
+class ParamSchedule:
+    """The fetch and eviction schedule of the offloaded parameter chunks over one step.
+
+    Attributes:
+        offloaded: the chunks whose parameters live on the host (first-use indices), sorted.
+        accesses: the step's accesses of offloaded chunks, in order (consecutive reads of one chunk in one
+            phase merged).
+        targets: per access, the offloaded chunks on the device or on their way there once it is served
+            (sorted): the chunk read, the ones kept for a later read, the ones fetched ahead.
+        keep: the offloaded chunks that stay on the device from one step to the next (the targets of the
+            step's last access).
+        fetches: H2D copies of offloaded chunks per step.
+        prefetched: those of them issued ahead of the read that needs them (the others are fetched at the
+            read: the read waits for the whole copy).
+        max_resident: the most offloaded chunks on the device at once.
+        slots: the room at each access, in chunks (what the targets were fitted to).
+
+    Each step copies every offloaded chunk H2D once more than it fetches it: the kept ones receive the step's
+    update (:attr:`h2d_copies`).
+    """
+
+    offloaded: tuple[int, ...]
+    accesses: tuple[ChunkAccess, ...]
+    targets: tuple[tuple[int, ...], ...]
+    keep: tuple[int, ...]
+    fetches: int
+    prefetched: int
+    max_resident: int
+    slots: tuple[int, ...] = ()
+
+    @property
+    def demand_fetches(self) -> int:
+        """Fetches issued at the read that needs them."""
+        return self.fetches - self.prefetched
+
+    @property
+    def h2d_copies(self) -> int:
+        """H2D copies of offloaded chunks per step: the fetches, and the step's update of the kept ones."""
+        return self.fetches + len(self.keep)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"offloaded": list(self.offloaded), "fetches": self.fetches, "prefetched": self.prefetched,
+                "max_resident": self.max_resident, "keep": list(self.keep),
+                "accesses": [[a.chunk, a.phase] for a in self.accesses],
+                "targets": [list(t) for t in self.targets]}
+
 
 
 @dataclass(frozen=True)
@@ -98,6 +177,9 @@ class PlacementProblem:
             host chunk's gradients leave the device as backward completes them (one rank), so a plan with
             any chunk on the host holds this much more on the device (:meth:`device_bytes_of`), while a chunk
             placed on the device keeps its own gradients (in its ``device_bytes``).
+        accesses: the chunk reads of one traced step, in order (:class:`ChunkAccess`); empty when unknown.
+            A plan that keeps some chunks' parameters on the host schedules their fetches from them
+            (:func:`policies.schedule.schedule_params`).
     """
 
     capacity_bytes: int
@@ -109,6 +191,7 @@ class PlacementProblem:
     host_capacity_source: str | None = None
     fragmentation_bytes: int | None = None
     host_grad_working_bytes: int = 0
+    accesses: tuple[ChunkAccess, ...] = ()
 
     def __post_init__(self) -> None:
         """Validate once, here, so that every policy (built-in or custom) sees a sane problem.
@@ -134,6 +217,12 @@ class PlacementProblem:
                 raise ValueError(f"PlacementProblem.chunks[{i}] must be a ChunkSpec, got {c!r}")
         object.__setattr__(self, "chunks", chunks)
         object.__setattr__(self, "gpu_margin_mem_ratio", check_ratio(self.gpu_margin_mem_ratio))
+        accesses = tuple(self.accesses)
+        for i, a in enumerate(accesses):
+            if not isinstance(a, ChunkAccess) or a.chunk >= len(chunks):
+                raise ValueError(f"PlacementProblem.accesses[{i}] must be a ChunkAccess of one of the "
+                                 f"{len(chunks)} chunks, got {a!r}")
+        object.__setattr__(self, "accesses", accesses)
 
     @property
     def margin_bytes(self) -> int:
@@ -149,17 +238,28 @@ class PlacementProblem:
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """Where each optimizer-state chunk lives.
+    """Where each chunk's model data lives: its optimizer state (and, with one rank, its gradients: a host
+    chunk's leave the device as backward completes them) and its parameters.
 
     Attributes:
         policy: name of the policy that made the plan.
-        placement: ``DEVICE`` or ``HOST`` per chunk, indexed like ``PlacementProblem.chunks``.
-        device_bytes: optimizer-state bytes placed on the device, bytes.
+        placement: ``DEVICE`` or ``HOST`` per chunk, indexed like ``PlacementProblem.chunks``: where its
+            optimizer state (and gradients) live.
+        device_bytes: optimizer-state bytes placed on the device (with the gradients the placement keeps
+            there: :meth:`PlacementProblem.device_bytes_of`), bytes.
         host_bytes: pinned CPU bytes the host-placed chunks need, bytes.
         margin_bytes: the GPU margin the plan was made against, bytes.
         budget_bytes: the part of the margin the policy allowed itself to fill, bytes.
         reasons: human-readable sentences explaining the decision, for reports.
         options: the policy options in force.
+        param_placement: ``DEVICE`` or ``HOST`` per chunk: where its parameters live between their uses
+            (empty: all on the device). A chunk whose parameters are on the host has its optimizer state
+            there too.
+        schedule: when the host-placed parameter chunks come to the device and leave it
+            (:class:`ParamSchedule`), or ``None`` when every parameter stays on the device.
+        peak_bytes: the most the plan's step holds on the device, bytes, when the plan computed it (with
+            parameters on the host: non-model data, resident model data and the fetched chunks at each read);
+            ``None`` otherwise.
     """
 
     policy: str
@@ -170,6 +270,9 @@ class PlacementPlan:
     budget_bytes: int
     reasons: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict)
+    param_placement: tuple[str, ...] = ()
+    schedule: ParamSchedule | None = None
+    peak_bytes: int | None = None
 
     @property
     def device_chunks(self) -> list[int]:
@@ -179,8 +282,20 @@ class PlacementPlan:
     def host_chunks(self) -> list[int]:
         return [i for i, p in enumerate(self.placement) if p == HOST]
 
+    @property
+    def param_host_chunks(self) -> list[int]:
+        """The chunks whose parameters live on the host."""
+        return [i for i, p in enumerate(self.param_placement) if p == HOST]
+
+    def params_on_host(self, index: int) -> bool:
+        """Whether chunk ``index``'s parameters live on the host."""
+        return bool(self.param_placement) and self.param_placement[index] == HOST
+
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "placement": list(self.placement), "device_bytes": self.device_bytes,
                 "host_bytes": self.host_bytes, "margin_bytes": self.margin_bytes,
                 "budget_bytes": self.budget_bytes, "reasons": list(self.reasons),
-                "options": dict(self.options)}
+                "options": dict(self.options),
+                "param_placement": list(self.param_placement) or [DEVICE] * len(self.placement),
+                "schedule": self.schedule.to_dict() if self.schedule is not None else None,
+                "peak_bytes": self.peak_bytes}

@@ -23,7 +23,6 @@ from unittest import mock
 import pytest
 import torch
 
-from memsched.cli import demo
 from memsched.cli.main import COMMANDS, build_parser, main
 from memsched.report import exports
 from memsched.report.text import module_label, peak_total
@@ -62,8 +61,16 @@ def _plain(text: str) -> str:
 
 @functools.cache
 def _demo_capacity() -> int:
-    """A stand-in size at which ``auto`` splits the tiny GPT's optimizer state between device and host."""
-    return demo.stand_in_capacity("tiny", 2, 32)
+    """A stand-in size at which ``auto`` splits the tiny GPT's optimizer state between device and host: the
+    base (peak non-model + resident model data + the host chunks' gradient working set) and half the
+    optimizer state within auto's budget (0.8 of the margin less a 5 % reserve), with 1 % slack."""
+    from memsched.planning.capacity import plan_for_capacity
+    from memsched.planning.prediction import gpt_workload, trace_step
+
+    problem = plan_for_capacity(trace_step(gpt_workload("tiny", 2, 32)), 1, policy_names=[]).problem
+    base = problem.peak_non_model_bytes + problem.resident_model_bytes + problem.host_grad_working_bytes
+    half = sum(c.device_bytes for c in problem.chunks) / 2
+    return int((base * 1.01 + half / 0.8) / 0.95) // 65536 * 65536 + 65536
 
 
 #: Command -> its arguments for a run with --json, given a scratch folder: the smallest sizes, the stand-in.

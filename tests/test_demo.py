@@ -28,12 +28,14 @@ def test_demo_loss_goes_down_and_writes_exports(tmp_path: Path, capsys) -> None:
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.8  # from ~ln(256) = 5.5 towards byte statistics
     assert summary["val_loss_after"] < summary["val_loss_before"] - 0.5  # held-out files improve too
 
-    # Without a GPU the stand-in is sized so that the optimizer state does not all fit: a real split.
+    # Without a GPU the stand-in is sized so that the parameters and gradients do not all fit: the
+    # optimizer state, the gradients and some parameters live on the host, and the report says so.
     plan = json.loads((out / "plan.json").read_text())
     if not torch.cuda.is_available():
         assert summary["device"].startswith("sim:")
-        placement = plan["plan"]["placement"]
-        assert "device" in placement and "host" in placement
+        assert set(plan["plan"]["placement"]) == {"host"}
+        assert {"device", "host"} <= set(plan["plan"]["param_placement"])
+        assert "Parameters do not all fit" in text
         # Host-placed chunks move their gradients down and parameters up at every step after the warmup.
         assert all(s["h2d_bytes"] > 0 and s["d2h_bytes"] > 0 for s in summary["steps"][2:])
     timeline = MemoryTimeline.load(out / "trace.json")
@@ -42,22 +44,25 @@ def test_demo_loss_goes_down_and_writes_exports(tmp_path: Path, capsys) -> None:
     assert not list(out.glob(".tmp-*"))  # atomic writes leave no temporary behind
 
 
-def test_stand_in_capacity_gives_auto_a_real_split() -> None:
-    import policies
-    from memsched.cli.plan import gpt_workload, trace_step
-    from memsched.planning.problem import build_problem
+def test_stand_in_holds_only_part_of_the_parameters() -> None:
+    from memsched.planning.capacity import plan_for_capacity, verdict
+    from memsched.planning.prediction import gpt_workload, trace_step
 
-    cap = demo.stand_in_capacity("tiny", 8, 64)
-    assert cap % demo.STAND_IN_GRANULE == 0
+    chosen = demo.stand_in("tiny", 8, 64)
+    assert chosen.capacity_bytes % demo.STAND_IN_GRANULE == 0 and chosen.params_on_host
     pred = trace_step(gpt_workload("tiny", 8, 64), fake=True, device="cpu")
-    problem, _ = build_problem(pred.model, pred.peak_non_model_bytes, cap, param_order=pred.param_order)
-    plan = policies.get("auto").plan(problem)
-    optimizer = sum(c.device_bytes for c in problem.chunks)
-    assert plan.device_chunks and plan.host_chunks
-    assert 0.3 * optimizer < plan.device_bytes < 0.8 * optimizer  # about half on the device
-    # Ratio 0: nothing may go to the device, and the stand-in still holds the step.
-    cap0 = demo.stand_in_capacity("tiny", 8, 64, gpu_margin_mem_ratio=0.0)
-    assert cap0 >= problem.peak_non_model_bytes + problem.resident_model_bytes
+    cp = plan_for_capacity(pred, chosen.capacity_bytes)
+    problem = cp.problem
+    # the parameters and gradients do not fit beside the peak of non-model data
+    assert chosen.capacity_bytes < problem.peak_non_model_bytes + cp.model_data["parameter"] + \
+        cp.model_data["gradient"]
+    v = verdict(cp)
+    assert v["status"] == "offload_params" and 0 < v["params_on_host_bytes"] < cp.model_data["parameter"]
+    assert verdict(cp, "cpu")["status"] == "does_not_fit"  # keeping every parameter on the device fails
+    # Ratio 0: nothing more than the reads need is fetched, and the stand-in still holds the step.
+    ratio0 = demo.stand_in("tiny", 8, 64, gpu_margin_mem_ratio=0.0)
+    cp0 = plan_for_capacity(pred, ratio0.capacity_bytes, gpu_margin_mem_ratio=0.0)
+    assert verdict(cp0)["status"] in ("offload_params", "offload")
 
 
 def test_demo_on_the_cpu_device(tmp_path: Path, capsys) -> None:
@@ -136,7 +141,9 @@ def test_ratio_zero_runs_on_the_auto_sized_stand_in_all_on_the_host(tmp_path: Pa
     argv = ["demo", "--size", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
             "--gpu-margin-mem-ratio", "0", "--device", "sim", "--out", str(out)]
     assert main(argv) == 0, capsys.readouterr().out
-    placement = json.loads((out / "plan.json").read_text())["plan"]["placement"]
-    assert placement and set(placement) == {"host"}, placement
+    plan = json.loads((out / "plan.json").read_text())["plan"]
+    assert plan["placement"] and set(plan["placement"]) == {"host"}, plan
+    if plan["schedule"] is not None:  # parameters on the host: no more of them fetched than the reads need
+        assert plan["schedule"]["prefetched"] == 0
     summary = json.loads((out / "demo.json").read_text())
     assert summary["device"].startswith("sim:") and len(summary["losses"]) == 2

@@ -21,7 +21,7 @@ from memsched.cli.plan import (
     verdict,
 )
 from memsched.devices.gpus import get_gpu, gpu_names
-from memsched.models import build_gpt
+from memsched.models import build_gpt, sizes
 from policies.units import format_bytes
 
 TARGET_SRC = textwrap.dedent("""
@@ -97,8 +97,28 @@ def test_model_data_follows_adamw_arithmetic(tiny_prediction) -> None:
     n_tensors = sum(1 for p in tiny_prediction.model.parameters() if p.requires_grad)
     # fp32 exp_avg + exp_avg_sq, one step count per parameter (as torch.optim.AdamW keeps)
     assert md["optimizer_state"] == 8 * padded + STEP_BYTES * n_tensors
-    assert cp.problem.resident_model_bytes == md["parameter"] + md["gradient"] + md["other"]
+    # One rank: the gradients are placed with their chunk's optimizer state (a host chunk's leave the device
+    # in backward), so only the parameters and buffers are resident whatever the plan.
+    assert cp.problem.resident_model_bytes == md["parameter"] + md["other"]
+    assert sum(c.device_bytes for c in cp.problem.chunks) == md["optimizer_state"] + md["gradient"]
+    # what at most two chunks' gradients on their way to the host add to the traced peak (at the turn from
+    # forward to backward, the peak, no gradient exists yet)
+    assert 0 <= cp.problem.host_grad_working_bytes <= 2 * md["gradient"] // cp.n_chunks
     assert cp.problem.peak_non_model_bytes == tiny_prediction.peak_non_model_bytes
+
+
+def test_the_predicted_reads_cover_every_chunk_in_forward_and_backward(tiny_prediction) -> None:
+    cp = plan_for_capacity(tiny_prediction, 2**30)
+    accesses = cp.problem.accesses
+    assert {a.chunk for a in accesses if a.phase == "forward"} == set(range(cp.n_chunks))
+    assert {a.chunk for a in accesses if a.phase == "backward"} <= set(range(cp.n_chunks))
+    first_backward = next(k for k, a in enumerate(accesses) if a.phase == "backward")
+    assert all(a.phase == "backward" for a in accesses[first_backward:])
+    # chunks in first-use order: forward reads them in increasing order (the tied head re-reads chunk 0)
+    forward = [a.chunk for a in accesses[:first_backward]]
+    assert forward[:cp.n_chunks] == list(range(cp.n_chunks))
+    # the non-model data at the turn from forward to backward is the step's peak
+    assert max(a.non_model_bytes for a in accesses) >= cp.problem.peak_non_model_bytes
 
 
 def test_chunk_padding_is_reported_apart_from_the_parameters(tiny_prediction, capsys) -> None:
@@ -144,25 +164,42 @@ def test_module_to_works_on_fake_models() -> None:
     assert torch.utils.swap_tensors.__module__ == "torch.utils"  # restored on exit
 
 
-def test_verdicts_for_three_capacities(tiny_prediction) -> None:
+def test_verdicts_for_four_capacities(tiny_prediction) -> None:
     probe = plan_for_capacity(tiny_prediction, 2**30).problem
     base = probe.peak_non_model_bytes + probe.resident_model_bytes
-    optimizer = sum(c.device_bytes for c in probe.chunks)
+    optimizer = sum(c.device_bytes for c in probe.chunks)  # optimizer states and gradients
+    working = probe.host_grad_working_bytes
 
-    short = verdict(plan_for_capacity(tiny_prediction, base - 1000))
-    assert short["status"] == "does_not_fit" and short["short_bytes"] == 1000
+    # Below the peak of non-model data nothing helps.
+    hopeless = verdict(plan_for_capacity(tiny_prediction, probe.peak_non_model_bytes - 1000))
+    assert hopeless["status"] == "does_not_fit" and hopeless["short_bytes"] > 0
+
+    # Parameters + non-model data do not fit: auto keeps some parameters on the host, cpu cannot.
+    tight = plan_for_capacity(tiny_prediction, base - 1000)
+    short = verdict(tight)
+    assert short["status"] == "offload_params"
+    plan = tight.plans["auto"]
+    assert 0 < short["params_on_host_bytes"] == sum(tight.problem.chunks[i].param_bytes
+                                                    for i in plan.param_host_chunks)
+    assert short["peak_bytes"] == plan.peak_bytes <= base - 1000
+    assert short["h2d_bytes_per_step"] >= plan.schedule.h2d_copies * probe.chunks[0].param_bytes
+    assert short["d2h_bytes_per_step"] == len(plan.placement) * tight.grad_bytes
+    cpu = verdict(tight, "cpu")
+    assert cpu["status"] == "does_not_fit" and cpu["short_bytes"] == 1000
 
     roomy = verdict(plan_for_capacity(tiny_prediction, 4 * (base + optimizer)))
     assert roomy["status"] == "fits" and roomy["offloaded_bytes"] == 0
     assert roomy["device_bytes"] == optimizer and roomy["needed_all_on_device_bytes"] == base + optimizer
+    assert roomy["h2d_bytes_per_step"] == roomy["d2h_bytes_per_step"] == 0
 
     # auto's budget = 0.8 x (margin - 5% of capacity): aim it at half of the optimizer state.
-    capacity = int((base + optimizer / 1.6) / 0.95)
+    capacity = int((base + working + optimizer / 1.6) / 0.95)
     split = verdict(plan_for_capacity(tiny_prediction, capacity))
     assert split["status"] == "offload"
     assert 0 < split["offloaded_bytes"] < optimizer
-    assert split["device_bytes"] + split["offloaded_bytes"] == optimizer
+    assert split["device_bytes"] - working + split["offloaded_bytes"] == optimizer
     assert split["host_bytes"] > split["offloaded_bytes"]  # pinned master + states + gradient buffer
+    assert split["d2h_bytes_per_step"] > 0 and split["h2d_bytes_per_step"] > 0
 
     cuda_only = verdict(plan_for_capacity(tiny_prediction, capacity), "cuda")
     assert cuda_only["status"] == "does_not_fit" and "no plan" in cuda_only["message"]
@@ -178,7 +215,7 @@ def _plan_json(capsys, *argv: str) -> dict:
 
 def test_cli_json_result(capsys) -> None:
     r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu", "T4")
-    assert r["schema"] == "memsched.plan" and r["version"] == 1
+    assert r["schema"] == "memsched.plan" and r["version"] == 2
     assert r["workload"] == {"model": "tiny", "batch_size": 2, "seq_len": 64, "parameters": 132864,
                              "dtype": "float32"}
     assert r["gpu"] == "t4" and r["capacity_bytes"] == 16 * 2**30
@@ -187,7 +224,36 @@ def test_cli_json_result(capsys) -> None:
         r["model_data"]["resident_bytes"]
     assert set(r["plans"]) >= {"auto", "cpu", "cuda", "static"}
     assert r["verdict"]["status"] == "fits" and r["verdict"]["status"] in VERDICTS
-    assert r["plans"]["cpu"]["device_bytes"] == 0
+    # cpu: nothing but what the host chunks' gradients on their way to the host add to the peak
+    grads = r["model_data"]["gradient"] // r["chunks"]["count"]
+    assert r["plans"]["cpu"]["device_bytes"] == r["model_data"]["host_grad_working_bytes"] <= 2 * grads
+    largest = r["largest_preset"]
+    assert (largest["batch_size"], largest["seq_len"], largest["policy"]) == (2, 64, "auto")
+    order = sizes()
+    # 16 GiB holds more than the tiny model at 2 x 64, and the three answers are nested
+    assert order.index(largest["all_on_device"]) > order.index("tiny")
+    assert order.index(largest["any"]) >= order.index(largest["params_on_device"]) >= \
+        order.index(largest["all_on_device"])
+
+
+def test_largest_preset_is_a_binary_search_over_the_verdicts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import memsched.planning.capacity as capacity
+
+    presets = [f"p{i}" for i in range(9)]
+    truth = dict(zip(presets, ["fits"] * 3 + ["offload"] * 2 + ["offload_params"] * 2 + ["does_not_fit"] * 2,
+                     strict=True))
+    asked: list[str] = []
+
+    def plan_of(name: str) -> str:  # the "plan" is the preset's name; verdict reads its status
+        asked.append(name)
+        return name
+
+    monkeypatch.setattr(capacity, "verdict", lambda cplan, policy: {"status": truth[cplan]})
+    got = capacity.largest_preset(presets, plan_of)
+    assert got == {"any": "p6", "params_on_device": "p4", "all_on_device": "p2"}
+    assert len(asked) == len(set(asked)) < 3 * 4  # each traced once, about log2(9) per answer
+    truth = dict.fromkeys(presets, "does_not_fit")
+    assert capacity.largest_preset(presets, plan_of) == dict.fromkeys(capacity.PRESET_FITS)
 
 
 def test_cli_target(capsys, target: str) -> None:
@@ -261,15 +327,15 @@ def test_positive_int_list() -> None:
 
 
 def test_cli_seq_len_sweep_json_has_every_size_and_the_largest_that_fits(capsys) -> None:
-    r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "32,64,128",
-                   "--capacity", "4MiB")
-    assert r["schema"] == "memsched.plan_sweep" and r["version"] == 1
-    assert r["over"] == "seq_len" and r["values"] == [32, 64, 128]
-    assert r["capacity_bytes"] == 4 * 2**20 and r["gpu"] is None
+    r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "4,32,128,256",
+                   "--capacity", "3450KiB")
+    assert r["schema"] == "memsched.plan_sweep" and r["version"] == 2
+    assert r["over"] == "seq_len" and r["values"] == [4, 32, 128, 256]
+    assert r["capacity_bytes"] == 3450 * 2**10 and r["gpu"] is None
     sizes = r["sizes"]
-    assert [s["seq_len"] for s in sizes] == [32, 64, 128]
+    assert [s["seq_len"] for s in sizes] == [4, 32, 128, 256]
     peaks = [s["peak_non_model_bytes"] for s in sizes]
-    assert peaks == sorted(peaks) and len(set(peaks)) == 3  # longer sequences, more activations
+    assert peaks == sorted(peaks) and len(set(peaks)) == 4  # longer sequences, more activations
     for s in sizes:  # each size carries its own full single-size result
         assert s["result"]["schema"] == "memsched.plan"
         assert s["result"]["workload"]["seq_len"] == s["seq_len"]
@@ -277,14 +343,16 @@ def test_cli_seq_len_sweep_json_has_every_size_and_the_largest_that_fits(capsys)
         assert s["result"]["trace"]["peak_non_model_bytes"] == s["peak_non_model_bytes"]
         assert set(s["verdicts"]) == {"auto", "cpu"}
     status = [s["verdicts"]["auto"]["status"] for s in sizes]
-    assert status == ["fits", "offload", "does_not_fit"]  # 4 MiB was chosen to show all three
-    assert [s["verdicts"]["cpu"]["status"] for s in sizes] == ["offload", "offload", "does_not_fit"]
-    assert r["largest_fitting"] == {"auto": 64, "cpu": 64, "auto_all_on_device": 32}
+    assert status == ["fits", "offload", "offload_params", "does_not_fit"]  # 3450 KiB shows all four
+    assert [s["verdicts"]["cpu"]["status"] for s in sizes] == ["offload", "offload", "does_not_fit",
+                                                               "does_not_fit"]
+    assert r["largest_fitting"] == {"auto": 128, "cpu": 32, "auto_all_on_device": 4}
     # the sweep's figures are the single-size command's
-    single = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64",
-                        "--capacity", "4MiB")
-    assert single["schema"] == "memsched.plan" and single["trace"]["peak_non_model_bytes"] == peaks[1]
-    assert single["verdict"] == sizes[1]["verdicts"]["auto"]
+    single = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "128",
+                        "--capacity", "3450KiB", "--no-largest-preset")
+    assert single["schema"] == "memsched.plan" and single["trace"]["peak_non_model_bytes"] == peaks[2]
+    assert single["verdict"] == sizes[2]["verdicts"]["auto"]
+    assert "largest_preset" not in single
 
 
 def test_cli_batch_size_sweep_table(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -348,7 +416,7 @@ def test_1_3b_at_batch_8_seq_1024_on_24gib(capsys) -> None:
     assert 1.25e9 < r["workload"]["parameters"] < 1.4e9
     v, p = r["verdict"], r["trace"]["peak_non_model_bytes"]
     assert v["needed_all_on_device_bytes"] == p + r["model_data"]["resident_bytes"] + \
-        r["model_data"]["optimizer_state"]
+        r["model_data"]["optimizer_state"] + r["model_data"]["gradient"]
     # fp32: activations of 24 layers x 8 x 1024 tokens alone exceed 24 GiB, so no placement helps.
     assert v["status"] == "does_not_fit" and v["short_bytes"] == -r["margin_bytes"] > 0
     assert p > 20 * 2**30

@@ -80,9 +80,17 @@ def test_figure_draws_the_decision_on_the_timeline_axis(sched) -> None:
     assert y_span(found["margin"]) == pytest.approx((floor, problem.capacity_bytes))
     assert problem.capacity_bytes - floor == problem.margin_bytes == plan.margin_bytes
     assert y_span(found["budget"]) == pytest.approx((floor, floor + plan.budget_bytes))
-    assert y_span(found["optimizer-device"]) == pytest.approx((floor, floor + plan.device_bytes))
+    # plan.device_bytes: the device chunks' optimizer states and gradients, and the host chunks' gradients
+    # on their way to the host, drawn above them
+    placed = list(zip(problem.chunks, plan.placement, strict=True))
+    on_device = sum(c.device_bytes for c, p in placed if p == DEVICE)
+    working = problem.host_grad_working_bytes
+    assert 0 < working and on_device + working == plan.device_bytes
+    assert y_span(found["optimizer-device"]) == pytest.approx((floor, floor + on_device))
+    assert y_span(found["grad-working"]) == pytest.approx((floor + on_device, floor + plan.device_bytes))
     on_host = sum(c.device_bytes for c, p in zip(problem.chunks, plan.placement, strict=True) if p == HOST)
     assert 0 < on_host and y_span(found["optimizer-host"]) == pytest.approx((0, on_host))
+    assert "params-host" not in found  # every parameter on the device
     # One y axis: the timeline's axes carry the levels and the column beside it shares them.
     main, side = fig.axes[:2]
     assert found["capacity"].axes is main and found["optimizer-host"].axes is side
@@ -96,8 +104,9 @@ def test_figure_draws_the_decision_on_the_timeline_axis(sched) -> None:
                   f"budget {format_bytes(plan.budget_bytes)} (gpu_margin_mem_ratio 0.8)",
                   f"resident model data {format_bytes(problem.resident_model_bytes)}",
                   f"peak non-model data {format_bytes(problem.peak_non_model_bytes)}",
-                  f"optimizer state on the device {format_bytes(plan.device_bytes)}",
-                  f"optimizer state on the host {format_bytes(on_host)}"):
+                  f"optimizer state and gradients on the device {format_bytes(on_device)}",
+                  f"host chunks' gradients on their way to the host {format_bytes(working)}",
+                  f"optimizer state and gradients on the host {format_bytes(on_host)}"):
         assert words in legend
     title = main.get_title(loc="left")
     assert title.startswith("sim:2GiB (stand-in; tensors on cpu)") and "policy static" in title
@@ -174,3 +183,35 @@ def test_plan_panel_shows_the_figures_of_the_png(sched) -> None:
                  figures.host_state_bytes):
         assert format_bytes(size) in with_problem
     assert "capacity" not in text(sched.plan).split("why")[0]  # without the problem: as before
+
+
+def test_parameters_on_the_host_are_drawn_and_named() -> None:
+    from policies.types import BACKWARD, FORWARD, ChunkAccess
+
+    samples = [Sample(i * 1000, 0, "forward", "", "pre", "cuda:0", {"parameter": 4 * MiB, "activation": a},
+                      4 * MiB + a, a) for i, a in enumerate((0, 6 * MiB, 2 * MiB))]
+    timeline = MemoryTimeline(samples, {"device": "cuda:0", "steps": 1})
+    chunks = tuple(ChunkSpec(i, device_bytes=3 * MiB, host_bytes=5 * MiB, param_bytes=MiB) for i in range(4))
+    reads = [ChunkAccess(i, FORWARD, 2 * MiB) for i in range(4)] + \
+        [ChunkAccess(i, BACKWARD, 6 * MiB) for i in reversed(range(4))]
+    problem = PlacementProblem(capacity_bytes=10 * MiB, peak_non_model_bytes=6 * MiB,
+                               resident_model_bytes=4 * MiB + MiB // 2, chunks=chunks, accesses=tuple(reads))
+    plan = policies.get("auto").plan(problem)
+    assert plan.param_host_chunks  # the parameters do not all fit beside the peak
+    figures = DecisionFigures.of(plan, problem)
+    per = MiB
+    assert figures.params_on_host_bytes == len(plan.param_host_chunks) * per
+    assert figures.fetched_param_bytes == plan.schedule.max_resident * per
+    fig = exports.render_figure(timeline, plan=plan, problem=problem)
+    found = artists(fig)
+    on_host = sum(c.device_bytes for c in chunks)
+    assert y_span(found["params-host"]) == pytest.approx((on_host, on_host + figures.params_on_host_bytes))
+    legend = "\n".join(legend_texts(fig))
+    assert (f"parameters on the host {format_bytes(figures.params_on_host_bytes)} "
+            f"({len(plan.param_host_chunks)} chunks") in legend
+    rows = dict(figures.rows())
+    assert rows["parameters"].startswith(f"{len(plan.param_host_chunks)} chunk")
+    # a saved decision from before these figures reads them as 0
+    added = ("params_on_host_bytes", "param_host_chunks", "fetched_param_bytes", "grad_working_bytes")
+    old = {k: v for k, v in figures.to_dict().items() if k not in added}
+    assert DecisionFigures.from_dict(old).params_on_host_bytes == 0

@@ -69,13 +69,15 @@ def test_names_sorted_and_get_returns_bound_policy() -> None:
     assert set(BUILTINS) <= set(policies.names())
     pol = policies.get("static", offload_optim_frac=0.25)
     assert pol.name == "static"
-    assert dict(pol.options) == {"offload_optim_frac": 0.25}
-    assert dict(policies.get("auto").options) == {"reserve_frac": 0.05, "reserve_bytes": 0}
+    static_options = {"offload_optim_frac": 0.25, "offload_param_frac": 0.0, "max_prefetch": 2}
+    assert dict(pol.options) == static_options
+    assert dict(policies.get("auto").options) == {"reserve_frac": 0.05, "reserve_bytes": 0, "max_prefetch": 2,
+                                                  "warmup_non_model_share": 0.8}
     with pytest.raises(TypeError):
         pol.options["offload_optim_frac"] = 0.5  # read-only
     plan = pol(problem())
     assert plan == pol.plan(problem())
-    assert plan.policy == "static" and dict(plan.options) == {"offload_optim_frac": 0.25}
+    assert plan.policy == "static" and dict(plan.options) == static_options
 
 
 def test_unknown_policy_lists_known_names() -> None:
@@ -661,8 +663,10 @@ def test_cli_verbose_and_json(capsys: pytest.CaptureFixture[str], scratch: list[
     data = json.loads(capsys.readouterr().out)
     assert [d["name"] for d in data] == policies.names()
     static = next(d for d in data if d["name"] == "static")
-    assert static["options"] == [{
+    assert static["options"][0] == {
         "name": "offload_optim_frac", "type": "float", "default": 1.0, "min": 0, "max": 1,
         "allowed": "a float in [0, 1]",
         "help": "share of optimizer-state bytes kept on the host; the last-used chunks go first",
-    }]
+    }
+    assert [o["name"] for o in static["options"]] == [
+        "offload_optim_frac", "offload_param_frac", "max_prefetch"]

@@ -54,5 +54,5 @@ def test_an_out_of_memory_error_that_a_re_plan_can_fix_is_not_called_unfittable(
         sched.optimizer.step()
         sched.optimizer.zero_grad()
         assert HOST not in sched.plan.placement
-        note = sched._unfittable(torch.OutOfMemoryError("probe"))
+        note = sched._explain_oom(torch.OutOfMemoryError("probe"))
         assert note is None  # chunks are still on the device: re-planning can make room

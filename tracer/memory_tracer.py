@@ -151,6 +151,11 @@ class MemoryTracer:
                 for t, step, phase, module, event, dev, counts, peak, peak_nm, peak_nmg, cuda in raw)
 
     @property
+    def sample_count(self) -> int:
+        """Samples taken so far (the index the next one gets), across devices."""
+        return len(self._timeline.samples) + len(self._raw)
+
+    @property
     def accountant(self) -> StorageAccountant | None:
         """The storage accountant while the tracer is active (``None`` before the first ``with``)."""
         return self._acc

@@ -29,6 +29,9 @@ class Allocator:
     def device_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
+    def device_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         with self.host_context():
             return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin)

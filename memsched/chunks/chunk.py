@@ -56,7 +56,8 @@ class Chunk:
         self.numel = numel
         self.params = params
         self.ranges = ranges  # (offset, numel) per parameter
-        self.data = data
+        self.data: torch.Tensor | None = data  # None while its parameters are away (runtime.param_fetch)
+        self.dtype, self.device = data.dtype, data.device  # the compute buffer's, present or not
         self.grad = grad
         self.grad_generation = 0  # moves at every allocation of ``grad`` (its version restarts then)
         self.lo, self.hi = 0, numel
@@ -89,11 +90,17 @@ class Chunk:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.data.dtype
+        return self.dtype
 
     @property
     def mixed(self) -> bool:
-        return self.data.dtype != torch.float32
+        return self.dtype != torch.float32
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the compute buffer (and of the gradient buffer): ``numel`` elements of the compute
+        dtype."""
+        return self.numel * self.dtype.itemsize
 
     @property
     def shard_numel(self) -> int:
@@ -305,7 +312,7 @@ class Chunk:
             torch.OutOfMemoryError (or the stand-in's): the device cannot hold it; nothing changed.
         """
         if self.grad is None:
-            self.grad = alloc.device_zeros(self.numel, self.data.dtype)
+            self.grad = alloc.device_zeros(self.numel, self.dtype)
             self.grad_generation += 1
         return self.grad
 
@@ -356,6 +363,8 @@ class Chunk:
     def start_h2d(self, streams: Any, src: torch.Tensor, after: Any = None) -> int:
         """Copy the updated shard ``src`` (host) into ``data[lo:hi]`` (after the CUDA event ``after`` when
         given, else after the current stream's work); returns the bytes."""
+        if self.data is None:  # its parameters are away: their next fetch copies the updated values
+            return 0
         self.h2d_event = streams.copy_h2d(self.data[self.lo:self.hi], src, after)
         return self.shard_numel * self.data.element_size()
 

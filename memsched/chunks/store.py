@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import increment_version
@@ -11,6 +14,7 @@ from memsched.chunks.buffers import Allocator
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
+from memsched.devices.simdevice import OUT_OF_MEMORY
 from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
 from tracer.ops import graph_task_id
@@ -35,6 +39,8 @@ class ChunkStore:
             parameters in the chunks (:func:`build_layout`).
         private_grads: host chunks' CPU updates read a copy of their gradients of their own (``overlap=True``:
             :class:`Chunk`'s ``private_grads``).
+        after_chunk: called as ``after_chunk(store, chunk)`` once each chunk is built, before the next one
+            is (its optimizer state may be made there and its parameters leave the device: :meth:`_build`).
 
     Raises:
         ValueError: a parameter is on the meta device or the groups are empty.
@@ -43,7 +49,8 @@ class ChunkStore:
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
                  compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
                  on_grads_ready: Callable[[Chunk], None] | None = None,
-                 dp: ChunkEvents | None = None, private_grads: bool = False) -> None:
+                 dp: ChunkEvents | None = None, private_grads: bool = False,
+                 after_chunk: Callable[[ChunkStore, Chunk], None] | None = None) -> None:
         self.groups = [list(g) for g in groups]
         self.alloc = alloc
         self.private_grads = private_grads
@@ -65,6 +72,7 @@ class ChunkStore:
         self.in_backward = False  # a backward is running (its end callback is queued)
         self._backward_end_observers: list[Callable[[], None]] = []
         self._zero_grad_observers: list[Callable[[], None]] = []
+        self._absent: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [Note: absent parameters]
         # The gradient offload (memsched.chunks.grad_offload) once installed; without it host chunks keep
         # their gradients on the device until the step, as with more ranks.
         self.offloader: object | None = None
@@ -98,7 +106,7 @@ class ChunkStore:
         self.chunks: list[Chunk] = []
         self.param_chunk: dict[int, Chunk] = {}
         self._hooks: list = []
-        self._build(self.layout, self.groups)
+        self._build(self.layout, self.groups, after_chunk=after_chunk)
         self.dp.install(self)
         for g in self.groups:
             for p in g:
@@ -108,7 +116,7 @@ class ChunkStore:
     # -- building / re-packing ------------------------------------------------------------------------------
     def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
                keep_initial: bool = True, staged: dict[int, tuple[torch.Tensor, ...]] | None = None,
-               grads: bool = True) -> None:
+               grads: bool = True, after_chunk: Callable[[ChunkStore, Chunk], None] | None = None) -> None:
         """Allocate chunk buffers for ``layout`` one chunk at a time, copy parameters (and gradients) in and
         bind them as views at once, so the storage they had is freed before the next chunk is allocated (a
         model already on the device peaks near its final size plus one chunk, not at three times its
@@ -118,12 +126,19 @@ class ChunkStore:
         values (its ``staged`` host copies when given, else fresh copies), and the error is re-raised: the
         model is as it was, only its storages are new. ``grads=False``: gradients are not bound (the caller
         puts them where their chunk's placement wants them, :meth:`_place_staged_grads`).
+        ``after_chunk(store, c)`` runs after each chunk is built, before the next one is allocated (its
+        state is made there and its buffer may leave the device: a model whose parameters do not all fit is
+        built a chunk at a time).
         """
         new_chunks: list[Chunk] = []
         try:
             with torch.no_grad():
                 for ci, slots in enumerate(layout.chunks):
                     new_chunks.append(self._build_chunk(ci, layout, slots, groups, keep_initial, grads))
+                    if after_chunk is not None:
+                        self.chunks = new_chunks  # the callback sees the chunks built so far
+                        self._index(new_chunks)
+                        after_chunk(self, new_chunks[-1])
         except BaseException:
             if staged is not None:
                 self._point_at(staged, [p for c in new_chunks for p in c.params])
@@ -132,10 +147,14 @@ class ChunkStore:
             raise
         self.chunks = new_chunks
         self.layout = layout
-        self.param_chunk = {id(p): c for c in new_chunks for p in c.params}
-        self.param_range = {id(p): r for c in new_chunks for p, r in zip(c.params, c.ranges, strict=True)}
-        self.param_pos = {id(p): k for c in new_chunks for k, p in enumerate(c.params)}
-        self._views: dict[tuple[str, int], torch.Tensor] = {}  # (kind, id(p)) -> chunk view, made once
+        self._index(new_chunks)
+
+    def _index(self, chunks: list[Chunk]) -> None:
+        """Where each parameter is: its chunk, its range and its position in it; views made anew."""
+        self.param_chunk = {id(p): c for c in chunks for p in c.params}
+        self.param_range = {id(p): r for c in chunks for p, r in zip(c.params, c.ranges, strict=True)}
+        self.param_pos = {id(p): k for c in chunks for k, p in enumerate(c.params)}
+        self._views: dict[tuple[str, int], Any] = {}  # (kind, id(p)) -> chunk view, made once
 
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
                      groups: list[list[torch.nn.Parameter]], keep_initial: bool, grads: bool = True) -> Chunk:
@@ -186,9 +205,12 @@ class ChunkStore:
         for g in self.groups:
             yield from g
 
-    def repack(self, order: Sequence[torch.nn.Parameter], *, chunk_numel: int | None = None) -> bool:
+    def repack(self, order: Sequence[torch.nn.Parameter], *, chunk_numel: int | None = None,
+               after_chunk: Callable[[ChunkStore, Chunk], None] | None = None) -> bool:
         """Re-pack the chunks so parameters follow ``order`` (first-use order; parameters not in it keep their
         relative order after those that are), moving each parameter's optimizer state with it (bit-exact).
+        ``after_chunk(store, c)`` runs once each new chunk has its state and gradients (its buffer may
+        leave the device there: the new chunks are then built a chunk at a time).
 
         Returns ``False`` (and changes nothing) when the layout would be the same. Each parameter keeps its
         own step count.
@@ -235,46 +257,50 @@ class ChunkStore:
         self.host_bound.clear()
         self.host_grads.clear()
         self._release(staged)
+
+        def restore(store: ChunkStore, c: Chunk) -> None:  # as each new chunk is built
+            self._restore_state(c, staged, side, steps)
+            self._place_staged_grads(c, staged)
+            if after_chunk is not None:
+                after_chunk(store, c)
+
         try:
-            self._build(layout, new_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads)
+            self._build(layout, new_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads,
+                        after_chunk=restore)
             self.groups = new_groups
-            self._restore_state(staged, side, steps)
-            self._place_staged_grads(staged)
         except BaseException:
             # Put the old packing back from the staged copies (it fitted before), then re-raise.
             self._release(staged)
-            self._build(old_layout, old_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads)
+            self._build(old_layout, old_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads,
+                        after_chunk=restore)
             self.groups = old_groups
-            self._restore_state(staged, side, steps)
-            self._place_staged_grads(staged)
             self.rebind_hosts()
             raise
         self.rebind_hosts()
         return True
 
-    def _place_staged_grads(self, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
-        """One rank, after a re-pack: each staged gradient goes where its chunk keeps gradients (a host
+    def _place_staged_grads(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """One rank, re-packing: each staged gradient of ``c`` goes where its chunk keeps gradients (a host
         chunk's host gradients, or a device chunk's buffer, allocated then), so a host chunk's never takes
         device memory."""
         if not self.lazy_grads:
             return
         with torch.no_grad():
-            for c in self.chunks:
-                for p in c.params:
-                    g = staged[id(p)][1]
-                    if g is None:
-                        p.grad = None
-                        continue
-                    g = self.slot(g, 0, p)
-                    if self.offloads(c):
-                        with self.alloc.host_context():
-                            self.host_view("grad", p, c).copy_(g)
-                        self.host_grads.add(id(p))
-                        p.grad = None  # host-bound next (rebind_hosts)
-                    else:
-                        view = self.grad_view(p, c)
-                        view.copy_(g)
-                        p.grad = view
+            for p in c.params:
+                g = staged[id(p)][1]
+                if g is None:
+                    p.grad = None
+                    continue
+                g = self.slot(g, 0, p)
+                if self.offloads(c):
+                    with self.alloc.host_context():
+                        self.host_view("grad", p, c).copy_(g)
+                    self.host_grads.add(id(p))
+                    p.grad = None  # host-bound next (rebind_hosts)
+                else:
+                    view = self.grad_view(p, c)
+                    view.copy_(g)
+                    p.grad = view
 
     def rebind_hosts(self) -> None:
         """After (re)building the chunks: host chunks' gradients go to the host and, between steps, their
@@ -375,23 +401,23 @@ class ChunkStore:
         self.chunks, self.param_chunk, self.param_range = [], {}, {}
         self._views = {}
 
-    def _restore_state(self, staged: dict[int, tuple[torch.Tensor, ...]], side: dict[int, str | None],
-                       steps: dict[int, float]) -> None:
-        """Optimizer state: each parameter's slice goes into its chunk, on the old side when the whole chunk
+    def _restore_state(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]],
+                       side: dict[int, str | None], steps: dict[int, float]) -> None:
+        """``c``'s optimizer state: each parameter's slice goes into it, on the old side when the whole chunk
         came from one side, else on the host (the plan moves it afterwards)."""
         with torch.no_grad():
-            for c in self.chunks:
-                sides = {side[id(p)] for p in c.params}
-                where = DEVICE if sides == {DEVICE} else HOST
-                with self.alloc.host_context():
-                    master, exp_avg, exp_avg_sq = (torch.zeros(c.numel) for _ in range(3))  # fp32
-                    for p, (off, n) in zip(c.params, c.ranges, strict=True):
-                        _, _, m, ea, eas = staged[id(p)]
-                        master[off:off + n].copy_(m)
-                        exp_avg[off:off + n].copy_(ea)
-                        exp_avg_sq[off:off + n].copy_(eas)
-                c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                             steps=[steps[id(p)] for p in c.params])
+            sides = {side[id(p)] for p in c.params}
+            where = DEVICE if sides == {DEVICE} else HOST
+            with self.alloc.host_context():
+                master, exp_avg, exp_avg_sq = (torch.zeros(c.numel) for _ in range(3))  # fp32
+                for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                    _, _, m, ea, eas = staged[id(p)]
+                    master[off:off + n].copy_(m)
+                    exp_avg[off:off + n].copy_(ea)
+                    exp_avg_sq[off:off + n].copy_(eas)
+            c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                         steps=[steps[id(p)] for p in c.params])
+        self.note_placements()
 
     # -- where the parameters point: the device while computing, the host between steps ---------------------
     def install_offloader(self, offloader: object) -> None:
@@ -429,9 +455,12 @@ class ChunkStore:
                    for b in (c.param_host, c.grad_host) if b is not None)
 
     def expected_view(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The view ``p`` must be now: its host slot while its chunk is host-bound, else its chunk view."""
+        """The view ``p`` must be now: its host slot while its chunk is host-bound, else its chunk view (or,
+        the chunk's buffer being off the device, its absent view)."""
         c = self.param_chunk[id(p)]
-        return self.host_view("data", p, c) if c.index in self.host_bound else self.data_view(p)
+        if c.index in self.host_bound:
+            return self.host_view("data", p, c)
+        return self.data_view(p) if c.data is not None else self.absent_view(p, c)
 
     def bind_host(self, c: Chunk) -> None:
         """[Note: host binding]
@@ -444,7 +473,7 @@ class ChunkStore:
         writes made to the host views meanwhile are taken in. FSDP2's ``CPUOffloadPolicy`` keeps its sharded
         parameters and their gradients on the host between steps in the same way."""
         with torch.no_grad():
-            if c.index not in self.host_bound and any(
+            if c.data is not None and c.index not in self.host_bound and any(
                     p._version != self._host_versions.get(id(p), -1) for p in c.params):
                 # Written on the device since it was device-bound (or never bound before): the host values
                 # take the device's (the fp32 master itself in fp32; under mixed precision the master follows
@@ -478,7 +507,7 @@ class ChunkStore:
             return
         self.computing = True
         for c in self.chunks:
-            if c.index not in self.host_bound:
+            if c.index not in self.host_bound or (self.closed and c.data is None):
                 continue
             written = False
             with torch.no_grad():
@@ -497,10 +526,86 @@ class ChunkStore:
                     written |= p._version != self._host_versions.get(id(p), p._version)
                 if written:
                     self._take_host_writes(c)
-                for p in c.params:
-                    p.data = self.data_view(p)
-                    self._host_versions[id(p)] = p._version
+            self._bind_compute(c)
             self.host_bound.discard(c.index)
+
+    def _bind_compute(self, c: Chunk) -> None:
+        """``c``'s parameters while computing: their chunk views when its buffer is on the device, else a
+        stand-in of the parameter's shape on the device that reads as NaN (see [Note: absent parameters])."""
+        with torch.no_grad():
+            for p in c.params:
+                p.data = self.data_view(p) if c.data is not None else self.absent_view(p, c)
+                self._host_versions[id(p)] = p._version
+
+    def absent_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
+        """[Note: absent parameters]
+        While computing, a parameter whose chunk's buffer is off the device (its parameters live on the host,
+        :mod:`memsched.runtime.param_fetch`) is a view of one NaN element of its dtype on the device, expanded
+        to its shape: its device and dtype stay those of the parameter, so autograd's gradient accumulator is
+        kept (it is reset when a parameter's data changes device), and its data holds nothing of the chunk.
+        Every read is preceded by the chunk's fetch (module hooks, the read guard, the saved-tensor hooks); a
+        read that escaped them would compute with NaN, never with stale values."""
+        c = c or self.param_chunk[id(p)]
+        key = (c.dtype, c.device)
+        one = self._absent.get(key)
+        if one is None:
+            with self.alloc.host_context() if c.device.type == "cpu" else contextlib.nullcontext():
+                one = self._absent[key] = torch.full((1,), float("nan"), dtype=c.dtype, device=c.device)
+        return one.reshape(()).expand(p.shape)
+
+    def bind_resident(self, c: Chunk) -> None:
+        """While computing: ``c``'s parameters become their chunk views (its buffer is on the device; a chunk
+        host-bound since the forward's end takes in writes made to its host views first)."""
+        if c.index in self.host_bound:
+            if any(p._version != self._host_versions.get(id(p), p._version) for p in c.params):
+                self._take_host_writes(c)
+            self.host_bound.discard(c.index)
+        with torch.no_grad():
+            for p in c.params:
+                p.data = self.data_view(p)
+                self._host_versions[id(p)] = p._version
+
+    def bind_absent(self, c: Chunk) -> None:
+        """While computing: ``c``'s parameters (its buffer off the device) become absent views, on the device
+        (see [Note: absent parameters]): backward's gradients need them there."""
+        self.host_bound.discard(c.index)
+        self._bind_compute(c)
+
+    def resident(self, c: Chunk) -> bool:
+        """Whether ``c``'s compute buffer (its parameters' device copy) is on the device."""
+        return c.data is not None
+
+    def attach_data(self, c: Chunk, data: torch.Tensor) -> None:
+        """``c``'s compute buffer is ``data`` again (a fetch allocated it; the caller copies the values
+        in)."""
+        c.data = data
+        for p in c.params:
+            self._views.pop(("data", id(p)), None)
+
+    def detach_data(self, c: Chunk) -> None:
+        """``c``'s compute buffer leaves the device: while computing its parameters become absent views (see
+        [Note: absent parameters]), between steps they are host views already. A device write to them since
+        they were bound goes to the host first. The buffer is freed once nothing else holds it (an op still
+        reading it, a copy in flight: on CUDA their streams are recorded on it)."""
+        if c.data is None:
+            return
+        if c.index not in self.host_bound and any(
+                p._version != self._host_versions.get(id(p), p._version) for p in c.params):
+            self.before_host_write(c)
+            c.wait_h2d()
+            with torch.no_grad(), self.alloc.host_context():
+                c.param_host.copy_(c.data[c.lo:c.hi])
+        if c.index not in self.host_bound and not self.computing:
+            self.bind_host(c)  # between steps parameters whose buffer is away are host views
+        elif c.index not in self.host_bound:
+            with torch.no_grad():
+                for p in c.params:
+                    p.data = self.absent_view(p, c)
+                    self._host_versions[id(p)] = p._version
+        for p in c.params:
+            self._views.pop(("data", id(p)), None)
+        c.data = None
+        c.h2d_event = None
 
     def _take_host_writes(self, c: Chunk) -> None:
         """The host values of ``c`` were written since it was host-bound: the fp32 master takes them (under
@@ -513,7 +618,8 @@ class ChunkStore:
             if c.staging is not None:
                 new = c.staging
                 c.master.copy_(torch.where(new != c.master.to(new.dtype), new.float(), c.master))
-        c.data[c.lo:c.hi].copy_(c.param_host)
+        if c.data is not None:  # else its next fetch copies the host values
+            c.data[c.lo:c.hi].copy_(c.param_host)
 
     def leave_compute(self) -> None:
         """Backward's end (or a step with none): the host chunks become host-bound (their gradients were
@@ -563,6 +669,9 @@ class ChunkStore:
         """
         if placement == c.placement:
             return 0
+        if placement == DEVICE and c.data is None:
+            raise RuntimeError(f"chunk {c.index}'s parameters are off the device: fetch them before its "
+                               "optimizer state moves there")
         if c.index in self.host_bound:  # to the device: device-bound first, with any host writes taken in
             if any(p._version != self._host_versions.get(id(p), p._version) for p in c.params):
                 self._take_host_writes(c)
@@ -635,6 +744,8 @@ class ChunkStore:
                 return
             if not self.computing:  # a backward with no forward since the last one ended (retain_graph)
                 self.enter_compute()
+            elif c.index in self.host_bound:  # away from the device since the forward's end
+                self.bind_absent(c) if c.data is None else self.bind_resident(c)
             g = p.grad
             if g is not None and self.offloads(c) and (c.grad is None
                                                        or g.data_ptr() != self.grad_view(p, c).data_ptr()):
@@ -787,7 +898,7 @@ class ChunkStore:
         """Bytes of the gradient buffers the plan counts as resident that do not exist now: the device chunks'
         buffers between ``zero_grad`` and the backward that makes them (one rank), bytes. A host chunk's
         gradients are not resident (they are in the measured peak on their way to the host)."""
-        return sum(c.numel * c.data.element_size() for c in self.chunks
+        return sum(c.data_bytes for c in self.chunks
                    if c.grad is None and not self.offloads(c))
 
     def free_grad(self, c: Chunk) -> None:
@@ -900,6 +1011,44 @@ class ChunkStore:
         """Call ``observer()`` at the start of every :meth:`zero_grad` (gradients in flight are dropped)."""
         self._zero_grad_observers.append(observer)
 
+    def _back_to_device(self) -> None:
+        """``close()``: without the hooks nothing fetches or offloads, so every parameter and gradient comes
+        back to the device, a plain model as before attach: the chunks whose parameters live on the host are
+        copied H2D, host gradients too. What does not fit stays on the host (host views, with their
+        gradients), with a warning naming the bytes: the model is then split between host and device, as it
+        was on the device before the step that needed the offload."""
+        self.closed = True  # from here enter_compute leaves host-bound chunks without a buffer as they are
+        stayed = 0
+        for c in self.chunks:
+            if c.data is not None:
+                continue
+            if c.index not in self.host_bound:
+                self.bind_host(c)
+            try:
+                data = self.alloc.device_empty(c.numel, c.dtype)
+            except OUT_OF_MEMORY:
+                stayed += c.data_bytes
+                continue
+            with torch.no_grad():
+                data[c.lo:c.hi].copy_(c.param_host)
+            self.attach_data(c, data)
+        self.enter_compute()
+        for c in self.chunks:
+            if c.data is None:
+                continue
+            try:
+                self._grads_to_device(c)
+            except OUT_OF_MEMORY:  # its parameters and gradients do not fit together: both stay on the host
+                self.computing = False
+                self.bind_host(c)
+                self.detach_data(c)
+                self.computing = True
+                stayed += c.data_bytes
+        if stayed:
+            warnings.warn(f"memsched: close(): {stayed} bytes of parameters stay on the host with their "
+                          "gradients: they do not fit on the device beside the rest of the model",
+                          RuntimeWarning, stacklevel=4)
+
     def close(self) -> None:
         """Remove the gradient hooks (parameters stay views into the chunks). Without them nothing tells which
         parameters got a gradient: from here on every parameter counts as having one (as after
@@ -907,10 +1056,8 @@ class ChunkStore:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        if not self.closed:  # without hooks nothing offloads: host gradients come back to the device
-            self.enter_compute()
-            for c in self.chunks:
-                self._grads_to_device(c)
+        if not self.closed:
+            self._back_to_device()
         self.closed = True
         self.with_grad.update(id(p) for p in self.params())
 

@@ -4,8 +4,9 @@ report, the plan and the exports (``--json``: the report, ``plan.json``'s and ``
 exports' paths as one JSON document on stdout).
 
 Device: CUDA when present. Without a GPU the stand-in accelerator ``sim:SIZE`` is used, sized by
-:func:`stand_in_capacity` from a fake trace of the same model and batch so that about half of the optimizer
-state fits the ``auto`` policy's budget: the plan is a real device/host split, with real H2D/D2H traffic.
+:func:`stand_in_capacity` from a fake trace of the same model and batch so that its parameters and gradients
+do not all fit: the plan keeps the optimizer state, the gradients and some chunks' parameters on the host,
+and the parameters come to the device for their reads, with real H2D/D2H traffic.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,6 @@ from memsched.devices.spec import ALLOWED as DEVICE_FORMS
 from memsched.devices.spec import parse_device
 from memsched.models import config_for, lm_loss
 from memsched.models.gpt import build_gpt
-from memsched.planning.problem import build_problem
 from memsched.report.console import make_console
 from memsched.report.progress import StepStats, TrainingProgress
 from policies.types import check_ratio
@@ -46,48 +47,71 @@ DEFAULT_OUT = parsers.DEMO_OUT
 EVAL_BATCHES = 4
 # torch.OutOfMemoryError exists from torch 2.5; torch 2.4 has the same class under torch.cuda.
 _OOM: type[Exception] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-# Headroom of the stand-in over the predicted resident + peak non-model data: the warmup trace of the real run
-# (memsched's own buffers, the batches) differs a little from the fake trace of the plain model.
-STAND_IN_SLACK = 0.01
 
 
 STAND_IN_GRANULE = 64 * 2**10  # bytes
+#: Where the auto-sized stand-in's capacity lies between the smallest that a predicted plan fits (every
+#: parameter it can keep on the host there) and the smallest whose plan keeps them all on the device.
+STAND_IN_PARAM_SHARE = 0.5
 
 
-def stand_in_capacity(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: float = 0.8) -> int:
-    """Capacity of the stand-in device (bytes, a whole number of 64 KiB: a MiB is too coarse for the smallest
-    models, where it is several chunks) at which ``auto`` offloads about half of
-    the optimizer state of GPT ``size`` trained on ``[batch_size, seq_len]`` batches.
+@dataclass(frozen=True)
+class StandIn:
+    """The auto-sized stand-in of :func:`stand_in`.
 
-    From a fake trace (:func:`memsched.planning.prediction.trace_step`) and the placement problem:
-    ``base = (peak non-model + resident model data) x (1 + STAND_IN_SLACK)``; ``auto``'s budget is
-    ``ratio x (margin - reserve_frac x capacity)``, so a budget of half the optimizer-state bytes needs
-    ``capacity = (base + optimizer / (2 ratio)) / (1 - reserve_frac)``. The warmup step must fit too: every
-    optimizer-state chunk is on the host then, but the chunks are packed in registration order (the first-use
-    order comes from the warmup trace), which can take more chunks, so more resident bytes, than the planned
-    packing; the capacity is at least ``warmup base / (1 - reserve_frac)``, with the resident bytes of that
-    packing. That bound is what sets the capacity with ratio 0, where nothing can go to the device (and where
-    ``optimizer / (2 ratio)`` leaves no room to hide it in).
+    Attributes:
+        capacity_bytes: its capacity, bytes.
+        params_on_host: the predicted plan keeps some parameters on the host (the warmup traces with them
+            there: ``auto``'s ``warmup_non_model_share`` 1).
+    """
+
+    capacity_bytes: int
+    params_on_host: bool
+
+
+def stand_in(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: float = 0.8) -> StandIn:
+    """The stand-in device (its capacity a whole number of 64 KiB: a MiB is too coarse for the smallest
+    models, where it is several chunks) on which the parameters and gradients of GPT ``size`` trained on
+    ``[batch_size, seq_len]`` batches do not all fit: ``auto`` keeps every chunk's optimizer state and
+    gradients, and some chunks' parameters, on the host.
+
+    From a fake trace (:func:`memsched.planning.prediction.trace_step`) and the plans of ``auto`` for it
+    (:func:`memsched.planning.capacity.plan_for_capacity`): the capacity is ``STAND_IN_PARAM_SHARE`` of the
+    way from the smallest capacity with a plan to the smallest whose plan keeps every parameter on the
+    device (binary searches over the capacity).
 
     Raises:
         ValueError: unknown size, bad batch/sequence, or a ratio outside [0, 1].
     """
+    from memsched.planning.capacity import plan_for_capacity, verdict
     from memsched.planning.prediction import gpt_workload, trace_step
-    from policies.builtin import DEFAULT_RESERVE_FRAC
 
     gpu_margin_mem_ratio = check_ratio(gpu_margin_mem_ratio)
     prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True, device="cpu")
-    problem, _ = build_problem(prediction.model, prediction.peak_non_model_bytes, 1,
-                               gpu_margin_mem_ratio=gpu_margin_mem_ratio, param_order=prediction.param_order)
-    # The warmup step: the registration-order packing attach makes, all optimizer state on the host.
-    warmup, _ = build_problem(prediction.model, prediction.peak_non_model_bytes, 1,
-                              gpu_margin_mem_ratio=gpu_margin_mem_ratio)
-    base = (problem.peak_non_model_bytes + problem.resident_model_bytes) * (1 + STAND_IN_SLACK)
-    warmup_base = (warmup.peak_non_model_bytes + warmup.resident_model_bytes) * (1 + STAND_IN_SLACK)
-    optimizer = sum(c.device_bytes for c in problem.chunks)
-    room = optimizer / (2 * gpu_margin_mem_ratio) if gpu_margin_mem_ratio > 0 else 0.0
-    capacity = max(base + room, warmup_base) / (1 - DEFAULT_RESERVE_FRAC)
-    return int(math.ceil(capacity / STAND_IN_GRANULE)) * STAND_IN_GRANULE
+
+    def status(capacity: float) -> str:
+        cp = plan_for_capacity(prediction, int(capacity), gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+                               policy_names=["auto"])
+        return verdict(cp)["status"]
+
+    def smallest(ok: tuple[str, ...], lo: int, hi: int) -> int:
+        """The smallest capacity in (lo, hi] whose status is in ``ok`` (to a granule; ``hi`` is one)."""
+        while hi - lo > STAND_IN_GRANULE // 4:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if status(mid) in ok else (mid, hi)
+        return hi
+
+    problem = plan_for_capacity(prediction, 1, policy_names=[]).problem
+    everything = problem.peak_non_model_bytes + problem.resident_model_bytes + \
+        sum(c.device_bytes for c in problem.chunks)
+    # Where the predicted plans keep parameters on the host: from the smallest capacity with a plan to the
+    # smallest whose plan keeps every parameter on the device. The stand-in is put STAND_IN_PARAM_SHARE of
+    # the way up that window, so that the real warmup trace, a little different, still finds such a plan.
+    low = smallest(("offload_params", "offload", "fits"), problem.peak_non_model_bytes, everything)
+    high = smallest(("offload", "fits"), low, everything)
+    capacity = low + STAND_IN_PARAM_SHARE * (high - low)
+    capacity = int(math.ceil(capacity / STAND_IN_GRANULE)) * STAND_IN_GRANULE
+    return StandIn(capacity, status(capacity) == "offload_params")
 
 
 def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_len: int,
@@ -103,21 +127,23 @@ def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_
     return total / n_batches
 
 
-def _choose_device(args: argparse.Namespace) -> str:
-    """The device string for attach; validates ``--device`` (ValueError naming it and the allowed forms)."""
+def _choose_device(args: argparse.Namespace) -> tuple[str, bool]:
+    """The device string for attach, and whether the warmup should trace with the parameters on the host
+    (the auto-sized stand-in's prediction says they do not all fit); validates ``--device`` (ValueError
+    naming it and the allowed forms)."""
     text = args.device
     if text is None:
         text = "cuda" if torch.cuda.is_available() else "sim"
     if text.strip().lower() == "sim":
-        cap = stand_in_capacity(args.size, args.batch_size, args.seq_len,
-                                gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
-        return f"sim:{cap}"
+        chosen = stand_in(args.size, args.batch_size, args.seq_len,
+                          gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        return f"sim:{chosen.capacity_bytes}", chosen.params_on_host
     try:
         parse_device(text)
     except ValueError as e:
         raise ValueError(f"{e} (allowed: {DEVICE_FORMS}, or 'sim' to size the stand-in "
                          "automatically)") from None
-    return text
+    return text, False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {str(out)!r} exists and is not a folder")
 
     console = make_console(stderr=args.json)  # under --json stdout carries the JSON document alone
-    device = _choose_device(args)
+    device, params_on_host = _choose_device(args)
     corpus = load_stdlib_corpus()
     torch.manual_seed(args.seed)
     model = build_gpt(args.size)
@@ -146,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
                           seed=args.seed)
 
     try:
-        summary = _train(args, model, corpus, device, console)
+        summary = _train(args, model, corpus, device, console, params_on_host=params_on_host)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: training stopped, no exports written[/yellow]")
         return 130
@@ -202,9 +228,11 @@ def _device_label(device: str) -> str:
 
 
 def _train(args: argparse.Namespace, model: torch.nn.Module, corpus: TextCorpus, device: str,
-           console: Console) -> dict[str, Any]:
+           console: Console, *, params_on_host: bool = False) -> dict[str, Any]:
+    # The prediction says the parameters do not all fit: the warmup traces with them on the host too.
+    options = {"warmup_non_model_share": 1.0} if params_on_host and args.policy == "auto" else None
     sched = memsched.attach(model, policy=args.policy, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
-                            device=device, lr=args.lr, overlap=args.overlap)
+                            device=device, lr=args.lr, overlap=args.overlap, policy_options=options)
     tdev = sched.device.torch_device
     tokens = args.batch_size * args.seq_len
     steps: list[dict[str, Any]] = []

@@ -235,7 +235,8 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description=textwrap.fill(
             "Build the model and run forward + backward of one batch under FakeTensorMode (no memory is "
             "allocated), then show peak non-model data, model data by category, each placement policy's plan "
-            "for the device size, and a verdict: fits / fits only with offload / does not fit.", 79),
+            "for the device size, and a verdict: fits / fits only with offload / fits only with parameters "
+            "on the host / does not fit; with --model, the largest preset that fits.", 79),
         epilog="examples: memsched plan --model 1.3b --batch-size 8 --seq-len 1024 --capacity 24GiB\n"
                "          memsched plan --model 1.3b --seq-len 512,1024,2048 --gpu a100-40gb\n"
                "          memsched plan examples/trace_target.py:build --gpu a100-40gb --json",
@@ -263,6 +264,9 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=ATTENTION, default="default",
                    help="attention kernel of the trace: torch's default for the device, or math (keeps the "
                         "[batch, heads, seq, seq] attention matrix)")
+    p.add_argument("--largest-preset", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --model and one size: also find the largest GPT preset that fits at this batch "
+                        "and sequence length (a few more fake traces; default on)")
     add_json_flag(p, "print the result as JSON (see result_dict)")
     return p
 

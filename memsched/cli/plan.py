@@ -23,7 +23,7 @@ from rich.table import Table
 import policies
 from memsched.cli import parsers
 from memsched.devices.gpus import get_gpu, gpu_names
-from memsched.models import sizes
+from memsched.models import config_for, sizes
 from memsched.planning.capacity import (  # noqa: F401 (re-exported for the command's users)
     SCHEMA,
     SWEEP_POLICIES,
@@ -31,6 +31,7 @@ from memsched.planning.capacity import (  # noqa: F401 (re-exported for the comm
     VERDICTS,
     VERSION,
     CapacityPlan,
+    largest_preset,
     plan_for_capacity,
     result_dict,
     sweep_dict,
@@ -112,6 +113,12 @@ def run(args: argparse.Namespace) -> int:
         entries.append((what[over] if over else 0, result, cplan))
     if over is None:
         result = entries[0][1]
+        if args.model is not None and args.largest_preset:
+            what = runs[0][1]
+            with console.status("finding the largest preset that fits ...") \
+                    if not args.json and console.is_terminal else contextlib.nullcontext():
+                result["largest_preset"] = _largest_preset(args, what["batch_size"], what["seq_len"], dtype,
+                                                           capacity, {args.model: entries[0][2]})
         if args.json:
             print(json.dumps(result, indent=2))
         else:
@@ -123,6 +130,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_sweep(sweep, console)
     return 0
+
+
+def _largest_preset(args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype | None, capacity: int,
+                    known: dict[str, CapacityPlan]) -> dict[str, Any]:
+    """The largest GPT preset that fits ``capacity`` at this batch and sequence length
+    (:func:`memsched.planning.capacity.largest_preset`; presets whose block size is shorter are left out)."""
+    presets = [name for name in sizes() if config_for(name).block_size >= seq]
+
+    def plan_of(name: str) -> CapacityPlan:
+        if name not in known:
+            prediction = trace_step(gpt_workload(name, batch, seq), dtype=dtype or torch.float32,
+                                    attention=args.attention)
+            known[name] = plan_for_capacity(prediction, capacity,
+                                            gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        return known[name]
+
+    return {"batch_size": batch, "seq_len": seq, "policy": args.policy,
+            **largest_preset(presets, plan_of, args.policy)}
 
 
 # ---- rendering -------------------------------------------------------------------------------------------
@@ -158,32 +183,36 @@ def render(result: dict[str, Any], console: Console) -> None:
     data.add_column("category")
     data.add_column("bytes", justify="right")
     data.add_column("where")
-    data.add_row("parameters", fb(md["parameter"] - pad["parameter"]), "device (resident)")
-    data.add_row("gradients", fb(md["gradient"] - pad["gradient"]), "device (resident)")
+    data.add_row("parameters", fb(md["parameter"] - pad["parameter"]),
+                 "device; a plan may keep chunks' parameters on the host, fetched for their reads")
+    data.add_row("gradients", fb(md["gradient"] - pad["gradient"]),
+                 "with their chunk's optimizer state (a host chunk's go D2H as backward makes them)")
     data.add_row("buffers + frozen parameters", fb(md["other"]), "device (resident)")
     data.add_row("optimizer states (AdamW)", fb(md["optimizer_state"] - pad["optimizer_state"]),
                  "placed by the policy")
     data.add_row("chunk padding", fb(pad["parameter"] + pad["gradient"] + pad["optimizer_state"]),
-                 f"{pad['numel']:,} elements: {fb(pad['parameter'] + pad['gradient'])} resident, "
-                 f"{fb(pad['optimizer_state'])} placed")
+                 f"{pad['numel']:,} elements")
     console.print(data)
 
     cap = fb(result["capacity_bytes"]) + (f" ({result['gpu']})" if result["gpu"] else "")
     plans = Table(title=f"Plans for {cap}: GPU margin {fb(result['margin_bytes'])}, "
                         f"gpu_margin_mem_ratio {result['gpu_margin_mem_ratio']:g}", title_justify="left")
-    for col in ("policy", "chunks on device", "device bytes", "chunks on host", "pinned host bytes"):
+    for col in ("policy", "chunks on device", "device bytes", "chunks on host", "pinned host bytes",
+                "params on host", "peak"):
         plans.add_column(col, justify="left" if col == "policy" else "right")
     errors = []
     for name, plan in result["plans"].items():
         if "error" in plan:
-            plans.add_row(name, "[red]no plan[/red]", "-", "-", "-")
+            plans.add_row(name, "[red]no plan[/red]", "-", "-", "-", "-", "-")
             errors.append((name, plan["error"]))
             continue
         n_dev = plan["placement"].count(policies.DEVICE)
+        n_params = plan["param_placement"].count(policies.HOST)
         plans.add_row(name, str(n_dev), fb(plan["device_bytes"]), str(len(plan["placement"]) - n_dev),
-                      fb(plan["host_bytes"]))
+                      fb(plan["host_bytes"]), f"{n_params} chunks" if n_params else "-",
+                      fb(plan["peak_bytes"]) if plan["peak_bytes"] is not None else "-")
     console.print(plans)
-    if result["margin_bytes"] < 0:
+    if result["margin_bytes"] < 0 and len(errors) == len(result["plans"]):
         errors = errors[:1]  # every policy fails for the same reason: say it once
     for name, message in errors:
         console.print(f"[red]{name}[/red]: {message}")
@@ -192,8 +221,19 @@ def render(result: dict[str, Any], console: Console) -> None:
         console.print(f"  [dim]{result['verdict']['policy']}:[/dim] {reason}")
 
     v = result["verdict"]
-    style = {"fits": "bold green", "offload": "bold yellow", "does_not_fit": "bold red"}[v["status"]]
+    style = {"fits": "bold green", "offload": "bold yellow", "offload_params": "bold yellow",
+             "does_not_fit": "bold red"}[v["status"]]
     console.print(f"[{style}]Verdict ({v['policy']}):[/{style}] {v['message']}")
+    largest = result.get("largest_preset")
+    if largest is not None:
+        def say(name: str | None) -> str:
+            return name if name is not None else "none"
+
+        console.print(
+            f"[bold]Largest preset that fits {cap} at batch {largest['batch_size']} x seq "
+            f"{largest['seq_len']} ({largest['policy']}):[/bold] {say(largest['any'])}; with the parameters "
+            f"on the device {say(largest['params_on_device'])}; with everything on the device "
+            f"{say(largest['all_on_device'])}")
 
 
 def _status_text(v: dict[str, Any]) -> str:
@@ -203,6 +243,8 @@ def _status_text(v: dict[str, Any]) -> str:
         return "[green]fits[/green], all on the device"
     if status == "offload":
         return f"[yellow]fits[/yellow], {format_bytes(v['offloaded_bytes'])} offloaded"
+    if status == "offload_params":
+        return f"[yellow]fits[/yellow], {format_bytes(v['params_on_host_bytes'])} of parameters on the host"
     short = f", short {format_bytes(v['short_bytes'])}" if v["short_bytes"] else ""
     return f"[red]does not fit[/red]{short}"
 

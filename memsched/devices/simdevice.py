@@ -59,6 +59,10 @@ class SimDevice:
             raise ValueError(f"stand-in capacity must be a positive number of bytes, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.peak_bytes = 0
+        # Model data that comes and goes within a step (parameters fetched for their reads, see
+        # memsched.runtime.param_fetch): counted, and also left out of ``peak_fixed_bytes``.
+        self.moving_bytes = 0
+        self.peak_fixed_bytes = 0
         # the scheduler's context for an out-of-memory error (f(error) -> text or None)
         self.explain: Callable[[SimOutOfMemoryError], str | None] | None = None
         self._acc = None
@@ -120,9 +124,16 @@ class SimDevice:
 
     # ---- accounting ---------------------------------------------------------------------------------------
     def reset_peak(self) -> int:
-        """Restart the peak counter from the bytes live now; returns them (bytes)."""
+        """Restart the peak counters from the bytes live now; returns them (bytes)."""
         self.peak_bytes = self.live_bytes()
+        self.peak_fixed_bytes = self.peak_bytes - self.moving_bytes
         return self.peak_bytes
+
+    def move(self, nbytes: int) -> None:
+        """``nbytes`` more (or, negative, fewer) of the live bytes are model data that comes and goes within a
+        step: :attr:`peak_fixed_bytes` leaves them out. Called before a fetched buffer is allocated and after
+        it is dropped, so the figure never counts one."""
+        self.moving_bytes += nbytes
 
     def live_bytes(self) -> int:
         """Bytes counted on the stand-in right now (live storages), bytes."""
@@ -135,6 +146,7 @@ class SimDevice:
         if used > self.capacity_bytes:
             raise self._explained(SimOutOfMemoryError(nbytes, used - nbytes, self.capacity_bytes))
         self.peak_bytes = max(self.peak_bytes, used)
+        self.peak_fixed_bytes = max(self.peak_fixed_bytes, used - self.moving_bytes)
 
     def _explained(self, e: SimOutOfMemoryError) -> SimOutOfMemoryError:
         """``e`` with the scheduler's explanation appended to its message, when it has one (:attr:`explain`:

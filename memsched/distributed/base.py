@@ -59,9 +59,10 @@ class DataParallel:
     def shard(self, store: ChunkStore) -> None:
         """Set each chunk's shard before its optimizer state exists. One rank: the whole chunk already."""
 
-    def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None) -> None:
+    def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None, *,
+               after_chunk: Callable[[ChunkStore, Chunk], None] | None = None) -> None:
         """Re-pack the chunks in first-use ``order`` (:meth:`ChunkStore.repack`)."""
-        store.repack(order, chunk_numel=chunk_numel)
+        store.repack(order, chunk_numel=chunk_numel, after_chunk=after_chunk)
 
     # ---- gradients and the step ---------------------------------------------------------------------------
     def grads_ready(self, chunk: Chunk) -> None:

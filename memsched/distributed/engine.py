@@ -271,9 +271,11 @@ class ZeroEngine(DataParallel):
         return total
 
     # ---- re-packing at the end of warmup ------------------------------------------------------------------
-    def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None) -> None:
+    def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None, *,
+               after_chunk: Callable[[ChunkStore, Chunk], None] | None = None) -> None:
         """``store.repack`` across ranks: gather the state whole, re-pack with a padded chunk size, check that
-        every rank got the same layout, cut the shards again."""
+        every rank got the same layout, cut the shards again. (``after_chunk``: parameters stay on the device
+        with more ranks; it is not called.)"""
         from memsched.distributed.reshard import reshard, unshard
 
         unshard(self, store)

@@ -96,8 +96,8 @@ class GradChecks:
                 view = store.host_view("grad", p, c) if host_bound else store.grad_view(p, c)
                 if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
                     continue
-            dtype = c.data.dtype  # the gradient buffer's
-            device = c.grad_host.device if host_bound else c.data.device
+            dtype = c.dtype  # the gradient buffer's
+            device = c.grad_host.device if host_bound else c.device
             if g.shape != p.shape or g.device != device or g.dtype != dtype or g.is_sparse:
                 raise ValueError(
                     f"gradient of parameter {self._name(p)} has shape {tuple(g.shape)}, dtype {g.dtype}, "
@@ -175,7 +175,7 @@ def _sums(store: ChunkStore, chunks: list[Chunk]) -> torch.Tensor:
         if held:  # only the parameters that hold a host gradient (the rest of the buffer is stale)
             with store.alloc.host_context():
                 host = torch.stack([store.host_view("grad", p, c).sum(dtype=torch.float32) for p in held])
-                host = host.sum().to(c.data.device)
+                host = host.sum().to(c.device)
             total = host if total is None else total + host
         out.append(total)
     return torch.stack(out)

@@ -103,6 +103,12 @@ class HostUpdates:
             for ev in done.values():  # nobody waits forever on a failed batch
                 ev.set()
 
+    def ready(self, index: int) -> bool:
+        """Whether chunk ``index`` has no update pending on the worker (done, or none in the batch), without
+        waiting."""
+        ev = self._done.get(index) if self.pending else None
+        return ev is None or ev.is_set()
+
     def unfinished(self) -> list[int]:
         """The chunks of the batch whose update is not yet waited for and followed up, in update order."""
         return self._order[self._next:] if self.pending else []

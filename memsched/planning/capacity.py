@@ -3,6 +3,8 @@ built-in placement policy, and say whether it fits, fits only with offload, or d
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,13 +14,19 @@ import policies
 from memsched.chunks import chunk_bytes
 from memsched.models import count_parameters
 from memsched.planning.prediction import Prediction
-from memsched.planning.problem import build_problem, resident_extra_bytes, trainable_groups
+from memsched.planning.problem import (
+    build_problem,
+    layout_param_chunks,
+    resident_extra_bytes,
+    trainable_groups,
+)
+from memsched.planning.reads import chunk_accesses, non_model_grad_bytes
 from policies.types import PlacementPlan, PlacementProblem
 from policies.units import format_bytes
 
 SCHEMA = "memsched.plan"
-VERSION = 1
-VERDICTS = ("fits", "offload", "does_not_fit")
+VERSION = 2  # 2: gradients placed with their chunk, parameters that may stay on the host, link bytes
+VERDICTS = ("fits", "offload", "offload_params", "does_not_fit")
 
 
 @dataclass
@@ -26,15 +34,18 @@ class CapacityPlan:
     """Plans of every policy for one device capacity.
 
     Attributes:
-        problem: the placement problem (from :func:`memsched.planning.problem.build_problem`).
+        problem: the placement problem (from :func:`memsched.planning.problem.build_problem`), with the
+            traced step's chunk accesses (parameters may stay on the host).
         chunk_numel: chunk size, elements; ``n_chunks``: number of chunks.
         model_data: bytes by category: ``parameter`` and ``gradient`` (the chunks' compute and gradient
-            buffers, padding included), ``optimizer_state`` (every chunk's device-side state), ``other``
-            (frozen parameters and buffers); all bytes.
+            buffers, padding included), ``optimizer_state`` (every chunk's optimizer state as it would be on
+            the device: ``exp_avg``, ``exp_avg_sq``, the fp32 master under mixed precision, step counts),
+            ``other`` (frozen parameters and buffers); all bytes.
         plans: policy name -> :class:`PlacementPlan`, or the error message when the policy found no plan.
         padding: the chunks' padding (the elements past the last parameter of each chunk, allocated but
             holding no parameter): ``numel`` (elements) and the bytes it adds to ``parameter``, ``gradient``
             and ``optimizer_state`` of ``model_data``.
+        grad_bytes: one chunk's gradient buffer, bytes (what a host chunk sends D2H per micro-batch).
     """
 
     problem: PlacementProblem
@@ -43,12 +54,19 @@ class CapacityPlan:
     model_data: dict[str, int]
     plans: dict[str, PlacementPlan | str]
     padding: dict[str, int] = field(default_factory=dict)
+    grad_bytes: int = 0
 
 
 def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin_mem_ratio: float = 0.8,
                       policy_names: list[str] | None = None) -> CapacityPlan:
     """Build the placement problem for ``capacity_bytes`` and plan it with each policy (default: all
     registered).
+
+    The problem carries the predicted step's chunk accesses (:attr:`Prediction.reads` mapped to the chunks,
+    :func:`memsched.planning.reads.chunk_accesses`), so a policy may keep parameters on the host when they do
+    not fit. The trace is of plain torch, whose gradients all stay on the device: at most two chunks' worth
+    of them count (what memsched keeps of host chunks' gradients on their way to the host), at each access
+    and in the problem's ``host_grad_working_bytes`` (what that adds to the peak of non-model data).
 
     Raises:
         ValueError: a ratio outside [0, 1] or a negative capacity (from :class:`PlacementProblem`), an unknown
@@ -57,15 +75,29 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
     model = prediction.model
     dtype = prediction.dtype
     master = dtype != torch.float32
+    order = prediction.param_order or None
     problem, layout = build_problem(model, prediction.peak_non_model_bytes, capacity_bytes,
                                     gpu_margin_mem_ratio=gpu_margin_mem_ratio, master_weights=master,
-                                    param_order=prediction.param_order or None, compute_dtype=dtype,
+                                    param_order=order, compute_dtype=dtype,
                                     pinned=True)  # planned for a CUDA device: host state is pinned
-    cb = chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master)
+    # The trace is of plain torch, whose gradients stay on the device: memsched keeps at most the working set
+    # of the host chunks' gradients there (two chunks' worth), so that much of the traced gradients counts.
+    bound = problem.host_grad_working_bytes
+    samples = [s for s in prediction.timeline.samples if s.device == prediction.device]
+    working = max(0, max((non_model_grad_bytes(s, bound) for s in samples), default=0)
+                  - problem.peak_non_model_bytes)
+    accesses: list[Any] = []
+    if prediction.reads:
+        accesses, _ = chunk_accesses(prediction.reads, layout_param_chunks(model, layout, order),
+                                     prediction.timeline, prediction.device, grad_working_bytes=bound)
+    problem = dataclasses.replace(problem, host_grad_working_bytes=working, accesses=tuple(accesses))
+    per_chunk = [chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master,
+                             n_params=len(slots)) for slots in layout.chunks]
+    cb = per_chunk[0]
     model_data = {
         "parameter": layout.n_chunks * cb.compute_bytes,
         "gradient": layout.n_chunks * cb.grad_bytes,
-        "optimizer_state": sum(c.device_bytes for c in problem.chunks),
+        "optimizer_state": sum(c.device_state_bytes for c in per_chunk),
         "other": resident_extra_bytes(model, trainable_groups(model)),
     }
     # The same arithmetic over the padding elements alone (no parameters, so no step counts).
@@ -80,18 +112,38 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
         except policies.PlacementError as e:
             plans[name] = str(e)
     return CapacityPlan(problem=problem, chunk_numel=layout.chunk_numel, n_chunks=layout.n_chunks,
-                        model_data=model_data, plans=plans, padding=padding)
+                        model_data=model_data, plans=plans, padding=padding, grad_bytes=cb.grad_bytes)
+
+
+def link_bytes(cplan: CapacityPlan, plan: PlacementPlan) -> dict[str, int]:
+    """The bytes a step of ``plan`` moves over the host link (one micro-batch), bytes.
+
+    ``h2d``: each host chunk's updated parameters once (after its CPU update), and each fetch of a chunk
+    whose parameters stay on the host (:attr:`policies.ParamSchedule.h2d_copies` counts both for those);
+    ``d2h``: each host chunk's gradients once per micro-batch.
+    """
+    chunks = cplan.problem.chunks
+    offloaded = set(plan.param_host_chunks)
+    h2d = sum(c.param_bytes for c in chunks if plan.placement[c.index] == policies.HOST
+              and c.index not in offloaded)
+    if plan.schedule is not None:
+        per = max(c.param_bytes for c in chunks)
+        h2d += plan.schedule.h2d_copies * per
+    return {"h2d": h2d, "d2h": len(plan.host_chunks) * cplan.grad_bytes}
 
 
 def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
     """Does the step fit the device under ``policy``?
 
     Returns:
-        ``{"status", "policy", "message", "device_bytes", "host_bytes", "offloaded_bytes", "short_bytes",
-        "needed_all_on_device_bytes"}``: ``status`` is ``"fits"`` (the plan keeps every optimizer-state chunk
-        on the device), ``"offload"`` (it fits only with ``offloaded_bytes`` of optimizer state, needing
-        ``host_bytes`` of pinned CPU memory, on the host) or ``"does_not_fit"`` (resident model data + peak
-        non-model data alone exceed the capacity by ``short_bytes``); all bytes.
+        ``{"status", "policy", "message", "device_bytes", "host_bytes", "offloaded_bytes",
+        "params_on_host_bytes", "peak_bytes", "h2d_bytes_per_step", "d2h_bytes_per_step", "short_bytes",
+        "needed_all_on_device_bytes"}``. ``status`` is ``"fits"`` (every chunk's model data on the device),
+        ``"offload"`` (it fits with ``offloaded_bytes`` of optimizer state and gradients on the host, needing
+        ``host_bytes`` of pinned CPU memory), ``"offload_params"`` (it fits only with ``params_on_host_bytes``
+        of parameters on the host too, fetched for their reads; ``peak_bytes`` is the schedule's predicted
+        device peak) or ``"does_not_fit"`` (no plan: short by ``short_bytes`` at least). The link bytes are
+        those of one step (:func:`link_bytes`). All bytes.
 
     Raises:
         LookupError: ``policy`` was not planned.
@@ -102,31 +154,46 @@ def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
     total_opt = sum(c.device_bytes for c in p.chunks)
     needed = p.peak_non_model_bytes + p.resident_model_bytes + total_opt
     out: dict[str, Any] = {"policy": policy, "needed_all_on_device_bytes": needed, "device_bytes": 0,
-                           "host_bytes": 0, "offloaded_bytes": 0, "short_bytes": 0}
+                           "host_bytes": 0, "offloaded_bytes": 0, "params_on_host_bytes": 0,
+                           "peak_bytes": None, "h2d_bytes_per_step": 0, "d2h_bytes_per_step": 0,
+                           "short_bytes": 0}
     plan = cplan.plans[policy]
-    if p.margin_bytes < 0:
-        out.update(status="does_not_fit", short_bytes=-p.margin_bytes, message=(
-            f"does not fit: resident model data + peak non-model data exceed "
-            f"{format_bytes(p.capacity_bytes)} by {format_bytes(-p.margin_bytes)} even with all optimizer "
-            "state on the CPU"))
-        return out
     if isinstance(plan, str):
-        # The base fits but this policy found no plan (e.g. 'cuda' when the optimizer state does not fit).
-        short = max(0, needed - p.capacity_bytes)
-        out.update(status="does_not_fit" if short else "fits", short_bytes=short,
-                   message=f"policy {policy!r} found no plan: {plan}")
+        # No plan: the parameters do not fit even where they could leave (or this policy keeps them all, or,
+        # like 'cuda', all the optimizer state, on the device).
+        short = max(0, needed - p.capacity_bytes) if p.margin_bytes >= 0 else -p.margin_bytes
+        status = "does_not_fit" if short else "fits"
+        if p.margin_bytes < 0:
+            message = (f"does not fit: resident model data + peak non-model data exceed "
+                       f"{format_bytes(p.capacity_bytes)} by {format_bytes(-p.margin_bytes)}; {plan}")
+        else:
+            message = f"policy {policy!r} found no plan: {plan}"
+        out.update(status=status, short_bytes=short, message=message)
         return out
-    offloaded = total_opt - plan.device_bytes
-    out.update(device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, offloaded_bytes=offloaded)
-    if not plan.host_chunks:
+    offloaded = total_opt - (plan.device_bytes - (p.host_grad_working_bytes if plan.host_chunks else 0))
+    link = link_bytes(cplan, plan)
+    out.update(device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, offloaded_bytes=offloaded,
+               h2d_bytes_per_step=link["h2d"], d2h_bytes_per_step=link["d2h"])
+    over_link = (f"; {format_bytes(link['h2d'])} H2D and {format_bytes(link['d2h'])} D2H per step (one "
+                 "micro-batch)")
+    if plan.param_host_chunks:
+        on_host = sum(p.chunks[i].param_bytes for i in plan.param_host_chunks)
+        out.update(status="offload_params", params_on_host_bytes=on_host, peak_bytes=plan.peak_bytes,
+                   message=(
+                       f"fits only with parameter offload: every chunk's optimizer state and gradients and "
+                       f"the parameters of {len(plan.param_host_chunks)} of {len(plan.placement)} chunks "
+                       f"({format_bytes(on_host)}) on the host, fetched for their reads; predicted device "
+                       f"peak {format_bytes(plan.peak_bytes or 0)} of {format_bytes(p.capacity_bytes)}, "
+                       f"{format_bytes(plan.host_bytes)} of pinned host memory{over_link}"))
+    elif not plan.host_chunks:
         out.update(status="fits", message=(
             f"fits: everything on the device, {format_bytes(p.capacity_bytes - needed)} to spare "
             f"(needs {format_bytes(needed)} of {format_bytes(p.capacity_bytes)})"))
     else:
         out.update(status="offload", message=(
-            f"fits only with offload: {format_bytes(offloaded)} of optimizer state "
-            f"({len(plan.host_chunks)} of {len(plan.placement)} chunks) goes to the CPU, needing "
-            f"{format_bytes(plan.host_bytes)} of pinned host memory"))
+            f"fits only with offload: {format_bytes(offloaded)} of optimizer state and gradients "
+            f"({len(plan.host_chunks)} of {len(plan.placement)} chunks) go to the CPU, needing "
+            f"{format_bytes(plan.host_bytes)} of pinned host memory{over_link}"))
     return out
 
 
@@ -137,7 +204,8 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
     Keys: ``schema`` (``"memsched.plan"``), ``version`` (1); ``workload`` (``what`` plus ``parameters``:
     trainable parameter count, ``dtype``); ``trace``: ``device``, ``fake``, ``attention``,
     ``peak_non_model_bytes``, ``peak_module``, ``peak_phase``, ``elapsed_s``; ``model_data``: bytes by
-    category (see :class:`CapacityPlan`; chunk padding included) plus ``resident_bytes``; ``chunks``:
+    category (see :class:`CapacityPlan`; chunk padding included) plus ``resident_bytes`` and
+    ``host_grad_working_bytes`` (what the host chunks' gradients add to the peak); ``chunks``:
     ``numel`` and ``count``, and ``padding``: the padding's ``numel`` and its bytes in ``parameter``,
     ``gradient`` and ``optimizer_state`` (subtract them from ``model_data`` for the parameters' own bytes);
     ``capacity_bytes``, ``gpu`` (table name or ``None``), ``gpu_margin_mem_ratio``, ``margin_bytes``;
@@ -155,7 +223,8 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
                   "peak_non_model_bytes": prediction.peak_non_model_bytes,
                   "peak_module": peak.module if peak else None, "peak_phase": peak.phase if peak else None,
                   "elapsed_s": round(prediction.elapsed_s, 3)},
-        "model_data": {**cplan.model_data, "resident_bytes": p.resident_model_bytes},
+        "model_data": {**cplan.model_data, "resident_bytes": p.resident_model_bytes,
+                       "host_grad_working_bytes": p.host_grad_working_bytes},
         "chunks": {"numel": cplan.chunk_numel, "count": cplan.n_chunks, "padding": dict(cplan.padding)},
         "capacity_bytes": p.capacity_bytes,
         "gpu": gpu,
@@ -167,6 +236,40 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
     }
 
 
+#: What each :func:`largest_preset` answer accepts, by verdict status.
+PRESET_FITS = {"any": ("fits", "offload", "offload_params"), "params_on_device": ("fits", "offload"),
+               "all_on_device": ("fits",)}
+
+
+def largest_preset(presets: Sequence[str], plan_of: Callable[[str], CapacityPlan],
+                   policy: str = "auto") -> dict[str, str | None]:
+    """The largest of ``presets`` (ordered by size, smallest first) whose plan fits, for each way of fitting
+    (:data:`PRESET_FITS`: with any offload, with the parameters on the device, with everything on the
+    device); ``None`` when none does.
+
+    A binary search per answer, over the verdicts of ``policy`` (``plan_of(preset)`` is called at most once
+    per preset): a larger preset at the same batch needs more memory, so the fitting presets are a prefix.
+    """
+    cache: dict[int, str] = {}
+
+    def status(k: int) -> str:
+        if k not in cache:
+            cache[k] = verdict(plan_of(presets[k]), policy)["status"]
+        return cache[k]
+
+    out: dict[str, str | None] = {}
+    for name, ok in PRESET_FITS.items():
+        lo, hi = -1, len(presets) - 1  # presets[:lo + 1] fit, presets[hi + 1:] do not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if status(mid) in ok:
+                lo = mid
+            else:
+                hi = mid - 1
+        out[name] = presets[lo] if lo >= 0 else None
+    return out
+
+
 SWEEP_SCHEMA = "memsched.plan_sweep"
 #: The policies whose largest fitting size a sweep reports: ``auto`` (offloads what does not fit) and ``cpu``
 #: (offloads everything, the most a plan can free on the device).
@@ -175,14 +278,15 @@ SWEEP_POLICIES = ("auto", "cpu")
 
 def largest_fitting(entries: list[tuple[int, CapacityPlan]], policy: str, *,
                     all_on_device: bool = False) -> int | None:
-    """The largest size value whose plan under ``policy`` fits (:func:`verdict` status ``"fits"`` or
-    ``"offload"``; ``all_on_device``: ``"fits"`` only, nothing offloaded); ``None`` when none fits.
+    """The largest size value whose plan under ``policy`` fits (:func:`verdict` status ``"fits"``,
+    ``"offload"`` or ``"offload_params"``; ``all_on_device``: ``"fits"`` only, nothing offloaded); ``None``
+    when none fits.
 
     ``entries`` pairs each size value (a sequence length or a batch size) with its :class:`CapacityPlan`.
     The largest fitting value is reported, not the last before the first failure: a larger size needs more
     memory, so in practice the fitting values are a prefix anyway.
     """
-    ok = ("fits",) if all_on_device else ("fits", "offload")
+    ok = ("fits",) if all_on_device else ("fits", "offload", "offload_params")
     fitting = [value for value, cplan in entries if verdict(cplan, policy)["status"] in ok]
     return max(fitting, default=None)
 
@@ -203,8 +307,8 @@ def sweep_dict(over: str, entries: list[tuple[int, dict[str, Any], CapacityPlan]
         ``largest_fitting``: ``auto``, ``cpu`` (the largest value whose plan fits under that policy, ``None``
         when none does) and ``auto_all_on_device`` (the largest with nothing offloaded). Sizes in bytes.
 
-    Without a host-memory limit (``memsched plan`` sets none) ``auto`` and ``cpu`` fit the same sizes: both
-    need only resident + peak non-model data to fit the device; ``auto_all_on_device`` tells them apart.
+    ``auto`` fits every size ``cpu`` fits, and more where parameters must stay on the host (``cpu`` keeps
+    them on the device); ``auto_all_on_device`` is the largest with nothing offloaded.
     """
     pairs = [(value, cplan) for value, _, cplan in entries]
     first = entries[0][1]

@@ -119,10 +119,14 @@ class PeakProbe:
     CUDA caching allocator of ``device``."""
 
     def __init__(self, device: torch.device, sim: Any = None,
-                 absent_bytes: Callable[[], int] | None = None) -> None:
+                 absent_bytes: Callable[[], int] | None = None, moving: Any = None) -> None:
         self.device, self.sim = device, sim
         self.absent_bytes = absent_bytes
+        # model data that comes and goes within a step (parameters fetched for their reads): ``begin()`` at
+        # the probe's begin, ``correction()`` at its read (see [Note: parameters in the measured peak])
+        self.moving = moving
         self.base: int | None = None
+        self._moving_at_begin = 0
 
     @property
     def available(self) -> bool:
@@ -138,8 +142,11 @@ class PeakProbe:
         # inputs (its gradients are counted whole by the plan): a plan made from such a measurement keeps at
         # least as many chunks on the device, or re-measures inputs that exceed what was seen.
         absent = self.absent_bytes() if self.absent_bytes is not None else 0
+        if self.moving is not None:
+            self.moving.begin()
         if self.sim is not None:
             self.base = self.sim.reset_peak() + absent
+            self._moving_at_begin = self.sim.moving_bytes
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device) + absent
@@ -153,8 +160,17 @@ class PeakProbe:
         """The peak non-model bytes since :meth:`begin` (``None`` when not begun)."""
         if self.base is None:
             return None
-        peak = self.sim.peak_bytes if self.sim is not None else torch.cuda.max_memory_allocated(self.device)
-        out, self.base = max(0, int(peak) - self.base), None  # a forward's peak may be below the base
+        # [Note: parameters in the measured peak]
+        # Parameters fetched for their reads come and go within the step; the plan counts them apart (its
+        # schedule). The stand-in leaves them out of its fixed peak. On CUDA the base holds those on the
+        # device at the begin, and at the peak at least the fewest that were on the device at any read since
+        # were there: adding the difference bounds the non-model data.
+        if self.sim is not None:
+            peak, correction = self.sim.peak_fixed_bytes + self._moving_at_begin, 0
+        else:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            correction = self.moving.correction() if self.moving is not None else 0
+        out, self.base = max(0, int(peak) - self.base + correction), None  # a forward's peak may be lower
         return out
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 import policies
-from memsched.chunks import Allocator, ChunkStore, chunk_bytes, pinned_bytes
+from memsched.chunks import Allocator, ChunkLayout, ChunkStore, chunk_bytes, pinned_bytes
 from memsched.config import SchedulerConfig
 from memsched.devices.host_memory import check_initial_host_state, host_budget
 from memsched.devices.simdevice import OUT_OF_MEMORY
@@ -28,18 +28,22 @@ from memsched.distributed.base import DataParallel
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import build_problem, machine_inputs
-from policies.types import DEVICE, HOST, PlacementPlan
+from memsched.planning.reads import chunk_accesses, scaled
+from policies.plans import make_plan, schedule_for
+from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
 
 
-def check_host_room(store: ChunkStore, config: SchedulerConfig, alloc: Allocator) -> None:
+def check_host_room(layout: ChunkLayout, config: SchedulerConfig, alloc: Allocator,
+                    shard_numel: int | None = None) -> None:
     """All optimizer state starts pinned on the host until the plan: refuse before pinning it when the host
-    budget cannot hold it (:func:`memsched.devices.host_memory.check_initial_host_state`).
+    budget cannot hold it (:func:`memsched.devices.host_memory.check_initial_host_state`). ``layout``: the
+    chunks; ``shard_numel``: the elements of each chunk a rank keeps state for (default: all).
 
     Raises:
         policies.PlacementError: the host budget is too small (names both sizes and the limit).
     """
-    sizes = [chunk_bytes(c.numel, compute_dtype=config.compute_dtype, shard_numel=c.hi - c.lo,
-                         n_params=len(c.params), private_grads=store.private_grads) for c in store.chunks]
+    sizes = [chunk_bytes(layout.chunk_numel, compute_dtype=config.compute_dtype, shard_numel=shard_numel,
+                         n_params=len(slots), private_grads=bool(config.overlap)) for slots in layout.chunks]
     need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin) for b in sizes)
     check_initial_host_state(need, host_budget(pinned=alloc.pin,
                                                stand_in_bytes=config.device.host_capacity_bytes))
@@ -56,6 +60,9 @@ class Planner:
         dp: the data parallelism (plans agree over the ranks).
         transfers: the byte counters; chunk moves add to ``chunk_moves_bytes``.
         wait_updates: ``f(what)`` blocking until no overlapped update reads the chunks (before chunks move).
+        params: what brings parameters that live on the host to the device
+            (:class:`memsched.runtime.param_fetch.ParamFetcher`: ``offloaded`` and ``use(offloaded, schedule,
+            module_reads)``), or ``None`` (parameters never leave the device).
 
     Attributes:
         policy: the placement policy (:mod:`policies`).
@@ -70,7 +77,7 @@ class Planner:
     """
 
     def __init__(self, config: SchedulerConfig, model: torch.nn.Module, store: ChunkStore, dp: DataParallel,
-                 transfers: TransferStats, wait_updates: Callable[[str], None]) -> None:
+                 transfers: TransferStats, wait_updates: Callable[[str], None], params: Any = None) -> None:
         self._config = config
         self._device = config.device
         self._model = model
@@ -89,31 +96,43 @@ class Planner:
         # What the host chunks' gradients on their way to the host add to the peak (from the warmup trace):
         # every plan counts it while a chunk is on the host, and measured peaks leave it out (probe's base)
         self.host_grad_working_bytes = 0
+        self._params = params
+        self.accesses: tuple[ChunkAccess, ...] = ()  # the warmup step's chunk reads (in the packing in force)
+        self.module_reads: dict[str, tuple[int, ...]] = {}
+        self._traced_peak = 0  # the peak non-model data the accesses were traced with
 
     def measure_warmup(self, costs: WarmupCosts) -> None:
         """Keep the last warmup step's measurements for the predicted steps of the plans to come."""
         self.warmup_costs = costs
 
-    def repack(self, order: list[torch.nn.Parameter]) -> None:
-        """Re-pack the chunks in first-use ``order`` (across ranks: :meth:`DataParallel.repack`). Out of
-        memory keeps the old packing, values and state intact, with a warning."""
+    def repack(self, order: list[torch.nn.Parameter],
+               after_chunk: Callable[[ChunkStore, Any], None] | None = None) -> None:
+        """Re-pack the chunks in first-use ``order`` (across ranks: :meth:`DataParallel.repack`;
+        ``after_chunk`` as :meth:`memsched.chunks.ChunkStore.repack`). Out of memory keeps the old packing,
+        values and state intact, with a warning."""
         try:
-            self._dp.repack(self._store, order, self._config.chunk_numel)
+            self._dp.repack(self._store, order, self._config.chunk_numel, after_chunk=after_chunk)
         except OUT_OF_MEMORY as e:  # the store put the old packing back, values and state intact
             warnings.warn(f"memsched: re-packing the chunks in first-use order ran out of memory ({e}); the "
                           "chunks keep their registration-order packing", RuntimeWarning, stacklevel=4)
 
     def plan_initial(self, peak_non_model_bytes: int, timeline: Any, steps: int, *,
-                     host_grad_working_bytes: int = 0) -> PlacementPlan:
+                     host_grad_working_bytes: int = 0, reads: Sequence[Any] = ()) -> PlacementPlan:
         """The plan of the end of warmup, applied (see [Note: planning at the end of warmup]).
         ``host_grad_working_bytes``: what the host chunks' gradients add to the peak on their way to the host
-        (:meth:`memsched.Scheduler.host_grad_working_bytes`).
+        (:meth:`memsched.Scheduler.host_grad_working_bytes`); ``reads``: the warmup's recorded parameter
+        reads (:mod:`memsched.planning.reads`), from which plans schedule parameter fetches.
 
         Raises:
             policies.PlacementError: the policy found no plan; the optimizer state stays on the host.
         """
         self._timeline = timeline
         self.host_grad_working_bytes = host_grad_working_bytes
+        if reads and self._params is not None and self._device.kind != "cpu":
+            accesses, self.module_reads = chunk_accesses(
+                reads, {k: c.index for k, c in self._store.param_chunk.items()}, timeline)
+            self.accesses = tuple(accesses)
+            self._traced_peak = peak_non_model_bytes
         problem = self.problem = self._problem(peak_non_model_bytes)
         if self._device.kind == "cpu":
             self.plan = policies.make_plan(
@@ -141,14 +160,31 @@ class Planner:
         self._wait_updates("re-plan")  # no chunk moves under an overlapped update
         assert self.problem is not None, "re-planning before the end of warmup"
         problem = self._problem(peak if peak is not None else self.problem.peak_non_model_bytes)
-        plan = (policies.get("cpu").plan(problem) if peak is None else self.policy.plan(problem))
+        try:  # peak None: every chunk's state on the host (cpu); parameters too when they do not all fit
+            plan = policies.get("cpu").plan(problem) if peak is None else self.policy.plan(problem)
+        except policies.PlacementError:
+            plan = self._most_offloaded(problem)
         self._dp.check_same("placement plan", tuple(plan.placement))
-        if self.plan is not None and plan.placement == self.plan.placement:
+        if self.plan is not None and (plan.placement, plan.param_placement, plan.schedule) == (
+                self.plan.placement, self.plan.param_placement, self.plan.schedule):
             return
         before = self._transfers.chunk_moves_bytes
         self._apply(plan)
         self.problem = problem
         self.history.append(PlanChange(steps, reason, plan, peak, self._transfers.chunk_moves_bytes - before))
+
+    def _most_offloaded(self, problem: policies.PlacementProblem) -> PlacementPlan:
+        """The plan that keeps the least on the device: everything on the host, every parameter fetched for
+        its reads; the plan in force when even that finds no room (its step runs as it can)."""
+        n = len(problem.chunks)
+        try:
+            sched = schedule_for(problem, [HOST] * n, [HOST] * n, problem.capacity_bytes)
+        except policies.PlacementError:
+            assert self.plan is not None
+            return self.plan
+        return make_plan(problem, [HOST] * n, budget_bytes=0, policy="cpu", param_placement=[HOST] * n,
+                         schedule=sched, reasons=("every chunk on the host, parameters fetched for their "
+                                                  "reads, for a step whose peak is not known yet",))
 
     def _with_predicted_step(self, plan: PlacementPlan) -> PlacementPlan:
         """``plan`` with its predicted step among its reasons (:mod:`memsched.planning.cost_model`); the
@@ -174,6 +210,7 @@ class Planner:
             compute_dtype=self._config.compute_dtype, align=store.align, pinned=store.alloc.pin,
             world_size=dp.world if dp.sharded else 1, private_grads=store.private_grads,
             offload_grads=store.offloader is not None and store.lazy_grads,
+            accesses=scaled(self.accesses, peak_non_model_bytes, self._traced_peak),
             grad_working_chunks=0,
             **machine_inputs(self._timeline, self._device, store, dp))  # host budget, fragmentation
         assert layout == store.layout, "planning and chunks disagree on the layout"
@@ -182,15 +219,26 @@ class Planner:
         return problem
 
     def _apply(self, plan: PlacementPlan) -> None:
-        """Move chunks per ``plan``; on failure (e.g. the stand-in runs out) move back and re-raise."""
+        """Move chunks per ``plan``: optimizer state to the host first, then the parameters (those that stay
+        on the host leave the device, those that come back are fetched to stay), then state to the device;
+        on failure (e.g. the stand-in runs out) the state moved to the device goes back and the error is
+        re-raised."""
+        store = self._store
+        for c, where in zip(store.chunks, plan.placement, strict=True):
+            if where == HOST and c.placement != HOST:
+                self._transfers.add_chunk_move(store.place(c, HOST))
+        if self._params is not None:
+            offloaded = plan.param_host_chunks
+            if offloaded or self._params.offloaded:
+                self._params.use(offloaded, plan.schedule, self.module_reads)
         moved = []
         try:
-            for c, where in zip(self._store.chunks, plan.placement, strict=True):
+            for c, where in zip(store.chunks, plan.placement, strict=True):
                 if c.placement != where:
-                    self._transfers.add_chunk_move(self._store.place(c, where))
+                    self._transfers.add_chunk_move(store.place(c, where))
                     moved.append(c)
         except BaseException:
             for c in moved:
-                self._store.place(c, HOST)
+                store.place(c, HOST)
             raise
         self.plan = plan

@@ -35,6 +35,7 @@ from memsched.models import build_gpt, config_for, lm_loss
 from memsched.planning.first_use import first_use_order as order_by_first_use
 from memsched.planning.problem import trainable_groups
 from memsched.target import Workload, build_workload, load_target
+from tracer.param_reads import ParamReads, Read
 from tracer.timeline import MemoryTimeline
 
 ATTENTION = ("default", "math")
@@ -76,6 +77,8 @@ class Prediction:
         attention: ``"default"`` or ``"math"``.
         param_order: trainable parameters in first-use order (modules in first-call order).
         elapsed_s: wall time of build + trace, seconds.
+        reads: the parameter reads of the step (:class:`tracer.param_reads.ParamReads`), from which a plan
+            schedules the fetches of parameters kept on the host.
     """
 
     timeline: MemoryTimeline
@@ -85,6 +88,7 @@ class Prediction:
     attention: str
     param_order: list[torch.nn.Parameter] = field(default_factory=list)
     elapsed_s: float = 0.0
+    reads: list[Read] = field(default_factory=list)
 
     @property
     def peak_non_model_bytes(self) -> int:
@@ -179,7 +183,8 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
         if isinstance(build, str):
             workload.name = build
         try:
-            with attention_kernel(attention), MemoryTracer(workload.model, device=str(dev)) as tr:
+            with attention_kernel(attention), MemoryTracer(workload.model, device=str(dev)) as tr, \
+                    ParamReads(workload.model, lambda: tr.sample_count) as reads:
                 loss = workload.loss()
                 loss.backward()
         except _fake_errors() as e:
@@ -190,7 +195,7 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
     traced = timeline.device
     return Prediction(timeline=timeline, model=workload.model, device=traced, fake=fake, attention=attention,
                       param_order=first_use_order(workload.model, timeline),
-                      elapsed_s=time.perf_counter() - t0)
+                      elapsed_s=time.perf_counter() - t0, reads=reads.reads)
 
 
 def _fake_errors() -> tuple[type[Exception], ...]:

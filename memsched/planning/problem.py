@@ -22,7 +22,7 @@ import torch
 from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
 from memsched.devices.host_memory import HostBudget, host_budget, local_world_size
 from memsched.optim.hyperparams import hyperparameter_groups
-from policies.types import HOST, ChunkSpec, PlacementProblem
+from policies.types import HOST, ChunkAccess, ChunkSpec, PlacementProblem
 
 if TYPE_CHECKING:
     from memsched.chunks import ChunkStore
@@ -79,6 +79,7 @@ def build_problem(
     grad_working_chunks: int = DEFAULT_GRAD_WORKING_CHUNKS,
     private_grads: bool = False,
     offload_grads: bool | None = None,
+    accesses: Sequence[ChunkAccess] = (),
 ) -> tuple[PlacementProblem, ChunkLayout]:
     """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
 
@@ -112,6 +113,8 @@ def build_problem(
             (:func:`memsched.chunks.chunk_bytes`).
         offload_grads: host chunks' gradients go to the host in backward (one rank; default: ``world_size``
             is 1).
+        accesses: the chunk reads of a traced step in this layout (:mod:`memsched.planning.reads`), from which
+            a policy schedules parameter fetches; empty: parameters cannot leave the device.
 
     Returns:
         ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
@@ -140,7 +143,7 @@ def build_problem(
         grads = cb.grad_bytes if offload else 0  # a device chunk keeps its gradients on the device
         specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes + grads,
                                host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
-                               numel=layout.chunk_numel))
+                               numel=layout.chunk_numel, param_bytes=cb.compute_bytes))
     resident = layout.n_chunks * cb.compute_bytes + resident_extra_bytes(model, groups)
     working = min(grad_working_chunks, layout.n_chunks) * cb.grad_bytes if offload else 0
     if not offload:  # more ranks: every chunk's gradient buffer stays on the device
@@ -155,8 +158,18 @@ def build_problem(
         host_capacity_source=host_capacity_source,
         fragmentation_bytes=fragmentation_bytes,
         host_grad_working_bytes=working,
+        accesses=tuple(accesses),
     )
     return problem, layout
+
+
+def layout_param_chunks(model: torch.nn.Module, layout: ChunkLayout,
+                        param_order: Sequence[torch.nn.Parameter] | None = None,
+                        param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None) -> dict[int, int]:
+    """``id(parameter) -> chunk index`` of a layout :func:`build_problem` made with the same ``model``,
+    ``param_order`` and ``param_groups``."""
+    groups = ordered_groups(trainable_groups(model, param_groups), param_order)
+    return {id(groups[s.group][s.index]): i for i, slots in enumerate(layout.chunks) for s in slots}
 
 
 def measured_fragmentation_bytes(timeline: MemoryTimeline | None, device: str | None = None) -> int | None:

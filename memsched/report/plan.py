@@ -1,7 +1,8 @@
 """The report's sections on the decision and its traffic: the placement plan (policy, capacity, peak
-non-model data, resident model data, GPU margin, budget, optimizer state on each side, the reasons) and the
-H2D/D2H transfer volumes. Part of :mod:`memsched.report.text`; :class:`DecisionFigures` is shared with the PNG
-export (:mod:`memsched.report.exports.png`), so both show the same figures."""
+non-model data, resident model data, GPU margin, budget, optimizer state and gradients on each side, the
+parameters kept on the host, the reasons) and the H2D/D2H transfer volumes. Part of
+:mod:`memsched.report.text`; :class:`DecisionFigures` is shared with the PNG export
+(:mod:`memsched.report.exports.png`), so both show the same figures."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from rich.text import Text
 from policies.types import DEVICE, HOST, PlacementPlan, PlacementProblem
 from policies.units import format_bytes
 
-_DEVICE_CHUNK, _HOST_CHUNK = "■", "□"
+_DEVICE_CHUNK, _HOST_CHUNK, _PARAMS_HOST_CHUNK = "■", "□", "◌"
 _TRANSFERS_EXPECTED = "{'h2d_bytes': int, 'd2h_bytes': int, 'steps': int}"
 
 
@@ -33,19 +34,25 @@ class DecisionFigures:
         policy: the policy that made the plan.
         capacity_bytes: device capacity the plan was made for, bytes.
         peak_non_model_bytes: peak non-model data the plan was made for, bytes.
-        resident_model_bytes: model data on the device whatever the plan (compute parameters, gradient
-            buffers, buffers, frozen parameters), bytes.
+        resident_model_bytes: model data on the device whatever the plan (compute parameters, buffers, frozen
+            parameters; with more than one rank the gradient buffers too), bytes.
         margin_bytes: the GPU margin, ``capacity - peak non-model - resident model``, bytes (negative when
             even those do not fit).
         gpu_margin_mem_ratio: the share of the margin the policy may fill, in [0, 1].
         budget_bytes: the part of the margin the policy allowed itself to fill, bytes.
-        device_state_bytes: optimizer-state bytes of the chunks placed on the device, bytes.
-        host_state_bytes: optimizer-state bytes of the chunks placed on the host (measured like
-            ``device_state_bytes``: what they would take on the device), bytes.
+        device_state_bytes: optimizer-state bytes of the chunks placed on the device, with their gradients
+            (one rank), bytes.
+        host_state_bytes: optimizer-state bytes of the chunks placed on the host, with their gradients (one
+            rank; measured like ``device_state_bytes``: what they would take on the device), bytes.
         host_pinned_bytes: pinned CPU memory the host chunks take (with their fp32 master copy and gradient
             buffer), bytes.
         device_chunks: chunks on the device.
         host_chunks: chunks on the host.
+        grad_working_bytes: the host chunks' gradients on the device at once on their way to the host, bytes.
+        params_on_host_bytes: parameters the plan keeps on the host, fetched for their reads, bytes (they are
+            in ``resident_model_bytes``, which counts every parameter).
+        param_host_chunks: chunks whose parameters are on the host.
+        fetched_param_bytes: the most of those parameters on the device at once (the schedule's), bytes.
     """
 
     policy: str
@@ -60,6 +67,10 @@ class DecisionFigures:
     host_pinned_bytes: int
     device_chunks: int
     host_chunks: int
+    grad_working_bytes: int = 0
+    params_on_host_bytes: int = 0
+    param_host_chunks: int = 0
+    fetched_param_bytes: int = 0
 
     @classmethod
     def of(cls, plan: PlacementPlan, problem: PlacementProblem) -> DecisionFigures:
@@ -74,6 +85,8 @@ class DecisionFigures:
                 f"the plan ({len(plan.placement)} chunks, margin {plan.margin_bytes} bytes) was not made for "
                 f"this problem ({len(problem.chunks)} chunks, margin {problem.margin_bytes} bytes)")
         placed = list(zip(problem.chunks, plan.placement, strict=True))
+        off = plan.param_host_chunks
+        per = max((c.param_bytes for c in problem.chunks), default=0)
         return cls(
             policy=plan.policy, capacity_bytes=problem.capacity_bytes,
             peak_non_model_bytes=problem.peak_non_model_bytes,
@@ -82,7 +95,10 @@ class DecisionFigures:
             device_state_bytes=sum(c.device_bytes for c, where in placed if where == DEVICE),
             host_state_bytes=sum(c.device_bytes for c, where in placed if where == HOST),
             host_pinned_bytes=plan.host_bytes, device_chunks=len(plan.device_chunks),
-            host_chunks=len(plan.host_chunks))
+            host_chunks=len(plan.host_chunks),
+            grad_working_bytes=problem.host_grad_working_bytes if plan.host_chunks else 0,
+            params_on_host_bytes=sum(problem.chunks[i].param_bytes for i in off), param_host_chunks=len(off),
+            fetched_param_bytes=plan.schedule.max_resident * per if plan.schedule is not None else 0)
 
     @property
     def margin_floor_bytes(self) -> int:
@@ -98,7 +114,9 @@ class DecisionFigures:
         ``data`` is not such a dict (an older file, or another tool's key)."""
         if not isinstance(data, Mapping):
             return None
-        values = {k: data.get(k) for k in cls.__dataclass_fields__}
+        # figures added since (parameters and gradients placed) read as 0 from an older file
+        values = {k: data.get(k, f.default if isinstance(f.default, int) else None)
+                  for k, f in cls.__dataclass_fields__.items()}
         ratio = values["gpu_margin_mem_ratio"]
         sizes = [v for k, v in values.items() if k not in ("policy", "gpu_margin_mem_ratio")]
         if not isinstance(values["policy"], str) or isinstance(ratio, bool) \
@@ -111,7 +129,7 @@ class DecisionFigures:
         """``(label, value)`` lines in words; the plan panel shows them and the PNG's legend uses the same
         labels and figures."""
         fmt = format_bytes
-        return [
+        rows = [
             ("capacity", fmt(self.capacity_bytes)),
             ("peak non-model data", fmt(self.peak_non_model_bytes)),
             ("resident model data", fmt(self.resident_model_bytes)),
@@ -119,10 +137,18 @@ class DecisionFigures:
             ("budget", f"{fmt(self.budget_bytes)}, the policy's share of the margin (gpu_margin_mem_ratio "
                        f"{self.gpu_margin_mem_ratio:g})"),
             ("on device", f"{_chunks(self.device_chunks)}, {fmt(self.device_state_bytes)} of optimizer "
-                          "states"),
-            ("on host", f"{_chunks(self.host_chunks)}, {fmt(self.host_state_bytes)} of optimizer states "
-                        f"({fmt(self.host_pinned_bytes)} of pinned memory)"),
+                          "states and gradients"),
+            ("on host", f"{_chunks(self.host_chunks)}, {fmt(self.host_state_bytes)} of optimizer states and "
+                        f"gradients ({fmt(self.host_pinned_bytes)} of pinned memory)"),
         ]
+        if self.grad_working_bytes:
+            rows.append(("gradients in flight", f"{fmt(self.grad_working_bytes)} of the host chunks' "
+                         "gradients on the device at once, on their way to the host"))
+        rows.append(("parameters", "all on the device" if not self.param_host_chunks else
+                     f"{_chunks(self.param_host_chunks)} ({fmt(self.params_on_host_bytes)}) on the host, "
+                     f"fetched for their reads, at most {fmt(self.fetched_param_bytes)} of them on the "
+                     "device at once"))
+        return rows
 
 
 def plan_panel(plan: PlacementPlan, problem: PlacementProblem | None = None) -> Panel:
@@ -144,14 +170,20 @@ def plan_panel(plan: PlacementPlan, problem: PlacementProblem | None = None) -> 
         grid.add_row("GPU margin", format_bytes(plan.margin_bytes))
         grid.add_row("budget", format_bytes(plan.budget_bytes))
         grid.add_row("on device",
-                     f"{_chunks(len(dev))}, {format_bytes(plan.device_bytes)} of optimizer states")
+                     f"{_chunks(len(dev))}, {format_bytes(plan.device_bytes)} of optimizer states and "
+                     "gradients")
         grid.add_row("on host", f"{_chunks(len(host))}, {format_bytes(plan.host_bytes)} of pinned memory")
     strip = Text()
-    for p in plan.placement:  # a filled or hollow square, so the strip reads without colour too
-        on_device = p == "device"
-        strip.append(_DEVICE_CHUNK if on_device else _HOST_CHUNK, style="green" if on_device else "blue")
+    for i, p in enumerate(plan.placement):  # filled, hollow or dotted, so the strip reads without colour too
+        if plan.params_on_host(i):
+            strip.append(_PARAMS_HOST_CHUNK, style="magenta")
+        else:
+            on_device = p == DEVICE
+            strip.append(_DEVICE_CHUNK if on_device else _HOST_CHUNK, style="green" if on_device else "blue")
     if plan.placement:
-        strip.append(f"  ({_DEVICE_CHUNK} device, {_HOST_CHUNK} host; in first-use order)", style="dim")
+        params = f", {_PARAMS_HOST_CHUNK} parameters too" if plan.param_host_chunks else ""
+        strip.append(f"  ({_DEVICE_CHUNK} device, {_HOST_CHUNK} host: optimizer state and gradients{params}; "
+                     "in first-use order)", style="dim")
         grid.add_row("chunks", strip)
     if plan.options:
         grid.add_row("options", ", ".join(f"{k}={v}" for k, v in plan.options.items()))

@@ -24,13 +24,22 @@ def unfittable_message(elastic: Elastic, planner: Any, sig: Any,
     the host (nothing is left to offload, so a retry fails again): the bytes they need (at least what was in
     use when the allocation failed plus the allocation, from the stand-in's error ``exc``; else an estimate
     scaled by element count from the inputs measured), the device's capacity, and what to reduce. ``None``
-    when some chunk is still on the device (re-planning can make room)."""
+    when some chunk is still on the device, or moving parameters to the host could make room (re-planning
+    can)."""
     plan, problem = planner.plan, planner.problem
     if plan is None or problem is None or sig is None or any(where != HOST for where in plan.placement):
         return None
+    requested, in_use = getattr(exc, "requested", None), getattr(exc, "in_use", None)
+    movable = 0  # parameters a re-plan could still move to the host (two chunks stay for the reads)
+    if problem.accesses:
+        on_device = [c.param_bytes for c in problem.chunks if not plan.params_on_host(c.index)]
+        movable = max(0, sum(on_device) - 2 * max(on_device, default=0))
+        if movable and (requested is None or in_use is None
+                        or in_use + requested - movable <= problem.capacity_bytes):
+            return None  # moving parameters to the host may make room
+
     fb = policies.format_bytes
     cap, resident = problem.capacity_bytes, problem.resident_model_bytes
-    requested, in_use = getattr(exc, "requested", None), getattr(exc, "in_use", None)
     est = elastic.estimate(sig)
     if requested is not None and in_use is not None:
         at_least = in_use + requested
@@ -42,29 +51,30 @@ def unfittable_message(elastic: Elastic, planner: Any, sig: Any,
                 f"{fb(est[0])} of non-model data, scaled by element count from inputs {shapes(est[1])})")
     else:
         need = f"more than the {fb(max(0, cap - resident))} left beside {fb(resident)} of resident model data"
+    params = (f" (moving the parameters there too would free at most {fb(movable)})" if movable else "")
     return (f"memsched: inputs {shapes(sig)} do not fit the device even with every optimizer-state chunk on "
-            f"the host, where all of them already are (nothing is left to offload): they need {need}; the "
-            f"device has {cap} bytes ({fb(cap)}), {fb(resident)} of it resident model data (parameters, "
-            "gradients, buffers). Reduce the batch size or the sequence length, or checkpoint activations "
-            "(torch.utils.checkpoint). Nothing was updated")
+            f"the host, where all of them already are{params}: they need {need}; the device has {cap} bytes "
+            f"({fb(cap)}), {fb(resident)} of it resident model data (parameters, buffers). Reduce the batch "
+            "size or the sequence length, or checkpoint activations (torch.utils.checkpoint). Nothing was "
+            "updated")
 
 
-def explain_unfittable(exc: BaseException, elastic: Elastic, planner: Any) -> None:
-    """Append :func:`unfittable_message` for the step that just failed to ``exc``'s message (once; the
-    exception keeps its type, so retry loops still catch it)."""
-    msg = unfittable_message(elastic, planner, elastic.failed, exc)
+def explain_oom(exc: BaseException, message: str | None) -> None:
+    """Append ``message`` (the scheduler's explanation of an out-of-memory error: nothing left to offload,
+    or a warmup that kept the parameters on the device) to ``exc``'s message, once (the exception keeps
+    its type, so retry loops still catch it)."""
     first = exc.args[0] if exc.args else ""
-    if msg and isinstance(first, str) and "memsched: inputs" not in first:
-        exc.args = (f"{first}\n{msg}", *exc.args[1:])
+    if message and isinstance(first, str) and message not in first:
+        exc.args = (f"{first}\n{message}", *exc.args[1:])
 
 
 def install_elastic_hooks(model: torch.nn.Module, elastic: Elastic,
                           observe_zero_grad: Callable[[Callable[[], None]], None],
-                          planner: Any = None) -> list[Any]:
+                          explain: Callable[[BaseException], str | None] | None = None) -> list[Any]:
     """Install the hooks on ``model`` and register the ``zero_grad`` observer through ``observe_zero_grad``;
-    returns the hook handles (the caller removes them at ``close()``). With ``planner``
-    (:class:`memsched.planning.planner.Planner`) an out-of-memory error of a forward that already had every
-    chunk on the host says so (:func:`explain_unfittable`)."""
+    returns the hook handles (the caller removes them at ``close()``). With ``explain`` (the scheduler's
+    explanation of an out-of-memory error, e.g. :func:`unfittable_message`) a forward that runs out of
+    memory says why (:func:`explain_oom`)."""
 
     def before(_m: torch.nn.Module, args: Any, kwargs: Any) -> None:
         elastic.before_forward(args, kwargs)
@@ -78,8 +88,8 @@ def install_elastic_hooks(model: torch.nn.Module, elastic: Elastic,
         exc = sys.exc_info()[1]
         if output is None and isinstance(exc, OUT_OF_MEMORY):
             elastic.on_oom()
-            if planner is not None:
-                explain_unfittable(exc, elastic, planner)
+            if explain is not None:
+                explain_oom(exc, explain(exc))
 
     def on_zero_grad() -> None:  # in the retry loop's ``except``: the compiled forward ran out of memory
         if isinstance(sys.exc_info()[1], OUT_OF_MEMORY):

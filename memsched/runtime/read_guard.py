@@ -27,6 +27,30 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+# Torch functions that look at a tensor without reading its elements: bookkeeping (a tracer's accounting, a
+# saved-tensor hook, ``p.grad``) is no read. Properties arrive as their getter (``__get__``), named by the
+# descriptor; ``.data``, ``.T`` and the like are views of the elements: reads.
+_METADATA_METHODS = frozenset({
+    "untyped_storage", "data_ptr", "numel", "nelement", "size", "dim", "ndimension", "stride",
+    "storage_offset", "element_size", "is_contiguous", "is_pinned", "is_shared", "get_device", "_is_view",
+    "is_floating_point", "is_complex", "has_names", "__hash__", "__len__", "__sizeof__", "__repr__",
+    "__format__", "__reduce_ex__",
+})
+_METADATA_PROPERTIES = frozenset({
+    "grad", "_grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "_version", "layout",
+    "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "names", "_base", "itemsize",
+    "nbytes", "_grad_fn", "output_nr", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__",
+    "__class__", "is_nested", "retains_grad", "_cdata",
+})
+
+
+def is_metadata(func: Any) -> bool:
+    """Whether the torch function ``func`` only looks at a tensor's metadata (no element is read)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES
+    return name in _METADATA_METHODS
+
 
 class ReadGuard(TorchFunctionMode):
     """Waits for the chunk of a parameter a torch function reads, while that chunk is in ``unwaited``.
@@ -34,33 +58,51 @@ class ReadGuard(TorchFunctionMode):
     Args:
         wait_chunk: ``wait_chunk(chunk_index, what)``: block (overlapped CPU update) and make the compute
             stream wait (H2D copy) for one chunk; ``what`` names the read for the step timeline.
+        grouped: call ``wait_chunk([(chunk_index, parameter), ...], what)`` instead, once per torch function
+            with every guarded parameter it receives (they must all be ready together).
     """
 
-    def __init__(self, wait_chunk: Callable[[int, str], None]) -> None:
+    def __init__(self, wait_chunk: Callable[..., None], *, grouped: bool = False) -> None:
         super().__init__()
         self.wait_chunk = wait_chunk
+        # grouped: wait_chunk([(chunk, parameter), ...], what) once per call, with every parameter it reads
+        self.grouped = grouped
         self.unwaited: dict[int, int] = {}  # id(parameter) -> its chunk, not yet waited for in this forward
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if self.unwaited and not torch.compiler.is_compiling():
-            self._wait_for(args, func)
-            self._wait_for(kwargs.values(), func)
+            found: list[tuple[int, Any]] = []
+            self._find(args, found)
+            self._find(kwargs.values(), found)
+            if found and not is_metadata(func):
+                what = getattr(func, "__name__", str(func))
+                if self.grouped:
+                    self.wait_chunk(found, what)
+                else:
+                    for i, a in found:
+                        if id(a) in self.unwaited:  # wait_chunk drops chunk i's parameters from unwaited
+                            self.wait_chunk(i, what)
         return func(*args, **kwargs)
 
-    def _wait_for(self, values: Iterable[Any], func: Any) -> None:
+    def _find(self, values: Iterable[Any], found: list[tuple[int, Any]]) -> None:
         for a in values:
             if type(a) in (list, tuple):
-                self._wait_for(a, func)
+                self._find(a, found)
                 continue
             i = self.unwaited.get(id(a))
-            if i is not None:  # wait_chunk drops every parameter of chunk i from unwaited
-                self.wait_chunk(i, getattr(func, "__name__", str(func)))
+            if i is not None:
+                found.append((i, a))
 
     def push(self, unwaited: dict[int, int]) -> None:
         """Enter the mode (the root's forward pre-hook), guarding ``unwaited``: ``id(parameter) -> chunk``."""
         self.unwaited = dict(unwaited)
         self.__enter__()
+
+    def watch(self, params: Iterable[Any], chunk: int) -> None:
+        """``params`` (of ``chunk``) need their wait again (their chunk left the device)."""
+        for p in params:
+            self.unwaited[id(p)] = chunk
 
     def waited(self, params: Iterable[Any]) -> None:
         """``params`` were waited for: their reads need no wait any more."""

@@ -49,7 +49,7 @@ class H2DWaits:
 
     def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams,
                  updates: HostUpdates | None = None, timeline: StepTimeline | None = None,
-                 drain_after_forward: bool = False, needed: bool = True) -> None:
+                 drain_after_forward: bool = False, needed: bool = True, fetcher: Any = None) -> None:
         self.model, self.store, self.streams = model, store, streams
         self.needed = needed  # False: synchronous copies, no overlap: only the step timeline's hooks
         self.updates = updates if updates is not None else HostUpdates(store.alloc.device)
@@ -62,8 +62,16 @@ class H2DWaits:
         # parameters get, so it must wait eagerly (see _hook). Dynamo guards on it; it is constant at each
         # point of a step, so it causes no recompilation.
         self._root_compiled = False
-        # reads before their module's wait (memsched.runtime.read_guard)
-        self.guard = ReadGuard(self._wait_read)
+        # reads before their module's wait (memsched.runtime.read_guard). With parameters that live on the
+        # host (memsched.runtime.param_fetch) one guard serves both: the fetcher's, which hands back the
+        # reads of chunks it does not fetch (one mode on the stack, entered and left in order).
+        self.fetcher = fetcher
+        if fetcher is not None:
+            self.guard = fetcher.guard
+            fetcher.delegate_reads(self._wait_read)
+            fetcher.on_forward_begin = self._guard_begin
+        else:
+            self.guard = ReadGuard(self._wait_read)
         self._guarded = False  # the guard is entered (a plain flag: Dynamo reads it in the root's hooks)
 
     def install(self, traced: Sequence[str], *, needed: bool | None = None) -> None:
@@ -97,7 +105,9 @@ class H2DWaits:
         for name, indices in by_module.items():
             hook = Detachable(self._hook(name, sorted(indices)))
             self._handles.append(modules[name].register_forward_pre_hook(hook, prepend=True))
-        if traced:  # steady state (in warmup the root itself waits for every chunk)
+        # steady state (in warmup the root waits for every chunk); with parameters offloaded, the fetcher's
+        # forward pre-hook also pushes the guard (ParamFetcher.on_forward_begin; the second push is a no-op)
+        if traced:
             guard = Detachable(lambda *_a: self._guard_begin())
             self._handles.append(self.model.register_forward_pre_hook(guard, prepend=True))
         compiled = Detachable(lambda *_a: self._compiled_wait())
@@ -139,6 +149,8 @@ class H2DWaits:
         unwaited = {id(p): c.index for c in self.store.chunks
                     if c.placement == HOST and (c.index in pending or _in_flight(c.h2d_event))
                     for p in c.params}
+        if self.fetcher is not None and self.fetcher.active:  # the chunks whose parameters are fetched
+            unwaited.update(self.fetcher.watched_params())
         if unwaited:
             self.guard.push(unwaited)
             self._guarded = True
@@ -155,7 +167,8 @@ class H2DWaits:
     def _mark_waited(self, indices: Sequence[int]) -> None:
         chunks = self.store.chunks
         for i in indices:
-            self.guard.waited(chunks[i].params)
+            if self.fetcher is None or not self.fetcher.owns(i):  # the fetcher says when those are ready
+                self.guard.waited(chunks[i].params)
 
     def _compiled_wait(self) -> None:
         """In compiled code only: the per-module waits compile to nothing (they would split the forward's
@@ -221,7 +234,7 @@ class H2DWaits:
             if self.updates.wait_all() > 0:
                 self.timeline.span(WAITS, "synchronize() <- all chunks", t0, time.perf_counter())
         self.streams.wait([c.h2d_event for c in self.store.chunks], "synchronize() <- all chunks")
-        self.guard.waited_all()
+        self._mark_waited(range(len(self.store.chunks)))
 
     def remove(self) -> None:
         for h in self._handles:

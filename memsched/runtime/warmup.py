@@ -75,6 +75,18 @@ class WarmupTrace:
         finally:
             self._eager.stop()  # compiled code compiles from the next call on
 
+    def classify_parameter(self, t: torch.Tensor) -> None:
+        """``t`` (a chunk's compute buffer fetched during warmup) is parameter memory, not an activation."""
+        tracer = self.tracer
+        if tracer is not None and tracer.accountant is not None:
+            from tracer.categories import Category
+
+            tracer.accountant.classify(t, Category.PARAMETER)
+
+    def sample_count(self) -> int:
+        """The tracer's samples so far (0 when it is not running)."""
+        return self.tracer.sample_count if self.tracer is not None else 0
+
     def traced_modules(self) -> list[str]:
         """Qualified names of the modules whose forward ran in the trace, in first-call order; empty before
         the trace exists."""

@@ -216,8 +216,10 @@ def _decision_levels(decision: DecisionFigures | None) -> list[int]:
     """The byte levels the decision draws (the y axis must reach them)."""
     if decision is None:
         return [0]
-    return [decision.capacity_bytes, decision.margin_floor_bytes, decision.host_state_bytes,
-            decision.margin_floor_bytes + decision.budget_bytes]
+    return [decision.capacity_bytes, decision.margin_floor_bytes,
+            decision.host_state_bytes + decision.params_on_host_bytes,
+            decision.margin_floor_bytes + decision.budget_bytes,
+            decision.margin_floor_bytes + decision.device_state_bytes + decision.grad_working_bytes]
 
 
 def _draw_levels(ax: Axes, d: DecisionFigures, state_color: str, room: float) -> None:
@@ -247,8 +249,13 @@ def _draw_levels(ax: Axes, d: DecisionFigures, state_color: str, room: float) ->
                    label=f"budget {fmt(d.budget_bytes)} (gpu_margin_mem_ratio {d.gpu_margin_mem_ratio:g})")
     if d.device_state_bytes > 0:
         ax.axhspan(floor, floor + d.device_state_bytes, facecolor=state_color, alpha=0.55, edgecolor="none",
-                   gid="optimizer-device", label=f"optimizer state on the device {fmt(d.device_state_bytes)} "
-                                                 f"({d.device_chunks} chunks)")
+                   gid="optimizer-device", label=f"optimizer state and gradients on the device "
+                                                 f"{fmt(d.device_state_bytes)} ({d.device_chunks} chunks)")
+    if d.grad_working_bytes > 0:
+        top = floor + d.device_state_bytes
+        ax.axhspan(top, top + d.grad_working_bytes, facecolor="none", edgecolor=state_color, hatch="//",
+                   linewidth=0.6, gid="grad-working",
+                   label=f"host chunks' gradients on their way to the host {fmt(d.grad_working_bytes)}")
     ax.axhline(d.capacity_bytes, color=CAPACITY_COLOR, linewidth=1.6, gid="capacity",
                label=f"capacity {fmt(d.capacity_bytes)}")
     ax.axhline(floor, color=PEAK_COLOR, linestyle="--", linewidth=1.1, gid="peak-non-model",
@@ -262,7 +269,7 @@ def _draw_levels(ax: Axes, d: DecisionFigures, state_color: str, room: float) ->
         if d.budget_bytes > 0:
             tag(0.80, floor + d.budget_bytes, f"budget {fmt(d.budget_bytes)}", "top")
         if d.device_state_bytes >= room / 2:
-            tag(0.60, floor + d.device_state_bytes / 2, f"optimizer state on the device "
+            tag(0.60, floor + d.device_state_bytes / 2, f"optimizer state and gradients on the device "
                 f"{fmt(d.device_state_bytes)}", "center")
     tag(0.995, floor, f"resident + peak non-model {fmt(floor)}", "top")
     if d.peak_non_model_bytes >= room:
@@ -286,8 +293,14 @@ def _draw_column(side: Axes, d: DecisionFigures, state_color: str, room: float) 
              bottom=floor + d.device_state_bytes, color=MARGIN_COLOR, alpha=0.5, edgecolor="white")
     side.bar(x_host, d.host_state_bytes, width, color="white", hatch=HOST_HATCH, edgecolor=state_color,
              gid="optimizer-host",
-             label=f"optimizer state on the host {fmt(d.host_state_bytes)} ({d.host_chunks} chunks; "
-                   f"{fmt(d.host_pinned_bytes)} of pinned CPU memory)")
+             label=f"optimizer state and gradients on the host {fmt(d.host_state_bytes)} ({d.host_chunks} "
+                   f"chunks; {fmt(d.host_pinned_bytes)} of pinned CPU memory)")
+    if d.params_on_host_bytes > 0:
+        side.bar(x_host, d.params_on_host_bytes, width, bottom=d.host_state_bytes, color="white",
+                 hatch="oo", edgecolor=RESIDENT_COLOR, gid="params-host",
+                 label=f"parameters on the host {fmt(d.params_on_host_bytes)} ({d.param_host_chunks} "
+                       f"chunks, fetched for their reads; at most {fmt(d.fetched_param_bytes)} on the device "
+                       "at once)")
     side.axhline(d.capacity_bytes, color=CAPACITY_COLOR, linewidth=1.6)
     if d.budget_bytes > 0:
         side.bar(x_dev, d.budget_bytes, width, bottom=floor, fill=False, edgecolor=BUDGET_COLOR,
@@ -303,6 +316,7 @@ def _draw_column(side: Axes, d: DecisionFigures, state_color: str, room: float) 
            f"peak non-model\n{fmt(d.peak_non_model_bytes)}")
     inside(x_dev, floor, d.device_state_bytes, f"optimizer state\n{fmt(d.device_state_bytes)}")
     inside(x_host, 0, d.host_state_bytes, f"optimizer state\n{fmt(d.host_state_bytes)}")
+    inside(x_host, d.host_state_bytes, d.params_on_host_bytes, f"parameters\n{fmt(d.params_on_host_bytes)}")
     side.set_xticks([x_dev, x_host], ["device", "host\n(pinned CPU)"], fontsize=8)
     side.set_xlim(-0.5, 1.5)
     side.set_title("where the bytes go", fontsize=9)

@@ -1,0 +1,568 @@
+"""Parameters that live on the host come to the device for their reads (one rank).
+
+A plan may keep some chunks' parameters on the host (:attr:`policies.PlacementPlan.param_placement`): their
+optimizer state and gradients are there too, and their values live in the chunk's host buffer
+(``param_host``). :class:`ParamFetcher` brings such a chunk to the device before a read needs it and lets it
+go after, on the schedule the plan made from the warmup trace (:func:`policies.schedule.schedule_params`):
+
+* **Reads.** A chunk is read by the forward of a module that holds (or, as ``nn.MultiheadAttention`` does with
+  its ``out_proj``, reads) its parameters, by a torch function that receives a parameter outside its module's
+  forward (the fetcher's read guard, :class:`memsched.runtime.read_guard.ReadGuard`, from the forward's start
+  to its backward's end: it sees the re-forward of a checkpointed block too), and by backward when it unpacks
+  what forward saved. Each read calls :meth:`ParamFetcher.read`.
+* **Saved tensors.** While a forward runs, ``torch.autograd.graph.saved_tensors_hooks`` replace a saved
+  parameter, or a saved view of one, by a token naming its chunk and its place in it; unpacking fetches the
+  chunk and rebuilds the view. So autograd never holds a chunk's device buffer between forward and backward,
+  and a parameter swapped meanwhile cannot break a saved tensor (the failure of in-place parameter swaps in
+  transformers #47254 and DeepSpeed #8148). A saved tensor that modified its parameter in place since is
+  refused, as autograd refuses it.
+* **Fetch and evict.** A fetch allocates the chunk's compute buffer, copies the host values into it on the H2D
+  stream (asynchronous on CUDA and on the stand-in's link) and, at the read, binds the parameters to their
+  views once the copy is done. An eviction drops the buffer: its parameters become absent views while
+  computing ([Note: absent parameters] in :mod:`memsched.chunks.store`) and host views between steps. Nothing
+  holds the buffer afterwards but an op still reading it or a copy in flight, which free it when done.
+
+[Note: parameter fetches]
+The schedule lists the step's reads of offloaded chunks and, after each, the chunks that should be on the
+device (or on their way). A read that is the next one listed (or one a few further: a shorter branch skipped
+some) applies its targets: chunks not in them leave, chunks in them that are away are fetched ahead (unless
+their CPU update is still running, or the device has no room for them now: then they come at their read).
+A read the schedule does not expect (a new branch, a longer sequence) is a miss: the chunk is fetched on
+demand, the least recently read offloaded chunks leave to keep as many on the device as the schedule ever
+had, and the miss is counted (``stats``) so the plan can be revised. Reads never see stale values: a chunk is
+read only after its update and its H2D copy are done. Without a schedule (warmup, or a plan without one) every
+read is on demand, with ``demand_resident`` chunks kept. At backward's end the chunks the schedule keeps for
+the next step stay; the others leave, so nothing is left in flight into the step.
+
+The idea is ZeRO-Infinity's parameter offload (DeepSpeed ``offload_param``), ColossalAI Gemini's and
+PatrickStar's chunk eviction and FSDP2's ``CPUOffloadPolicy``; here one schedule from the measured timeline
+decides both what is fetched ahead (bounded by the room at every read) and what leaves (OPT).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memsched.chunks import Chunk, ChunkStore
+from memsched.devices.simdevice import OUT_OF_MEMORY
+from memsched.devices.transfers import Streams, TransferStats
+from memsched.runtime.read_guard import ReadGuard
+from memsched.teardown import weak_method
+from memsched.telemetry.step_timeline import WAITS, StepTimeline
+from policies.types import BACKWARD, ParamSchedule
+from tracer.hook_handles import Detachable
+from tracer.param_reads import Read, phase_now
+
+#: How many scheduled reads ahead a read that is not the next one may be found (a skipped branch).
+LOOKAHEAD = 8
+
+
+@dataclass
+class _Saved:
+    """What a saved tensor in a chunk's buffer is replaced by while backward has not read it yet."""
+
+    chunk: Chunk
+    param: torch.nn.Parameter  # the parameter itself (``view`` None), or the one whose slot the view is in
+    version: int  # the parameter's version counter when it was saved
+    view: tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype] | None  # size, stride, offset, dtype
+
+
+class ParamFetcher:
+    """The reads of host-placed parameter chunks, their fetches and evictions (see the module docstring).
+
+    Args:
+        model: the model (hooks on its modules).
+        store: the chunks.
+        streams: the H2D copies' streams.
+        transfers: byte counters (fetches count as H2D).
+        wait_update: ``f(chunk_index)`` blocking until the CPU update of a chunk is done (``overlap=True``).
+        update_ready: ``f(chunk_index) -> bool``: its CPU update is done, without waiting.
+        timeline: the step timeline (waits for fetches are its ``waits`` spans).
+
+    Attributes:
+        offloaded: the chunks whose parameters live on the host.
+        schedule: the plan's schedule, or ``None`` (every read on demand).
+        demand_resident: offloaded chunks kept on the device without a schedule.
+        stats: ``fetches``, ``prefetches``, ``demand_fetches``, ``misses`` (reads off the schedule),
+            ``evictions``, ``fetched_bytes`` since the last :meth:`take_stats`.
+    """
+
+    def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams, transfers: TransferStats,
+                 wait_update: Callable[[int], None], update_ready: Callable[[int], bool],
+                 timeline: StepTimeline) -> None:
+        self.model, self.store, self.streams, self.transfers = model, store, streams, transfers
+        self._wait_update, self._update_ready = wait_update, update_ready
+        self.timeline = timeline
+        self.offloaded: frozenset[int] = frozenset()
+        self.schedule: ParamSchedule | None = None
+        self.demand_resident = 2
+        self._cursor = 0
+        self._lru: OrderedDict[int, None] = OrderedDict()  # resident offloaded chunks, least recent first
+        self._last: int | None = None  # the chunk read last and ready (repeated reads cost nothing)
+        self._handles: list[Any] = []
+        self._module_handles: list[Any] = []
+        self._saved_hooks: Any = None
+        self._storage: dict[int, Chunk] = {}  # id(untyped storage) of a watched chunk's buffer -> chunk
+        # The read guard (memsched.runtime.read_guard) of the root's forward: the H2D waits enter and leave it
+        # (one mode for both); reads of chunks not fetched here go back to them (delegate_reads).
+        self.guard = ReadGuard(self._guarded_read, grouped=True)
+        self._other_reads: Callable[[int, str], None] = lambda i, what: None
+        # the read guard's push (the H2D waits' root pre-hook, which the fetcher's stands in for when only
+        # this fetcher's chunks need it)
+        self.on_forward_begin: Callable[[], None] = lambda: None
+        self._pinned: frozenset[int] = frozenset()  # chunks read together now: none of them leaves
+        self.recording: list[Read] | None = None  # warmup: every read, for the trace
+        self._stack: list[str] = []  # the modules whose forward is running (recording)
+        self._names = {m: n for n, m in model.named_modules()}
+        self._sample: Callable[[], int] = lambda: 0
+        self.on_alloc: Callable[[torch.Tensor], None] | None = None  # warmup: the tracer classifies fetches
+        # the stand-in leaves fetched buffers out of its fixed peak (memsched.devices.simdevice.SimDevice)
+        self.on_move: Callable[[int], None] = lambda nbytes: None
+        self.module_reads: dict[str, tuple[int, ...]] = {}
+        self.stats = self._zero_stats()
+        self._installed = False
+        self._res_begin = self._res_min = 0
+        self._packing = [id(c) for c in store.chunks]  # the chunks the indices above refer to
+
+    # ---- the resident parameters over a step, for the elastic peak probe --------------------------------
+    def begin(self) -> None:
+        """A measurement begins: remember the host-placed chunks on the device now and start tracking the
+        fewest of them on the device at once ([Note: parameters in the measured peak] in
+        :mod:`memsched.planning.elastic`)."""
+        self._res_begin = self._res_min = self._resident_bytes()
+
+    def correction(self) -> int:
+        """Bytes of host-placed parameter chunks on the device at the measurement's begin less the fewest on
+        it at once since."""
+        return self._res_begin - min(self._res_min, self._resident_bytes())
+
+    def _resident_bytes(self) -> int:
+        return sum(self.store.chunks[i].data_bytes for i in self._lru)
+
+    @staticmethod
+    def _zero_stats() -> dict[str, int]:
+        return dict.fromkeys(("fetches", "prefetches", "demand_fetches", "misses", "evictions",
+                              "fetched_bytes"), 0)
+
+    def take_stats(self) -> dict[str, int]:
+        """The counters since the last call (which restarts them)."""
+        out, self.stats = self.stats, self._zero_stats()
+        return out
+
+    @property
+    def active(self) -> bool:
+        """Some chunk's parameters live on the host, or reads are recorded."""
+        return bool(self.offloaded) or self.recording is not None
+
+    def owns(self, i: int) -> bool:
+        """Whether reads of chunk ``i`` are this fetcher's to handle (it is offloaded, or reads are
+        recorded)."""
+        return self.recording is not None or i in self.offloaded
+
+    def delegate_reads(self, wait: Callable[[int, str], None]) -> None:
+        """Reads the guard sees of chunks this fetcher does not own go to ``wait(chunk, what)`` (the H2D
+        waits of resident host chunks, :mod:`memsched.runtime.waits`)."""
+        self._other_reads = wait
+
+    # ---- configuration ------------------------------------------------------------------------------------
+    def use(self, offloaded: Iterable[int], schedule: ParamSchedule | None,
+            module_reads: dict[str, tuple[int, ...]] | None = None) -> None:
+        """From now on the chunks ``offloaded`` keep their parameters on the host, fetched on ``schedule``
+        (``None``: on demand), each module's forward reading ``module_reads[name]`` (default: the chunks of
+        its own parameters). Between steps only: chunks no longer offloaded are fetched to stay (the caller
+        then moves their state), newly offloaded ones leave the device unless the schedule keeps them.
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): a chunk that stays on the device does not fit.
+        """
+        new = frozenset(offloaded)
+        for i in sorted(self.offloaded - new):  # their parameters stay on the device from now on
+            c = self.store.chunks[i]
+            if not self.store.resident(c):
+                self._fetch(c, wait=True)
+            self._lru.pop(i, None)
+        self.offloaded, self.schedule = new, schedule
+        self.module_reads = dict(module_reads or {})
+        keep = set(schedule.keep) if schedule is not None else set()
+        for i in sorted(new):
+            c = self.store.chunks[i]
+            if i in keep and self.store.resident(c):
+                self._lru[i] = None
+            else:
+                self._evict(c)
+        self._watch()
+        self._install_module_hooks()
+
+    def repacked(self) -> None:
+        """The store's chunks were re-packed (:meth:`memsched.chunks.ChunkStore.repack`): the chunk indices
+        are new. The offloaded chunks are now those whose parameters are not on the device; none is kept
+        (no schedule until the next :meth:`use`). A re-pack that kept the old chunks changes nothing."""
+        if [id(c) for c in self.store.chunks] == self._packing:
+            return
+        self._packing = [id(c) for c in self.store.chunks]
+        self.offloaded = frozenset(c.index for c in self.store.chunks if not self.store.resident(c))
+        self.schedule, self._cursor, self._last = None, 0, None
+        self._lru.clear()
+        self._watch()
+        self._install_module_hooks()
+
+    def record(self, sample: Callable[[], int]) -> None:
+        """Warmup: record every read of every chunk (:attr:`recording`), with ``sample()`` (the tracer's
+        sample count) and the innermost module."""
+        self.recording = []
+        self._sample = sample
+        self._watch()
+        self._install_module_hooks()
+
+    def stop_recording(self) -> list[Read]:
+        """The reads recorded; recording stops."""
+        reads, self.recording = self.recording or [], None
+        self._watch()
+        self._install_module_hooks()
+        return reads
+
+    def _watch(self) -> None:
+        """The storages the saved-tensor hooks replace: the offloaded chunks' (every chunk's while
+        recording)."""
+        self._storage = {id(c.data.untyped_storage()): c for c in self.store.chunks
+                         if c.data is not None and (self.recording is not None or c.index in self.offloaded)}
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Observe the end of backward (once); the root's forward hooks come and go with :attr:`active`."""
+        if self._installed:
+            return
+        self._installed = True
+        self.store.observe_backward_end(weak_method(self.backward_end))
+        self._install_module_hooks()
+
+    def _install_root_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if not (self._installed and self.active):
+            return
+        # before any read of the forward (its module reads are hooked after it, the root's appended)
+        begin = Detachable(lambda *_a: self._forward_begin())
+        self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
+        end = Detachable(lambda *_a: self._forward_end())
+        self._handles.append(self.model.register_forward_hook(end, always_call=True))
+
+    def _install_module_hooks(self) -> None:
+        for h in self._module_handles:
+            h.remove()
+        self._module_handles.clear()
+        self._install_root_hooks()
+        if not (self._installed and self.active):
+            return
+        store = self.store
+        for name, m in self.model.named_modules():
+            root = m is self.model  # the root's read comes after the forward's start (_forward_begin)
+            if self.recording is not None:  # every module: the innermost one is recorded with each read
+                own = [p for p in m.parameters(recurse=False) if id(p) in store.param_chunk]
+                pre = Detachable(self._recording_pre(name, own))
+                self._module_handles.append(m.register_forward_pre_hook(pre, prepend=not root))
+                post = Detachable(lambda *_a: self._pop_module())
+                self._module_handles.append(m.register_forward_hook(post, always_call=True))
+                continue
+            reads = self.module_reads.get(name)
+            if reads is None:
+                reads = tuple(sorted({store.param_chunk[id(p)].index for p in m.parameters(recurse=False)
+                                      if id(p) in store.param_chunk}))
+            reads = tuple(i for i in reads if i in self.offloaded)
+            if reads:
+                hook = Detachable(self._module_pre(reads))
+                self._module_handles.append(m.register_forward_pre_hook(hook, prepend=not root))
+
+    def _recording_pre(self, name: str, own: list[torch.nn.Parameter]) -> Callable[..., None]:
+        def pre(*_a: Any) -> None:
+            self._stack.append(name)
+            if own and not torch.compiler.is_compiling():
+                self._read_params(own, "module")
+        return pre
+
+    def _pop_module(self) -> None:  # a forward hook: returning anything would replace the module's output
+        if self._stack:
+            self._stack.pop()
+
+    def _module_pre(self, reads: tuple[int, ...]) -> Callable[..., None]:
+        def pre(*_a: Any) -> None:
+            if not torch.compiler.is_compiling():
+                self.read_group(reads, phase_now())
+        return pre
+
+    def _forward_begin(self) -> None:
+        if torch.compiler.is_compiling() or not self.active:
+            return
+        self._cursor, self._last = 0, None
+        self._stack.clear()
+        if self.recording is not None and torch.is_grad_enabled():
+            self.recording.append(Read(None, "begin", self._sample(), ""))  # type: ignore[arg-type]
+        if torch.is_grad_enabled():  # chunks fetched during the forward are saved through these too
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._saved_hooks.__enter__()
+        self.on_forward_begin()
+
+    def _forward_end(self) -> None:
+        """The root's forward ends. Its read guard is left here (by the H2D waits): until backward fetches
+        them, the parameters of chunks away from the device are host views, so a read outside the forward
+        (a loss term) sees their values (on CUDA: refuses them, being on the host) instead of the NaN of
+        their absent views. With no backward to follow, the forward's reads are over."""
+        if torch.compiler.is_compiling():
+            return
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        if not self.offloaded:
+            return
+        if torch.is_grad_enabled():
+            for i in self.offloaded:
+                c = self.store.chunks[i]
+                if not self.store.resident(c):
+                    self.store.bind_host(c)
+        elif self.schedule is not None:
+            self._settle()
+
+    def watched_params(self) -> dict[int, int]:
+        """``id(parameter) -> chunk`` the read guard watches for this fetcher: every chunk's while recording,
+        else the offloaded chunks' (each until it is ready on the device)."""
+        store = self.store
+        chunks = store.chunks if self.recording is not None else [store.chunks[i] for i in self.offloaded]
+        return {id(p): c.index for c in chunks for p in c.params}
+
+    def _guarded_read(self, found: list[tuple[int, torch.Tensor]], what: str) -> None:
+        """The read guard saw a torch function (``what``) receive the parameters ``found`` (chunk,
+        parameter): they are read together; those of chunks this fetcher does not own wait as the H2D
+        waits say."""
+        mine = [(i, p) for i, p in found if self.owns(i)]
+        for i in sorted({i for i, _ in found if not self.owns(i)}):
+            if any(self.guard.unwaited.get(id(p)) == i for j, p in found if j == i):
+                self._other_reads(i, what)
+        if not mine:
+            return
+        if self.recording is not None:
+            self._read_params([p for _, p in mine], what)  # type: ignore[misc]
+        else:
+            self.read_group(sorted({i for i, _ in mine}), phase_now())
+
+    def backward_end(self) -> None:
+        """Backward's end (before the host chunks become host-bound): the reads of the step are over."""
+        if self.offloaded:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Only the chunks the schedule keeps for the next step stay on the device (all of them without a
+        schedule: ``demand_resident`` most recently read)."""
+        if self.schedule is not None:
+            keep = set(self.schedule.keep)
+        else:
+            keep = set(list(self._lru)[-self.demand_resident:])
+        for i in list(self._lru):
+            if i not in keep:
+                self._evict(self.store.chunks[i])
+        self._last = None
+
+    def remove(self) -> None:
+        """Remove every hook (``close()``)."""
+        if self._saved_hooks is not None:
+            hooks, self._saved_hooks = self._saved_hooks, None
+            hooks.__exit__(None, None, None)
+        for h in (*self._handles, *self._module_handles):
+            h.remove()
+        self._handles.clear()
+        self._module_handles.clear()
+
+    # ---- reads --------------------------------------------------------------------------------------------
+    def _read_params(self, params: list[torch.nn.Parameter], what: str) -> None:
+        """Recording: ``params`` are read now (by a module's forward, a torch function ``what``, backward);
+        a training step's reads are recorded (an evaluation's forward is not)."""
+        phase = phase_now()
+        if self.recording is not None and (torch.is_grad_enabled() or phase == BACKWARD):
+            module = self._stack[-1] if self._stack else ""
+            sample = self._sample()
+            for p in params:
+                self.recording.append(Read(p, phase, sample, module))
+        self.read_group(sorted({self.store.param_chunk[id(p)].index for p in params}), phase)
+
+    def read_group(self, indices: Iterable[int], phase: str) -> None:
+        """Chunks read together (a module's forward, one torch function): each is made ready and none of them
+        leaves the device while the others are."""
+        indices = [i for i in indices if i in self.offloaded]
+        if not indices:
+            return
+        if len(indices) == 1:
+            self.read(indices[0], phase)
+            return
+        self._pinned = frozenset(indices)
+        try:
+            for i in indices:
+                self.read(i, phase)
+        finally:
+            self._pinned = frozenset()
+
+    def read(self, i: int, phase: str) -> None:
+        """Chunk ``i``'s parameters are about to be read (in ``phase``): when they live on the host, make
+        them ready on the device (see [Note: parameter fetches])."""
+        if i == self._last or i not in self.offloaded:
+            return
+        c = self.store.chunks[i]
+        with torch._C.DisableTorchFunction():  # fetching binds parameters: bookkeeping, not reads
+            self._advance(i, phase)
+            self._ready(c)
+        self._last = i
+
+    def _advance(self, i: int, phase: str) -> None:
+        """Apply the schedule at this read (see [Note: parameter fetches])."""
+        sched = self.schedule
+        pos = None
+        if sched is not None:
+            acc = sched.accesses
+            now = acc[self._cursor - 1] if self._cursor > 0 else None
+            if now is not None and (now.chunk, now.phase) == (i, phase):  # the access in progress, read again
+                return
+            end = min(len(acc), self._cursor + LOOKAHEAD)
+            pos = next((k for k in range(self._cursor, end) if acc[k].chunk == i and acc[k].phase == phase),
+                       None)
+            if pos is None and phase == BACKWARD:  # backward begins: its reads follow forward's
+                start = next((k for k, a in enumerate(acc) if a.phase == BACKWARD), len(acc))
+                if self._cursor <= start:
+                    pos = next((k for k in range(start, min(len(acc), start + LOOKAHEAD))
+                                if acc[k].chunk == i), None)
+        if pos is None:
+            if sched is not None:
+                self.stats["misses"] += 1
+            # off the schedule: as many as the room where the schedule stands (else the demand budget)
+            if sched is not None and sched.slots:
+                budget = sched.slots[min(self._cursor, len(sched.slots) - 1)]
+            else:
+                budget = self.demand_resident
+            for j in list(self._lru)[:max(0, len(self._lru) + 1 - budget)]:
+                if j != i and j not in self._pinned:
+                    self._evict(self.store.chunks[j])
+            return
+        self._cursor = pos + 1
+        targets = sched.targets[pos]
+        for j in list(self._lru):
+            if j != i and j not in targets and j not in self._pinned:
+                self._evict(self.store.chunks[j])
+        for j in targets:
+            c = self.store.chunks[j]
+            if j != i and not self.store.resident(c) and self._update_ready(j):
+                try:
+                    self._fetch(c, wait=False)
+                    self.stats["prefetches"] += 1
+                except OUT_OF_MEMORY:  # no room now: it comes at its read
+                    pass
+
+    def _ready(self, c: Chunk) -> None:
+        """``c`` on the device, its update and H2D copy done, its parameters bound to their views."""
+        self._wait_update(c.index)
+        if not self.store.resident(c):
+            self.stats["demand_fetches"] += 1
+            self._fetch(c, wait=False)
+        if c.h2d_event is not None:
+            t0 = time.perf_counter()
+            self.streams.wait([c.h2d_event], f"fetch <- chunk {c.index}")
+            if not self.streams.cuda:
+                c.h2d_event = None
+            self.timeline.span(WAITS, f"fetch <- chunk {c.index}", t0, time.perf_counter(), chunks=[c.index])
+        self._lru.pop(c.index, None)
+        self._lru[c.index] = None
+        self._res_min = min(self._res_min, self._resident_bytes())
+        if self.store.computing:  # host-bound since the forward's end, or absent: its device views now
+            self.store.bind_resident(c)
+        if self.recording is None:
+            self.guard.waited(c.params)
+
+    def _fetch(self, c: Chunk, *, wait: bool) -> None:
+        """Allocate ``c``'s compute buffer and start the H2D copy of its host values (after its CPU update).
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): no room even after the other offloaded chunks left.
+        """
+        self._wait_update(c.index)
+        self.on_move(c.data_bytes)
+        try:
+            try:
+                data = self.store.alloc.device_empty(c.numel, c.dtype)
+            except OUT_OF_MEMORY:
+                # make room: every other offloaded chunk leaves (not those read now)
+                for j in list(self._lru):
+                    if j != c.index and j not in self._pinned:
+                        self._evict(self.store.chunks[j])
+                data = self.store.alloc.device_empty(c.numel, c.dtype)
+        except BaseException:
+            self.on_move(-c.data_bytes)
+            raise
+        if self.on_alloc is not None:
+            self.on_alloc(data)
+        if c.hi - c.lo < c.numel:  # the padding beyond the shard is never read; zero it for determinism
+            data[c.hi:].zero_()
+            data[:c.lo].zero_()
+        self.store.attach_data(c, data)
+        with self.store.alloc.host_context():
+            nbytes = c.start_h2d(self.streams, c.param_host)
+        self.transfers.add_h2d(nbytes)
+        self.stats["fetches"] += 1
+        self.stats["fetched_bytes"] += nbytes
+        if self.recording is not None or c.index in self.offloaded:
+            self._storage[id(data.untyped_storage())] = c
+        if wait:
+            c.wait_h2d()
+
+    def _evict(self, c: Chunk) -> None:
+        if not self.store.resident(c):
+            return
+        self._storage.pop(id(c.data.untyped_storage()), None)
+        self.store.detach_data(c)
+        self.on_move(-c.data_bytes)
+        self._lru.pop(c.index, None)
+        self._res_min = min(self._res_min, self._resident_bytes())
+        self.stats["evictions"] += 1
+        if self._last == c.index:
+            self._last = None
+        self.guard.watch(c.params, c.index)  # a later read of its parameters fetches it again
+
+    # ---- saved tensors ------------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return t
+        c = self._storage.get(id(t.untyped_storage()))
+        if c is None:
+            return t
+        store = self.store
+        if id(t) in store.param_chunk and store.param_chunk[id(t)] is c:
+            return _Saved(c, t, t._version, None)
+        if t.dtype != c.dtype:
+            return t  # a reinterpreting view: kept as it is (its buffer stays alive until backward reads it)
+        off = t.storage_offset()
+        p = next((q for q, (o, n) in zip(c.params, c.ranges, strict=True) if o <= off < o + n), None)
+        if p is None:
+            return t
+        return _Saved(c, p, p._version, (tuple(t.shape), tuple(t.stride()), off, t.dtype))
+
+    def _unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _Saved):
+            return saved
+        p = saved.param
+        if p._version != saved.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: parameter of shape {tuple(p.shape)} is at version {p._version}; expected "
+                f"version {saved.version} instead (memsched saved it for backward while its chunk's "
+                "parameters live on the host)")
+        c = saved.chunk
+        if self.recording is not None:
+            self._read_params([p], "backward")
+        else:
+            self.read(c.index, BACKWARD)
+        if saved.view is None:
+            return p
+        size, stride, off, _dtype = saved.view
+        return c.data.as_strided(size, stride, off)
