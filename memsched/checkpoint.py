@@ -211,7 +211,9 @@ def _load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
                     _state_tensor(c, key)[ss : ss + n].copy_(t)
             for c in store.chunks:
                 if not c.mixed and c.master is not None:  # fp32 on the host: the master is the parameter
-                    c.master.copy_(c.data[c.lo : c.hi])
+                    values = store.values(c)  # host-bound: the master itself, written above
+                    if values.data_ptr() != c.master.data_ptr():
+                        c.master.copy_(values)
     for g, saved in zip(opt.param_groups, saved_groups, strict=True):
         for k, v in saved.items():
             if k not in ("params", FROZEN_KEY):

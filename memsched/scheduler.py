@@ -322,6 +322,7 @@ class Scheduler:
         if self.elastic is not None:
             self.elastic.after_step()
         if self.phase is not Phase.WARMUP:
+            self._revise_fetches()
             return
         if self.steps < self.warmup_steps:
             if self.params is not None and self.params.recording is not None:
@@ -338,6 +339,8 @@ class Scheduler:
         self.phase = Phase.PLAN_FAILED  # until the plan is applied
         # with the parameters on the host in warmup, each new chunk's leave the device as it is built
         away = (lambda store, c: store.detach_data(c)) if self.warmup_params_on_host else None
+        if self.params is not None:
+            self.params.evict_all()
         self.planner.repack(self.first_use_order(), after_chunk=away)
         if self.params is not None:
             self.params.repacked()
@@ -353,6 +356,18 @@ class Scheduler:
         # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
         # (the reduction comes first).
         self.optimizer.enter_steady_state(overlap=self.config.overlap, early_update=self.config.early_update)
+
+    def _revise_fetches(self) -> None:
+        """After a step some of whose parameter reads were off the schedule (a branch taken since the trace):
+        the next step records its reads, and the plan is made again from them
+        (:meth:`memsched.planning.planner.Planner.revise`). Each miss was fetched on demand meanwhile."""
+        fetcher = self.params
+        if fetcher is None or self.phase is not Phase.PLANNED:
+            return
+        if fetcher.recording is not None:
+            self.planner.revise(fetcher.stop_recording(), self.steps)
+        elif fetcher.misses and fetcher.offloaded:
+            fetcher.record(lambda: 0)  # in order; the bytes come from the plan in force
 
     def _planned_absent_bytes(self) -> int:
         """What the plan counts apart from the measured peak that is not on the device now, bytes (the elastic

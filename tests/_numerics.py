@@ -75,8 +75,9 @@ class Reference:
                     p.copy_(m)
 
     def step(self, batch, loss_fn: Callable, clip: float | None, on_host: Collection[int] = ()) -> None:
-        """One training step; ``on_host``: indices (in ``model.parameters()`` order) whose AdamW update runs
-        on the CPU (where memsched keeps their chunk)."""
+        """One training step over ``batch`` (a list: micro-batches whose gradients accumulate, one backward
+        each); ``on_host``: indices (in ``model.parameters()`` order) whose AdamW update runs on the CPU
+        (where memsched keeps their chunk)."""
         self._on_host = on_host
         self._step(batch, loss_fn, clip)
         self.sync()
@@ -110,8 +111,9 @@ class Reference:
 
     def _step(self, batch, loss_fn: Callable, clip: float | None) -> None:
         params = list(self.model.parameters())
-        loss = loss_fn(self.model, batch)
-        (loss.float() * self.scale if self.scale is not None else loss).backward()
+        for micro in batch if isinstance(batch, list) else [batch]:
+            loss = loss_fn(self.model, micro)
+            (loss.float() * self.scale if self.scale is not None else loss).backward()
         if self.dtype == torch.float32:
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_(params, clip)

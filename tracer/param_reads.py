@@ -4,8 +4,9 @@ A parameter is read by the forward of the module that holds it (a re-forward of 
 backward included) and by backward when it unpacks what forward saved of it (``F.linear`` saves its weight,
 or a view of it). :class:`ParamReads` records each read as a :class:`Read`: the parameter, the phase, the
 tracer's sample count at that moment (so the read can be placed on the memory timeline) and the innermost
-module running. It works on real and on fake tensors (``FakeTensorMode``), and installs nothing that outlives
-its ``with`` block.
+module running; and, as ``"grad"`` events, each time backward accumulates a parameter's gradient (from which
+the gradients alive at each moment follow, for any packing of the parameters into buffers). It works on real
+and on fake tensors (``FakeTensorMode``), and installs nothing that outlives its ``with`` block.
 
 The idea of recording the parameter accesses of a warmup step to plan fetches comes from ColossalAI Gemini
 (its compute list) and DeepSpeed ZeRO-3 (its recorded module trace). The scheduler records more than this
@@ -25,7 +26,7 @@ import torch
 from tracer.hook_handles import Detachable
 from tracer.ops import graph_task_id
 
-FORWARD, BACKWARD, BEGIN = "forward", "backward", "begin"
+FORWARD, BACKWARD, BEGIN, GRAD, END = "forward", "backward", "begin", "grad", "end"
 
 
 def phase_now() -> str:
@@ -41,7 +42,8 @@ class Read:
 
     Attributes:
         param: the parameter read (``None`` for a ``"begin"`` marker: a training forward starts).
-        phase: ``"forward"``, ``"backward"`` or ``"begin"``.
+        phase: ``"forward"``, ``"backward"``, ``"begin"``, ``"grad"`` (its gradient was accumulated) or
+            ``"end"`` (a backward pass ended; ``param`` is ``None``).
         sample: the tracer's sample count when it was read (an index into the timeline's samples).
         module: the innermost module whose forward was running (``""``: the root, or none).
     """
@@ -71,9 +73,13 @@ class ParamReads:
         self._handles: list[Any] = []
         self._saved: Any = None
         self._storages: dict[int, torch.nn.Parameter] = {}
+        self._in_backward = False
 
     def __enter__(self) -> ParamReads:
         self._storages = {id(p.untyped_storage()): p for p in self.model.parameters()}
+        for p in self.model.parameters():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(Detachable(self._grad_made)))
         for name, m in self.model.named_modules():
             own = list(m.parameters(recurse=False))
             root = m is self.model
@@ -107,6 +113,16 @@ class ParamReads:
             if root and phase_now() == FORWARD:
                 self._leave_saved()
         return post
+
+    def _grad_made(self, p: torch.nn.Parameter) -> None:
+        if not self._in_backward:  # the backward's end is marked once it is over
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        self.reads.append(Read(p, GRAD, self._sample(), ""))
+
+    def _backward_end(self) -> None:
+        self._in_backward = False
+        self.reads.append(Read(None, END, self._sample(), ""))
 
     def _leave_saved(self) -> None:
         if self._saved is not None:

@@ -710,6 +710,9 @@ class ChunkStore:
                 see only part of them. ``zero_grad()`` drops them.
         """
         if self.in_backward:
+            # between steps again: parameters whose buffer is away read their host values, not the absent
+            # views' NaN (the refusal stands until zero_grad())
+            self.leave_compute()
             raise RuntimeError(
                 "memsched: the last backward did not finish (it raised, or this runs inside it): its "
                 "gradients are partly on the host and partly on the device, so a clip_grad_norm_ over "

@@ -20,7 +20,7 @@ from memsched.planning.problem import (
     resident_extra_bytes,
     trainable_groups,
 )
-from memsched.planning.reads import chunk_accesses, non_model_grad_bytes
+from memsched.planning.reads import chunk_accesses, grad_working_bytes
 from policies.types import PlacementPlan, PlacementProblem
 from policies.units import format_bytes
 
@@ -64,9 +64,9 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
 
     The problem carries the predicted step's chunk accesses (:attr:`Prediction.reads` mapped to the chunks,
     :func:`memsched.planning.reads.chunk_accesses`), so a policy may keep parameters on the host when they do
-    not fit. The trace is of plain torch, whose gradients all stay on the device: at most two chunks' worth
-    of them count (what memsched keeps of host chunks' gradients on their way to the host), at each access
-    and in the problem's ``host_grad_working_bytes`` (what that adds to the peak of non-model data).
+    not fit. The trace is of plain torch, whose gradients all stay on the device: the gradients memsched
+    has in flight to the host follow from the recorded gradient events ([Note: gradients in flight] in
+    :mod:`memsched.planning.reads`), at each access and in the problem's ``host_grad_working_bytes``.
 
     Raises:
         ValueError: a ratio outside [0, 1] or a negative capacity (from :class:`PlacementProblem`), an unknown
@@ -80,17 +80,20 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
                                     gpu_margin_mem_ratio=gpu_margin_mem_ratio, master_weights=master,
                                     param_order=order, compute_dtype=dtype,
                                     pinned=True)  # planned for a CUDA device: host state is pinned
-    # The trace is of plain torch, whose gradients stay on the device: memsched keeps at most the working set
-    # of the host chunks' gradients there (two chunks' worth), so that much of the traced gradients counts.
-    bound = problem.host_grad_working_bytes
-    samples = [s for s in prediction.timeline.samples if s.device == prediction.device]
-    working = max(0, max((non_model_grad_bytes(s, bound) for s in samples), default=0)
-                  - problem.peak_non_model_bytes)
+    # The trace is of plain torch, whose gradients stay on the device; memsched's leave it chunk by chunk:
+    # the gradients in flight follow from the recorded gradient events in this packing (memsched.planning.
+    # reads), and so what they add to the peak.
+    grad_bytes = chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master).grad_bytes
     accesses: list[Any] = []
     if prediction.reads:
-        accesses, _ = chunk_accesses(prediction.reads, layout_param_chunks(model, layout, order),
-                                     prediction.timeline, prediction.device, grad_working_bytes=bound)
-    problem = dataclasses.replace(problem, host_grad_working_bytes=working, accesses=tuple(accesses))
+        chunks = layout_param_chunks(model, layout, order)
+        accesses = chunk_accesses(prediction.reads, chunks, prediction.timeline, prediction.device,
+                                  grad_bytes=grad_bytes)
+        working = grad_working_bytes(prediction.reads, chunks, prediction.timeline, grad_bytes,
+                                     prediction.device)
+        if working is not None:
+            problem = dataclasses.replace(problem, host_grad_working_bytes=working)
+    problem = dataclasses.replace(problem, accesses=tuple(accesses))
     per_chunk = [chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master,
                              n_params=len(slots)) for slots in layout.chunks]
     cb = per_chunk[0]

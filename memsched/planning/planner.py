@@ -28,7 +28,7 @@ from memsched.distributed.base import DataParallel
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import build_problem, machine_inputs
-from memsched.planning.reads import chunk_accesses, scaled
+from memsched.planning.reads import chunk_accesses, grad_working_bytes, reordered, scaled
 from policies.plans import make_plan, schedule_for
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
 
@@ -61,8 +61,8 @@ class Planner:
         transfers: the byte counters; chunk moves add to ``chunk_moves_bytes``.
         wait_updates: ``f(what)`` blocking until no overlapped update reads the chunks (before chunks move).
         params: what brings parameters that live on the host to the device
-            (:class:`memsched.runtime.param_fetch.ParamFetcher`: ``offloaded`` and ``use(offloaded, schedule,
-            module_reads)``), or ``None`` (parameters never leave the device).
+            (:class:`memsched.runtime.param_fetch.ParamFetcher`: ``offloaded`` and ``use(offloaded,
+            schedule)``), or ``None`` (parameters never leave the device).
 
     Attributes:
         policy: the placement policy (:mod:`policies`).
@@ -98,7 +98,6 @@ class Planner:
         self.host_grad_working_bytes = 0
         self._params = params
         self.accesses: tuple[ChunkAccess, ...] = ()  # the warmup step's chunk reads (in the packing in force)
-        self.module_reads: dict[str, tuple[int, ...]] = {}
         self._traced_peak = 0  # the peak non-model data the accesses were traced with
 
     def measure_warmup(self, costs: WarmupCosts) -> None:
@@ -129,10 +128,16 @@ class Planner:
         self._timeline = timeline
         self.host_grad_working_bytes = host_grad_working_bytes
         if reads and self._params is not None and self._device.kind != "cpu":
-            accesses, self.module_reads = chunk_accesses(
-                reads, {k: c.index for k, c in self._store.param_chunk.items()}, timeline)
+            chunks = {k: c.index for k, c in self._store.param_chunk.items()}
+            grad_bytes = max(c.data_bytes for c in self._store.chunks)
+            accesses = chunk_accesses(reads, chunks, timeline, grad_bytes=grad_bytes)
             self.accesses = tuple(accesses)
             self._traced_peak = peak_non_model_bytes
+            # the gradients in flight in this packing ([Note: gradients in flight] in
+            # memsched.planning.reads); the warmup measured them in its own packing: the larger of the two
+            simulated = grad_working_bytes(reads, chunks, timeline, grad_bytes)
+            if simulated is not None and self._store.offloader is not None:
+                self.host_grad_working_bytes = max(host_grad_working_bytes, simulated)
         problem = self.problem = self._problem(peak_non_model_bytes)
         if self._device.kind == "cpu":
             self.plan = policies.make_plan(
@@ -172,6 +177,21 @@ class Planner:
         self._apply(plan)
         self.problem = problem
         self.history.append(PlanChange(steps, reason, plan, peak, self._transfers.chunk_moves_bytes - before))
+
+    def revise(self, reads: Sequence[Any], steps: int) -> None:
+        """The parameter reads of a step came in an order the schedule did not expect (read off it, fetched
+        on demand): make the plan again from the reads of the step after it, ``reads``
+        (:func:`memsched.planning.reads.reordered`), and apply it."""
+        chunks = {k: c.index for k, c in self._store.param_chunk.items()}
+        accesses = reordered(reads, chunks, self.accesses)
+        if not accesses or self.problem is None:
+            return
+        self.accesses = tuple(accesses)
+        self._traced_peak = self.problem.peak_non_model_bytes  # the bytes are those of the plan in force
+        self.replan(self.problem.peak_non_model_bytes,
+                    "the parameter reads came in another order than the schedule's", steps)
+        if self._params is not None:
+            self._params.resume_schedule()
 
     def _most_offloaded(self, problem: policies.PlacementProblem) -> PlacementPlan:
         """The plan that keeps the least on the device: everything on the host, every parameter fetched for
@@ -230,7 +250,7 @@ class Planner:
         if self._params is not None:
             offloaded = plan.param_host_chunks
             if offloaded or self._params.offloaded:
-                self._params.use(offloaded, plan.schedule, self.module_reads)
+                self._params.use(offloaded, plan.schedule)
         moved = []
         try:
             for c, where in zip(store.chunks, plan.placement, strict=True):

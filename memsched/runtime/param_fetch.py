@@ -27,12 +27,14 @@ The schedule lists the step's reads of offloaded chunks and, after each, the chu
 device (or on their way). A read that is the next one listed (or one a few further: a shorter branch skipped
 some) applies its targets: chunks not in them leave, chunks in them that are away are fetched ahead (unless
 their CPU update is still running, or the device has no room for them now: then they come at their read).
-A read the schedule does not expect (a new branch, a longer sequence) is a miss: the chunk is fetched on
-demand, the least recently read offloaded chunks leave to keep as many on the device as the schedule ever
-had, and the miss is counted (``stats``) so the plan can be revised. Reads never see stale values: a chunk is
-read only after its update and its H2D copy are done. Without a schedule (warmup, or a plan without one) every
-read is on demand, with ``demand_resident`` chunks kept. At backward's end the chunks the schedule keeps for
-the next step stay; the others leave, so nothing is left in flight into the step.
+A read the schedule does not expect (a new branch) is a miss: the chunk is fetched on demand and, until
+the plan is revised, every read is: only the chunks read now and the one read last stay on the device
+(what else the device holds at each point is no longer known); the next step records its reads and the
+plan is made again from them (:meth:`memsched.planning.planner.Planner.revise`). Reads never see stale
+values: a chunk is read only after its update and its H2D copy are done. Without a schedule (warmup, or a
+plan without one) every read is on demand, with ``demand_resident`` chunks kept. At backward's end the
+chunks the schedule keeps for the next step stay; the others leave, so nothing is left in flight into the
+step.
 
 The idea is ZeRO-Infinity's parameter offload (DeepSpeed ``offload_param``), ColossalAI Gemini's and
 PatrickStar's chunk eviction and FSDP2's ``CPUOffloadPolicy``; here one schedule from the measured timeline
@@ -57,7 +59,7 @@ from memsched.teardown import weak_method
 from memsched.telemetry.step_timeline import WAITS, StepTimeline
 from policies.types import BACKWARD, ParamSchedule
 from tracer.hook_handles import Detachable
-from tracer.param_reads import Read, phase_now
+from tracer.param_reads import END, GRAD, Read, phase_now
 
 #: How many scheduled reads ahead a read that is not the next one may be found (a skipped branch).
 LOOKAHEAD = 8
@@ -91,6 +93,8 @@ class ParamFetcher:
         demand_resident: offloaded chunks kept on the device without a schedule.
         stats: ``fetches``, ``prefetches``, ``demand_fetches``, ``misses`` (reads off the schedule),
             ``evictions``, ``fetched_bytes`` since the last :meth:`take_stats`.
+        misses: reads off the schedule since it was set (the scheduler revises the plan after a step with
+            some: :meth:`memsched.planning.planner.Planner.revise`).
     """
 
     def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams, transfers: TransferStats,
@@ -104,7 +108,9 @@ class ParamFetcher:
         self.demand_resident = 2
         self._cursor = 0
         self._lru: OrderedDict[int, None] = OrderedDict()  # resident offloaded chunks, least recent first
-        self._last: int | None = None  # the chunk read last and ready (repeated reads cost nothing)
+        # (chunk, phase) read last and ready: its repeated reads cost nothing (a read in the other phase is
+        # another access of the schedule)
+        self._last: tuple[int, str] | None = None
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._saved_hooks: Any = None
@@ -124,8 +130,9 @@ class ParamFetcher:
         self.on_alloc: Callable[[torch.Tensor], None] | None = None  # warmup: the tracer classifies fetches
         # the stand-in leaves fetched buffers out of its fixed peak (memsched.devices.simdevice.SimDevice)
         self.on_move: Callable[[int], None] = lambda nbytes: None
-        self.module_reads: dict[str, tuple[int, ...]] = {}
         self.stats = self._zero_stats()
+        self.misses = 0  # reads off the schedule since it was set (use())
+        self.off_schedule = False  # a read was off it: every read on demand until the schedule is revised
         self._installed = False
         self._res_begin = self._res_min = 0
         self._packing = [id(c) for c in store.chunks]  # the chunks the indices above refer to
@@ -171,11 +178,9 @@ class ParamFetcher:
         self._other_reads = wait
 
     # ---- configuration ------------------------------------------------------------------------------------
-    def use(self, offloaded: Iterable[int], schedule: ParamSchedule | None,
-            module_reads: dict[str, tuple[int, ...]] | None = None) -> None:
+    def use(self, offloaded: Iterable[int], schedule: ParamSchedule | None) -> None:
         """From now on the chunks ``offloaded`` keep their parameters on the host, fetched on ``schedule``
-        (``None``: on demand), each module's forward reading ``module_reads[name]`` (default: the chunks of
-        its own parameters). Between steps only: chunks no longer offloaded are fetched to stay (the caller
+        (``None``: on demand). Between steps only: chunks no longer offloaded are fetched to stay (the caller
         then moves their state), newly offloaded ones leave the device unless the schedule keeps them.
 
         Raises:
@@ -186,18 +191,32 @@ class ParamFetcher:
             c = self.store.chunks[i]
             if not self.store.resident(c):
                 self._fetch(c, wait=True)
-            self._lru.pop(i, None)
+            if self._lru.pop(i, "away") is None:  # fetched: from now on it is not model data that moves
+                self.on_move(-c.data_bytes)
         self.offloaded, self.schedule = new, schedule
-        self.module_reads = dict(module_reads or {})
+        self.misses, self.off_schedule = 0, False
         keep = set(schedule.keep) if schedule is not None else set()
         for i in sorted(new):
             c = self.store.chunks[i]
-            if i in keep and self.store.resident(c):
+            if self.store.resident(c) and i not in self._lru:  # resident until now: it moves from now on
                 self._lru[i] = None
-            else:
+                self.on_move(c.data_bytes)
+            if i not in keep:
                 self._evict(c)
         self._watch()
         self._install_module_hooks()
+
+    def evict_all(self) -> None:
+        """Every offloaded chunk on the device leaves it (before the chunks are re-packed: the new packing
+        starts with none fetched, and the fetched bytes counted for the stand-in go with them)."""
+        for i in list(self._lru):
+            self._evict(self.store.chunks[i])
+        self._last = None
+
+    def resume_schedule(self) -> None:
+        """The plan was revised (:meth:`memsched.planning.planner.Planner.revise`) and kept this schedule:
+        follow it again."""
+        self.misses, self.off_schedule = 0, False
 
     def repacked(self) -> None:
         """The store's chunks were re-packed (:meth:`memsched.chunks.ChunkStore.repack`): the chunk indices
@@ -262,6 +281,10 @@ class ParamFetcher:
         if not (self._installed and self.active):
             return
         store = self.store
+        if self.recording is not None:  # when each gradient is made, for the gradients in flight
+            for p in store.params():
+                made = Detachable(self._grad_made)
+                self._module_handles.append(p.register_post_accumulate_grad_hook(made))
         for name, m in self.model.named_modules():
             root = m is self.model  # the root's read comes after the forward's start (_forward_begin)
             if self.recording is not None:  # every module: the innermost one is recorded with each read
@@ -271,11 +294,11 @@ class ParamFetcher:
                 post = Detachable(lambda *_a: self._pop_module())
                 self._module_handles.append(m.register_forward_hook(post, always_call=True))
                 continue
-            reads = self.module_reads.get(name)
-            if reads is None:
-                reads = tuple(sorted({store.param_chunk[id(p)].index for p in m.parameters(recurse=False)
-                                      if id(p) in store.param_chunk}))
-            reads = tuple(i for i in reads if i in self.offloaded)
+            # a module's forward reads its own parameters, as the recording saw it (_recording_pre); what it
+            # reads of other chunks the read guard sees, as it did then
+            reads = tuple(sorted({store.param_chunk[id(p)].index for p in m.parameters(recurse=False)
+                                  if id(p) in store.param_chunk and store.param_chunk[id(p)].index
+                                  in self.offloaded}))
             if reads:
                 hook = Detachable(self._module_pre(reads))
                 self._module_handles.append(m.register_forward_pre_hook(hook, prepend=not root))
@@ -286,6 +309,10 @@ class ParamFetcher:
             if own and not torch.compiler.is_compiling():
                 self._read_params(own, "module")
         return pre
+
+    def _grad_made(self, p: torch.nn.Parameter) -> None:
+        if self.recording is not None:
+            self.recording.append(Read(p, GRAD, self._sample(), ""))
 
     def _pop_module(self) -> None:  # a forward hook: returning anything would replace the module's output
         if self._stack:
@@ -331,7 +358,7 @@ class ParamFetcher:
 
     def watched_params(self) -> dict[int, int]:
         """``id(parameter) -> chunk`` the read guard watches for this fetcher: every chunk's while recording,
-        else the offloaded chunks' (each until it is ready on the device)."""
+        else the offloaded chunks' (all along the forward: the schedule follows every read)."""
         store = self.store
         chunks = store.chunks if self.recording is not None else [store.chunks[i] for i in self.offloaded]
         return {id(p): c.index for c in chunks for p in c.params}
@@ -341,7 +368,8 @@ class ParamFetcher:
         parameter): they are read together; those of chunks this fetcher does not own wait as the H2D
         waits say."""
         mine = [(i, p) for i, p in found if self.owns(i)]
-        for i in sorted({i for i, _ in found if not self.owns(i)}):
+        # chunks whose parameters stay on the device wait as the H2D waits say (recorded too, if recording)
+        for i in sorted({i for i, _ in found if i not in self.offloaded}):
             if any(self.guard.unwaited.get(id(p)) == i for j, p in found if j == i):
                 self._other_reads(i, what)
         if not mine:
@@ -353,6 +381,8 @@ class ParamFetcher:
 
     def backward_end(self) -> None:
         """Backward's end (before the host chunks become host-bound): the reads of the step are over."""
+        if self.recording is not None:  # its gradients leave for the host: none is in flight any more
+            self.recording.append(Read(None, END, self._sample(), ""))  # type: ignore[arg-type]
         if self.offloaded:
             self._settle()
 
@@ -409,19 +439,19 @@ class ParamFetcher:
     def read(self, i: int, phase: str) -> None:
         """Chunk ``i``'s parameters are about to be read (in ``phase``): when they live on the host, make
         them ready on the device (see [Note: parameter fetches])."""
-        if i == self._last or i not in self.offloaded:
+        if (i, phase) == self._last or i not in self.offloaded:
             return
         c = self.store.chunks[i]
         with torch._C.DisableTorchFunction():  # fetching binds parameters: bookkeeping, not reads
             self._advance(i, phase)
             self._ready(c)
-        self._last = i
+        self._last = (i, phase)
 
     def _advance(self, i: int, phase: str) -> None:
         """Apply the schedule at this read (see [Note: parameter fetches])."""
         sched = self.schedule
         pos = None
-        if sched is not None:
+        if sched is not None and not self.off_schedule:
             acc = sched.accesses
             now = acc[self._cursor - 1] if self._cursor > 0 else None
             if now is not None and (now.chunk, now.phase) == (i, phase):  # the access in progress, read again
@@ -435,15 +465,17 @@ class ParamFetcher:
                     pos = next((k for k in range(start, min(len(acc), start + LOOKAHEAD))
                                 if acc[k].chunk == i), None)
         if pos is None:
-            if sched is not None:
+            if sched is not None and not self.off_schedule:
+                # Off the schedule until it is revised: what is on the device beside the non-model data at
+                # each point is no longer known (the gradients in flight, say, differ), so as little as
+                # possible stays: the chunk read, those read with it and the one read last.
                 self.stats["misses"] += 1
-            # off the schedule: as many as the room where the schedule stands (else the demand budget)
-            if sched is not None and sched.slots:
-                budget = sched.slots[min(self._cursor, len(sched.slots) - 1)]
-            else:
-                budget = self.demand_resident
+                self.misses += 1
+                self.off_schedule = True
+            keep = {i, *self._pinned, *([] if self._last is None else [self._last[0]])}
+            budget = len(keep) if sched is not None else self.demand_resident
             for j in list(self._lru)[:max(0, len(self._lru) + 1 - budget)]:
-                if j != i and j not in self._pinned:
+                if j not in keep:
                     self._evict(self.store.chunks[j])
             return
         self._cursor = pos + 1
@@ -477,8 +509,8 @@ class ParamFetcher:
         self._res_min = min(self._res_min, self._resident_bytes())
         if self.store.computing:  # host-bound since the forward's end, or absent: its device views now
             self.store.bind_resident(c)
-        if self.recording is None:
-            self.guard.waited(c.params)
+        # the read guard keeps watching its parameters: the schedule follows every read of them, as the
+        # recording saw them all
 
     def _fetch(self, c: Chunk, *, wait: bool) -> None:
         """Allocate ``c``'s compute buffer and start the H2D copy of its host values (after its CPU update).
@@ -506,6 +538,7 @@ class ParamFetcher:
             data[c.hi:].zero_()
             data[:c.lo].zero_()
         self.store.attach_data(c, data)
+        self._lru[c.index] = None  # on the device (a prefetch too, until it is read or leaves)
         with self.store.alloc.host_context():
             nbytes = c.start_h2d(self.streams, c.param_host)
         self.transfers.add_h2d(nbytes)
@@ -521,11 +554,11 @@ class ParamFetcher:
             return
         self._storage.pop(id(c.data.untyped_storage()), None)
         self.store.detach_data(c)
-        self.on_move(-c.data_bytes)
-        self._lru.pop(c.index, None)
+        if self._lru.pop(c.index, "away") is None:  # fetched (counted as moving); not: resident until now
+            self.on_move(-c.data_bytes)
         self._res_min = min(self._res_min, self._resident_bytes())
         self.stats["evictions"] += 1
-        if self._last == c.index:
+        if self._last is not None and self._last[0] == c.index:
             self._last = None
         self.guard.watch(c.params, c.index)  # a later read of its parameters fetches it again
 

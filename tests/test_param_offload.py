@@ -1,0 +1,290 @@
+"""Parameters kept on the host and fetched for their reads (one rank), bit for bit against
+``torch.optim.AdamW(fused=True)`` on a stand-in whose capacity is the non-model peak plus a quarter of the
+parameters and gradients: fp32 and bf16, torch's ``clip_grad_norm_(model.parameters())`` with a norm that
+triggers, gradient accumulation 2, ``overlap=True``; a model with tied weights, checkpointed blocks, a module
+called twice and parameters read outside their module; a changed read order (fetched on demand, the plan
+revised); a checkpoint resume; Hugging Face GPT-2 through ``Trainer`` with ``max_grad_norm``; a step after
+a backward that raised is refused (a torch clip then could have seen only part of the gradients)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memsched
+import memsched.checkpoint
+from tests._numerics import LR, WD, Reference, assert_same
+from tracer import MemoryTracer
+
+CLIP, ACCUM, STEPS = 0.05, 2, 6
+CHUNK = 8320  # two of the blocks' Linear(64, 64): ten chunks, little padding
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, width)
+        self.down = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(F.gelu(self.up(h)))
+
+
+class OffloadNet(nn.Module):
+    """Every reader a fetch schedule must serve: the embedding's weight is read again, outside its module, as
+    the output head (tied); even blocks are checkpointed (re-read in backward); ``shared`` runs twice;
+    ``gate``'s parameters are read by the root's forward, not by ``gate``'s. ``swap`` changes the order of
+    two blocks (a branch the warmup did not see)."""
+
+    def __init__(self, width: int = 64, depth: int = 8, vocab: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.shared = Block(width)
+        self.gate = nn.Linear(width, width)
+        self.swap = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        order = list(self.blocks)
+        if self.swap:
+            order[3], order[6] = order[6], order[3]
+        for i, block in enumerate(order):
+            checkpointed = i % 2 == 0 and torch.is_grad_enabled()
+            h = checkpoint(block, h, use_reentrant=False) if checkpointed else block(h)
+        h = self.shared(self.shared(h))
+        h = h + torch.tanh(F.linear(h, self.gate.weight, self.gate.bias))
+        return F.linear(h, self.emb.weight)
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def batches(n: int, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g))
+            for _ in range(n)]
+
+
+def capacity(dtype: torch.dtype) -> tuple[int, int]:
+    """The stand-in's capacity: the peak of non-model data of a plain torch step (accumulation included) plus
+    a quarter of the parameters and gradients in the compute dtype; and that peak. Bytes."""
+    model = OffloadNet().to(dtype)
+    with MemoryTracer(model) as tracer:
+        for micro in batches(ACCUM):
+            loss_fn(model, micro).backward()
+    peak = tracer.timeline.peak_non_model_bytes()
+    params = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    return peak + (params + params) // 4, peak
+
+
+def train(sched, model, ref, data, first: int, last: int, *, swap_at: int | None = None) -> list[dict]:
+    """Steps ``first`` to ``last`` (exclusive) with ``ACCUM`` micro-batches each and torch's clip over
+    ``model.parameters()``, checked against ``ref`` after each; returns the fetcher's counters per step."""
+    stats = []
+    for step in range(first, last):
+        model.swap = ref.model.swap = swap_at is not None and step >= swap_at
+        micro = data[step * ACCUM:(step + 1) * ACCUM]
+        sched.backward(loss_fn(model, micro[0]))
+        loss_fn(model, micro[1]).backward()  # a plain backward accumulates the same way
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        assert norm > CLIP  # the clip triggers
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+        with sched.sim.paused():
+            ref.step(micro, loss_fn, CLIP)
+            assert_same(model, ref, f"step {step}", optimizer=sched.optimizer)
+        stats.append(sched.params.take_stats())
+    return stats
+
+
+def attach(model: nn.Module, dtype: torch.dtype, cap: int, **kwargs) -> memsched.Scheduler:
+    return memsched.attach(model, policy="auto", device=f"sim:{cap}B", lr=LR, weight_decay=WD, dtype=dtype,
+                           chunk_numel=CHUNK, **kwargs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bit_exact_with_parameters_fetched_for_their_reads(dtype: torch.dtype, overlap: bool) -> None:
+    cap, peak = capacity(dtype)
+    model = OffloadNet()
+    params = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    assert cap < peak + 2 * params  # the parameters and gradients do not fit beside the non-model peak
+    ref = Reference(model, dtype)
+    with attach(model, dtype, cap, overlap=overlap) as sched:
+        assert sched.warmup_params_on_host  # they take more than a fifth of the device: traced on the host
+        stats = train(sched, model, ref, batches(STEPS * ACCUM), 0, STEPS)
+        plan = sched.plan
+        offloaded = plan.param_host_chunks
+        assert len(sched.store.chunks) >= 8 and 0 < len(offloaded) < len(sched.store.chunks)
+        assert set(plan.placement) == {"host"}  # optimizer state and gradients went first
+        assert any("Parameters do not all fit" in r for r in plan.reasons)
+        assert plan.peak_bytes <= cap and sched.sim.peak_bytes <= cap
+        for s in stats[1:]:  # planned steps: on the schedule, some chunks fetched ahead of their read
+            assert s["misses"] == 0 and s["fetches"] > 0 and s["prefetches"] > 0
+        assert [h.reason for h in sched.plan_history] == ["end of warmup"]  # the plan held
+        # Between steps the offloaded parameters and their gradients are host views: torch sees them all.
+        assert all(not sched.store.resident(sched.store.chunks[i]) for i in offloaded) or plan.schedule.keep
+    for p in model.parameters():  # close(): a plain model again, every parameter back on the device
+        assert p.device.type == "cpu" and torch.isfinite(p).all()
+
+
+def test_a_changed_read_order_is_fetched_on_demand_and_the_plan_revised() -> None:
+    cap = capacity(torch.float32)[0]
+    model = OffloadNet()
+    ref = Reference(model)
+    with attach(model, torch.float32, cap) as sched:
+        stats = train(sched, model, ref, batches(STEPS * ACCUM), 0, STEPS, swap_at=3)
+        assert stats[2]["misses"] == 0 and stats[3]["misses"] > 0  # the swapped blocks' reads missed
+        assert stats[5]["misses"] == 0 and stats[5]["prefetches"] > 0  # the revised schedule is followed
+        reasons = [h.reason for h in sched.plan_history]
+        assert reasons == ["end of warmup", "the parameter reads came in another order than the schedule's"]
+        swapped = sched.plan_history[-1].plan.schedule.accesses
+        assert swapped != sched.plan_history[0].plan.schedule.accesses
+
+
+def test_checkpoint_resume_is_bit_exact(tmp_path) -> None:
+    cap, _ = capacity(torch.float32)
+    data = batches(STEPS * ACCUM)
+    model = OffloadNet()
+    ref = Reference(model)
+    with attach(model, torch.float32, cap) as sched:
+        train(sched, model, ref, data, 0, 3)
+        assert sched.plan.param_host_chunks
+        with sched.sim.paused():
+            memsched.checkpoint.save(sched, tmp_path / "ckpt")
+    resumed = OffloadNet()
+    with torch.no_grad():
+        for p in resumed.parameters():
+            p.normal_()  # other values: everything must come from the checkpoint
+    with attach(resumed, torch.float32, cap) as sched:
+        with sched.sim.paused():
+            memsched.checkpoint.load(sched, tmp_path / "ckpt")
+        train(sched, resumed, ref, data, 3, STEPS)
+        assert sched.plan.param_host_chunks
+
+
+def test_a_step_after_a_backward_that_raised_is_refused_and_nothing_is_lost() -> None:
+    """The backward raises half way: some chunks' gradients went to the host, others did not. A torch clip
+    over ``model.parameters()`` then sees only part of them; the step that would use it refuses."""
+    cap, _ = capacity(torch.float32)
+    model = OffloadNet()
+    ref = Reference(model)
+    data = batches(STEPS * ACCUM)
+    with attach(model, torch.float32, cap) as sched:
+        train(sched, model, ref, data, 0, 2)
+        with sched.sim.paused():  # host copies
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            state = copy.deepcopy(sched.optimizer.state_dict())
+
+        def fail(*_args):
+            raise RuntimeError("boom in backward")
+
+        handle = model.blocks[2].register_full_backward_hook(fail)
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            loss_fn(model, data[4]).backward()
+        handle.remove()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # over whatever gradients there are
+        with pytest.raises(RuntimeError, match="would see only part of them. Nothing was updated"):
+            sched.optimizer.step()
+        with sched.sim.paused():
+            for n, p in model.named_parameters():
+                assert torch.equal(p.detach(), before[n]), n
+            after = sched.optimizer.state_dict()
+            for i, st in state["state"].items():
+                for k, v in st.items():
+                    assert torch.equal(v, after["state"][i][k]), (i, k)
+        sched.optimizer.zero_grad()
+        train(sched, model, ref, data, 2, 4)  # training goes on, exactly
+
+
+def test_a_warmup_out_of_memory_with_the_parameters_on_the_device_says_how_to_trace_them_on_the_host():
+    """Non-model data takes most of the device, so ``auto`` keeps the parameters there in warmup (they take
+    less than a fifth of it) and the first step runs out: the error says which option traces them on the
+    host, and with it the same run trains."""
+    g = torch.Generator().manual_seed(3)
+    big = [(torch.randint(0, 64, (64, 16), generator=g), torch.randint(0, 64, (64, 16), generator=g))]
+    model = OffloadNet()
+    with MemoryTracer(model) as tracer:
+        loss_fn(model, big[0]).backward()
+    params = sum(p.numel() for p in model.parameters()) * 4
+    cap = tracer.timeline.peak_non_model_bytes() + params
+    assert params < 0.2 * cap
+    model = OffloadNet()
+    with attach(model, torch.float32, cap) as sched:
+        assert not sched.warmup_params_on_host
+        with pytest.raises(torch.OutOfMemoryError, match="warmup_non_model_share"):
+            sched.backward(loss_fn(model, big[0]))
+    model = OffloadNet()
+    ref = Reference(model)
+    # a reserve of 1 % of the device: the default 5 % is more than the parameters here
+    options = {"warmup_non_model_share": 1.0, "reserve_frac": 0.01}
+    with attach(model, torch.float32, cap, policy_options=options) as sched:
+        assert sched.warmup_params_on_host
+        for step in range(3):
+            sched.backward(loss_fn(model, big[0]))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with sched.sim.paused():
+                ref.step(big[0], loss_fn, None)
+                assert_same(model, ref, f"step {step}")
+        assert sched.plan.param_host_chunks
+
+
+def test_hugging_face_trainer_with_max_grad_norm(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=4, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    base = GPT2LMHeadModel(cfg)  # tied input/output embeddings
+    tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    probe = copy.deepcopy(base)
+    with MemoryTracer(probe) as tracer:
+        for _ in range(2):
+            probe(input_ids=tokens[:4], labels=tokens[:4]).loss.backward()
+    params = sum(p.numel() for p in base.parameters()) * 4
+    cap = tracer.timeline.peak_non_model_bytes() + (2 * params) // 4
+
+    def run(use_memsched: bool):
+        model = copy.deepcopy(base)
+        args = TrainingArguments(str(tmp_path / str(use_memsched)), per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3,
+                                 weight_decay=0.1, max_grad_norm=0.05, lr_scheduler_type="linear",
+                                 warmup_steps=1, logging_steps=1, report_to=[], save_strategy="no",
+                                 use_cpu=True, dataloader_num_workers=0, seed=0)
+        sched = None
+        if use_memsched:
+            # non-model data takes most of the device: the warmup traces with the parameters on the host
+            sched = memsched.attach(model, device=f"sim:{cap}B", lr=1e-3, weight_decay=0.1, chunk_numel=4096,
+                                    policy_options={"warmup_non_model_share": 1.0})
+            opt = sched.optimizer
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        offloaded = None
+        if sched is not None:
+            offloaded = sched.plan.param_host_chunks
+            sched.close()
+        return losses, model, offloaded
+
+    ref_losses, ref, _ = run(False)
+    losses, model, offloaded = run(True)
+    assert offloaded  # the Trainer's steps fetched parameters kept on the host
+    assert len(losses) == 4 and losses == ref_losses
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
