@@ -18,6 +18,8 @@ Configurations:
   ``sched.optimizer.step()``, ``zero_grad()``. The plan and the H2D/D2H bytes are recorded.
 * ``torch_adamw``: plain ``torch.optim.AdamW(fused=True)`` with everything on the device (when it fits).
 * ``deepspeed_zero_offload``: DeepSpeed ZeRO stage 2 with ``offload_optimizer: cpu`` (if importable).
+* ``deepspeed_zero3_offload``: DeepSpeed ZeRO stage 3 with ``offload_optimizer: cpu`` and ``offload_param:
+  cpu`` (ZeRO-Infinity's parameter offload to CPU memory; if importable).
 * ``torchao_cpu_offload``: torchao's ``CPUOffloadOptimizer`` around ``torch.optim.AdamW`` (if importable).
 
 Timing: after ``--warmup`` untimed steps (memsched's tracing warmup step among them) the ``--steps`` timed
@@ -64,7 +66,7 @@ from policies.units import format_bytes, parse_bytes  # noqa: E402
 NEEDS_CUDA = "gpu_step_time: needs a CUDA device (torch.cuda.is_available() is False); nothing written"
 DEFAULT_POLICIES = ("cpu", "cpu+overlap", "static:offload_optim_frac=0.5",
                     "static:offload_optim_frac=0.5+overlap", "auto", "auto+overlap", "cuda")
-PEERS = ("torch_adamw", "deepspeed_zero_offload", "torchao_cpu_offload")
+PEERS = ("torch_adamw", "deepspeed_zero_offload", "deepspeed_zero3_offload", "torchao_cpu_offload")
 LR, WEIGHT_DECAY = 3e-4, 0.1
 
 
@@ -212,7 +214,10 @@ def _setup_torchao(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[...,
     return step, {}
 
 
-def _setup_deepspeed(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[..., Any], dict]:
+def _setup_deepspeed(model: nn.Module, cfg: dict[str, Any],
+                     stage: int = 2) -> tuple[Callable[..., Any], dict]:
+    """DeepSpeed ZeRO ``stage`` with the optimizer state in pinned CPU memory; stage 3 offloads the
+    parameters to it too (``offload_param``)."""
     import deepspeed
 
     # A one-rank process group on this machine only (ZeRO needs torch.distributed).
@@ -224,9 +229,11 @@ def _setup_deepspeed(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[..
         "train_micro_batch_size_per_gpu": cfg["batch"],
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "zero_allow_untested_optimizer": True,
     }
+    if stage == 3:  # ZeRO-Infinity's parameter offload to CPU memory
+        ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
     def step(loss: torch.Tensor) -> None:
@@ -260,10 +267,10 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
             if importlib.util.find_spec("torchao") is None:
                 return {**out, "status": "skipped", "why": "torchao is not installed"}
             step, extra = _setup_torchao(model, cfg)
-        elif kind == "deepspeed_zero_offload":
+        elif kind in ("deepspeed_zero_offload", "deepspeed_zero3_offload"):
             if importlib.util.find_spec("deepspeed") is None:
                 return {**out, "status": "skipped", "why": "deepspeed is not installed"}
-            step, extra = _setup_deepspeed(model, cfg)
+            step, extra = _setup_deepspeed(model, cfg, stage=3 if kind == "deepspeed_zero3_offload" else 2)
             model = extra["engine"]
         else:
             raise ValueError(f"unknown configuration kind {kind!r}; allowed: memsched, {', '.join(PEERS)}")

@@ -187,7 +187,7 @@ class Scheduler:
         if self.dp.world == 1 and self.device.kind != "cpu":
             updates = self.optimizer.host_updates
             self.params = ParamFetcher(model, self.store, self.streams, self.transfers,
-                                       lambda i: updates.wait([i]), updates.ready, self.optimizer.timeline)
+                                       lambda i: updates.wait([i]), updates.ready)
             if self.sim is not None:
                 self.params.on_move = self.sim.move
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,

@@ -107,11 +107,14 @@ def _param_reasons(p: PlacementProblem, params: list[str], sched: ParamSchedule,
     """The plan's sentences on the parameters kept on the host."""
     k = params.count(HOST)
     per = max(c.param_bytes for c in p.chunks)
+    at_peak = max(range(len(sched.accesses)), key=lambda j: sched.accesses[j].non_model_bytes, default=None)
+    peak_part = (f", {len(sched.targets[at_peak])} at the read with the most non-model data"
+                 if at_peak is not None else "")
     out = [
         f"Parameters do not all fit: those of {k} of {len(p.chunks)} chunks ({fb(k * per)}), the first used, "
         f"stay on the host (with every chunk's optimizer state and gradients); the device keeps "
         f"{fb(fixed_bytes(p, [HOST] * len(p.chunks), params))} of model data and at most "
-        f"{sched.max_resident} of those chunks at a time.",
+        f"{sched.max_resident} of those chunks at a time{peak_part}.",
         f"Schedule from the warmup's {len(p.accesses)} chunk reads: {sched.fetches} fetches per step, "
         f"{sched.prefetched} of them ahead of their read (up to the room left at every read), "
         f"{sched.demand_fetches} at it; the chunk read farthest ahead leaves first; {len(sched.keep)} stay "

@@ -119,23 +119,37 @@ def schedule_params(accesses: Sequence[ChunkAccess], offloaded: Sequence[int], s
             if lap == 1:
                 targets[j] = set(resident)
     # 2. Prefetch: a chunk read at j that was not on the device after j - 1 is fetched as early as the room
-    # at every access in between allows, at most max_prefetch accesses ahead (earlier reads first).
+    # at every access in between allows, at most max_prefetch accesses ahead (earlier reads first). Where the
+    # room is full, a chunk that leaves at j anyway and is not read in between leaves earlier to make room:
+    # the fetches stay those of step 1, only earlier.
     prefetched = 0
     for j, c in enumerate(seq):
         prev = (j - 1) % m
         if c in targets[prev]:
             continue
-        t = j
+        leaving = [x for x in sorted(targets[prev]) if x not in targets[j]]
+        t, victim = j, None
+        read_since: set[int] = set()  # the chunks read from the access before u up to j - 1
         for back in range(1, min(max_prefetch, m - 1) + 1):
             u = (j - back) % m
-            if c in targets[u] or len(targets[u]) >= room[u] or seq[u] == c:
+            read_since |= {seq[u], seq[(u - 1) % m]}
+            if c in targets[u] or seq[u] == c or (victim is not None and victim in read_since):
                 break
+            if len(targets[u] - ({victim} if victim is not None else set())) >= room[u]:
+                if victim is not None:
+                    break
+                candidates = [x for x in leaving if x in targets[u] and x not in read_since]
+                if not candidates:
+                    break
+                victim = candidates[0]
             t = u
         if t != j:
             prefetched += 1
             u = t
             while u != j:
                 targets[u].add(c)
+                if victim is not None:
+                    targets[u].discard(victim)
                 u = (u + 1) % m
     fetches = sum(1 for j, c in enumerate(seq) for x in targets[j] if x not in targets[(j - 1) % m])
     # a chunk resident across the whole step is fetched once, not per lap (it never re-enters a target)

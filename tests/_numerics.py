@@ -66,6 +66,7 @@ class Reference:
         self.growth_interval = growth_interval
         self.skipped = 0
         self._on_host: Collection[int] = ()
+        self._clip_on_host = False
 
     def sync(self) -> None:
         """The low-precision model takes the masters' values (rounded)."""
@@ -74,11 +75,15 @@ class Reference:
                 for p, m in zip(self.model.parameters(), self.masters, strict=True):
                     p.copy_(m)
 
-    def step(self, batch, loss_fn: Callable, clip: float | None, on_host: Collection[int] = ()) -> None:
+    def step(self, batch, loss_fn: Callable, clip: float | None, on_host: Collection[int] = (), *,
+             clip_on_host: bool = False) -> None:
         """One training step over ``batch`` (a list: micro-batches whose gradients accumulate, one backward
         each); ``on_host``: indices (in ``model.parameters()`` order) whose AdamW update runs on the CPU
-        (where memsched keeps their chunk)."""
+        (where memsched keeps their chunk); ``clip_on_host``: the clip's norm is computed over CPU copies of
+        the gradients (where torch's clip finds them between memsched's steps when every chunk's gradients
+        are on the host)."""
         self._on_host = on_host
+        self._clip_on_host = clip_on_host
         self._step(batch, loss_fn, clip)
         self.sync()
 
@@ -105,6 +110,13 @@ class Reference:
             for m in moved:
                 move(m, home)
 
+    def _clip(self, params: list[torch.Tensor], clip: float) -> None:
+        if not self._clip_on_host:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+            return
+        norm = torch.nn.utils.get_total_norm([p.grad.cpu() for p in params if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+
     def _adamw_step(self) -> None:
         with self._update_on_host():
             self.opt.step()
@@ -116,12 +128,12 @@ class Reference:
             (loss.float() * self.scale if self.scale is not None else loss).backward()
         if self.dtype == torch.float32:
             if clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, clip)
+                self._clip(params, clip)
             self._adamw_step()
             self.opt.zero_grad()
             return
         if self.dtype == torch.bfloat16 and clip is not None:  # clipped in the compute dtype, as users do
-            torch.nn.utils.clip_grad_norm_(params, clip)
+            self._clip(params, clip)
         grads = [p.grad.float() for p in params]
         self.model.zero_grad()
         if self.scale is not None:  # GradScaler: unscale in fp32, skip on inf/NaN, then clip

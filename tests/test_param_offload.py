@@ -288,3 +288,53 @@ def test_hugging_face_trainer_with_max_grad_norm(tmp_path) -> None:
     assert len(losses) == 4 and losses == ref_losses
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_the_benchmark_runs(tmp_path, monkeypatch) -> None:
+    # bench/param_offload.py, tiny: it cannot rot (timings live in its committed result, not here).
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench import param_offload
+
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    assert param_offload.main(["--size", "tiny", "--batch", "2", "--seq", "16", "--links", "500MBps",
+                               "--rounds", "1", "--blocks", "1", "--block", "2", "--warmup", "2",
+                               "--name", "smoke"]) == 0
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    link = result["links"]["500MBps"]
+    assert result["bit_identical"] and link["offloaded"]["placement"]["param_host_chunks"] > 0
+    assert link["offloaded"]["device_model_bytes_per_parameter_at_peak"] < \
+        link["resident"]["device_model_bytes_per_parameter_at_peak"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_on_cuda_bit_exact_with_half_the_parameters_on_the_host(dtype: torch.dtype, overlap: bool) -> None:
+    """On CUDA: the copies run on their streams, a fetched chunk is read after its H2D copy, an evicted one is
+    freed after the reads queued before; against torch's fused AdamW run where memsched updates (the CPU:
+    every chunk is on the host)."""
+    dev = torch.device("cuda")
+    model = OffloadNet().to(dev)
+    ref = Reference(model, dtype)
+    data = [(x.to(dev), y.to(dev)) for x, y in batches(STEPS * ACCUM)]
+    with memsched.attach(model, policy="static", device="cuda", lr=LR, weight_decay=WD, dtype=dtype,
+                         chunk_numel=CHUNK, overlap=overlap,
+                         policy_options={"offload_param_frac": 0.5}) as sched:
+        assert sched.warmup_params_on_host
+        on_host = range(len(list(model.parameters())))
+        for step in range(STEPS):
+            micro = data[step * ACCUM:(step + 1) * ACCUM]
+            for m in micro:
+                sched.backward(loss_fn(model, m))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            ref.step(micro, loss_fn, CLIP, on_host=on_host, clip_on_host=True)
+            sched.synchronize()
+            assert_same(model, ref, f"step {step}", optimizer=sched.optimizer)
+        assert sched.plan.param_host_chunks and sched.params.stats["fetches"] > 0

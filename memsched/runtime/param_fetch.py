@@ -43,7 +43,6 @@ decides both what is fetched ahead (bounded by the room at every read) and what 
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -56,7 +55,6 @@ from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.runtime.read_guard import ReadGuard
 from memsched.teardown import weak_method
-from memsched.telemetry.step_timeline import WAITS, StepTimeline
 from policies.types import BACKWARD, ParamSchedule
 from tracer.hook_handles import Detachable
 from tracer.param_reads import END, GRAD, Read, phase_now
@@ -85,7 +83,6 @@ class ParamFetcher:
         transfers: byte counters (fetches count as H2D).
         wait_update: ``f(chunk_index)`` blocking until the CPU update of a chunk is done (``overlap=True``).
         update_ready: ``f(chunk_index) -> bool``: its CPU update is done, without waiting.
-        timeline: the step timeline (waits for fetches are its ``waits`` spans).
 
     Attributes:
         offloaded: the chunks whose parameters live on the host.
@@ -98,11 +95,9 @@ class ParamFetcher:
     """
 
     def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams, transfers: TransferStats,
-                 wait_update: Callable[[int], None], update_ready: Callable[[int], bool],
-                 timeline: StepTimeline) -> None:
+                 wait_update: Callable[[int], None], update_ready: Callable[[int], bool]) -> None:
         self.model, self.store, self.streams, self.transfers = model, store, streams, transfers
         self._wait_update, self._update_ready = wait_update, update_ready
-        self.timeline = timeline
         self.offloaded: frozenset[int] = frozenset()
         self.schedule: ParamSchedule | None = None
         self.demand_resident = 2
@@ -498,12 +493,10 @@ class ParamFetcher:
         if not self.store.resident(c):
             self.stats["demand_fetches"] += 1
             self._fetch(c, wait=False)
-        if c.h2d_event is not None:
-            t0 = time.perf_counter()
+        if c.h2d_event is not None:  # a wait that blocks is a span of the step timeline (Streams.wait)
             self.streams.wait([c.h2d_event], f"fetch <- chunk {c.index}")
             if not self.streams.cuda:
                 c.h2d_event = None
-            self.timeline.span(WAITS, f"fetch <- chunk {c.index}", t0, time.perf_counter(), chunks=[c.index])
         self._lru.pop(c.index, None)
         self._lru[c.index] = None
         self._res_min = min(self._res_min, self._resident_bytes())
