@@ -338,3 +338,24 @@ def test_on_cuda_bit_exact_with_half_the_parameters_on_the_host(dtype: torch.dty
             sched.synchronize()
             assert_same(model, ref, f"step {step}", optimizer=sched.optimizer)
         assert sched.plan.param_host_chunks and sched.params.stats["fetches"] > 0
+
+
+def test_compiled_code_reading_parameters_on_the_host_is_refused(monkeypatch) -> None:
+    """torch.compile traces the fetcher's hooks to nothing; a compiled forward that would read parameters
+    kept on the host raises at the first module that reads them, rather than read NaN. (The stand-in keeps
+    compiled code eager: compilation is simulated by ``torch.compiler.is_compiling``.)"""
+    cap, _ = capacity(torch.float32)
+    model = OffloadNet()
+    data = batches(4)
+    with attach(model, torch.float32, cap) as sched:
+        for b in data[:2]:
+            sched.backward(loss_fn(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        assert sched.plan.param_host_chunks
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        with pytest.raises(RuntimeError, match=r"compiled code reads parameters the plan keeps on the host"):
+            model(data[2][0])
+        monkeypatch.undo()
+        sched.backward(loss_fn(model, data[3]))  # eager training goes on
+        sched.optimizer.step()

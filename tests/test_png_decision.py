@@ -65,7 +65,8 @@ def y_span(artist) -> tuple[float, float]:
 
 
 def legend_texts(fig) -> list[str]:
-    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    """The legend's entries, each on one line (the figure wraps long ones)."""
+    return [" ".join(t.get_text().split()) for legend in fig.legends for t in legend.get_texts()]
 
 
 def test_figure_draws_the_decision_on_the_timeline_axis(sched) -> None:

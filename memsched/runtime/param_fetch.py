@@ -315,8 +315,10 @@ class ParamFetcher:
 
     def _module_pre(self, reads: tuple[int, ...]) -> Callable[..., None]:
         def pre(*_a: Any) -> None:
-            if not torch.compiler.is_compiling():
-                self.read_group(reads, phase_now())
+            if torch.compiler.is_compiling():
+                _refuse_compiled(reads)  # a graph break: it runs, and raises, eagerly
+                return
+            self.read_group(reads, phase_now())
         return pre
 
     def _forward_begin(self) -> None:
@@ -592,3 +594,18 @@ class ParamFetcher:
             return p
         size, stride, off, _dtype = saved.view
         return c.data.as_strided(size, stride, off)
+
+
+@torch.compiler.disable
+def _refuse_compiled(chunks: tuple[int, ...]) -> None:
+    """Compiled code would read parameters kept on the host without fetching them (the fetcher's hooks
+    compile to nothing, and the read guard does not see inside a graph): refused rather than read as the
+    absent views' NaN.
+
+    Raises:
+        RuntimeError: always; names the chunks and what to do.
+    """
+    raise RuntimeError(
+        f"memsched: compiled code reads parameters the plan keeps on the host (chunks {list(chunks)}), which "
+        "torch.compile does not fetch yet. Run the model eagerly, or give it room to keep every parameter "
+        "on the device (a larger device, a smaller batch, or policy 'cpu' if the parameters fit)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 PNG_HINT = "the PNG export needs matplotlib: pip install 'memsched[plot]'"
 # The decision's colours; the optimizer state keeps its category colour (memsched.report.category_bars).
 CAPACITY_COLOR = "#222222"
+LEGEND_WIDTH = 58  # characters per line of a legend entry (three columns on a 12-inch figure)
 MARGIN_COLOR = "#9ecae1"
 BUDGET_COLOR = "#2b6ca3"
 RESIDENT_COLOR = "#4e79a7"
@@ -118,7 +120,7 @@ def render_figure(
 
     decision = decision_of(timeline, plan, problem)
     samples = timeline.for_device()
-    fig = Figure(figsize=(12, 6.5) if decision else (10, 4.8), dpi=100)
+    fig = Figure(figsize=(12, 7) if decision else (10, 4.8), dpi=100)
     FigureCanvasAgg(fig)
     if decision is not None:
         grid = fig.add_gridspec(1, 2, width_ratios=(4.2, 1.0), wspace=0.05)
@@ -192,8 +194,10 @@ def render_figure(
             if side is not None:
                 more, more_labels = side.get_legend_handles_labels()
                 handles, labels = handles + more, labels + more_labels
-            fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
-            fig.subplots_adjust(left=0.07, right=0.98, top=0.94, bottom=0.26)
+            # wrapped, so that three columns fit the figure's width
+            wrapped = [textwrap.fill(text, LEGEND_WIDTH) for text in labels]
+            fig.legend(handles, wrapped, loc="lower center", ncol=3, fontsize=8, frameon=False)
+            fig.subplots_adjust(left=0.07, right=0.98, top=0.94, bottom=0.3)
     else:
         fig.tight_layout()
     return fig
