@@ -133,8 +133,10 @@ def test_bit_exact_with_parameters_fetched_for_their_reads(dtype: torch.dtype, o
         assert [h.reason for h in sched.plan_history] == ["end of warmup"]  # the plan held
         # Between steps the offloaded parameters and their gradients are host views: torch sees them all.
         assert all(not sched.store.resident(sched.store.chunks[i]) for i in offloaded) or plan.schedule.keep
-    for p in model.parameters():  # close(): a plain model again, every parameter back on the device
-        assert p.device.type == "cpu" and torch.isfinite(p).all()
+    # close(): a plain model again, every parameter back in its device buffer, values unchanged
+    assert all(c.data is not None for c in sched.store.chunks)
+    assert not any(sched.store.in_host_memory(p) for p in model.parameters())
+    assert_same(model, ref, "after close()")
 
 
 def test_a_changed_read_order_is_fetched_on_demand_and_the_plan_revised() -> None:
@@ -359,3 +361,54 @@ def test_compiled_code_reading_parameters_on_the_host_is_refused(monkeypatch) ->
         monkeypatch.undo()
         sched.backward(loss_fn(model, data[3]))  # eager training goes on
         sched.optimizer.step()
+        sched.optimizer.zero_grad()
+
+
+def test_close_with_gradients_that_do_not_fit_leaves_them_on_the_host_and_says_so() -> None:
+    cap, _ = capacity(torch.float32)
+    model = OffloadNet()
+    data = batches(4)
+    sched = attach(model, torch.float32, cap)
+    for b in data[:2]:
+        sched.backward(loss_fn(model, b))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+    sched.backward(loss_fn(model, data[2]))  # gradients on the host, not stepped
+    with sched.sim.paused():
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.warns(RuntimeWarning, match=r"close\(\): \d+ bytes of parameters stay on the host"):
+        sched.close()
+    stayed = [c for c in sched.store.chunks if c.data is None]
+    assert stayed and len(stayed) < len(sched.store.chunks)
+    for n, p in model.named_parameters():  # nothing lost: every value and gradient where it now lives
+        assert torch.equal(p.detach(), values[n]) and torch.equal(p.grad, grads[n]), n
+
+
+def test_longer_inputs_are_re_planned_with_parameters_on_the_host() -> None:
+    """``replan="auto"``: a longer sequence than the warmup's runs once with every chunk's parameters on the
+    host and nothing fetched beyond the reads, is measured, and gets its own plan; exact throughout."""
+    cap = capacity(torch.float32)[0] * 13 // 10
+    model = OffloadNet()
+    ref = Reference(model)
+    g = torch.Generator().manual_seed(5)
+
+    def batch(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, 64, (2, seq), generator=g), torch.randint(0, 64, (2, seq), generator=g)
+
+    data = [batch(16) for _ in range(2)] + [batch(24) for _ in range(3)] + [batch(16) for _ in range(2)]
+    with attach(model, torch.float32, cap) as sched:
+        for i, b in enumerate(data):
+            sched.backward(loss_fn(model, b))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with sched.sim.paused():
+                ref.step(b, loss_fn, CLIP)
+                assert_same(model, ref, f"step {i}")
+        history = sched.plan_history
+        assert [h.step for h in history] == [1, 2, 3]
+        assert "every chunk on the host" in history[1].reason
+        assert history[1].plan.param_host_chunks == list(range(len(sched.store.chunks)))
+        assert 0 < len(history[2].plan.param_host_chunks) < len(sched.store.chunks)
+        assert len(history[2].plan.param_host_chunks) >= len(history[0].plan.param_host_chunks)

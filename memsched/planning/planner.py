@@ -195,10 +195,12 @@ class Planner:
 
     def _most_offloaded(self, problem: policies.PlacementProblem) -> PlacementPlan:
         """The plan that keeps the least on the device: everything on the host, every parameter fetched for
-        its reads; the plan in force when even that finds no room (its step runs as it can)."""
+        its reads and nothing more (no chunk cached or fetched ahead beyond what a read needs: the step's
+        non-model data may be larger than any measured); the plan in force when even that finds no room (its
+        step runs as it can)."""
         n = len(problem.chunks)
         try:
-            sched = schedule_for(problem, [HOST] * n, [HOST] * n, problem.capacity_bytes)
+            sched = schedule_for(problem, [HOST] * n, [HOST] * n, problem.capacity_bytes, share=0.0)
         except policies.PlacementError:
             assert self.plan is not None
             return self.plan
