@@ -17,31 +17,39 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
-def _trainer_run(base, data, tmp_path, use_memsched: bool, monkeypatch):
+def _trainer_run(base, data, tmp_path, use_memsched: bool, monkeypatch=None, *, max_grad_norm: float = 0.5,
+                 attach_kwargs: dict | None = None):
+    """Train a copy of ``base`` with the Trainer (accumulation 2, ``max_grad_norm``, a linear LR schedule),
+    with memsched's optimizer (``attach_kwargs``; default: half the optimizer state on the host) or
+    ``torch.optim.AdamW(fused=True)``. Returns the logged losses, the model, the gradients memsched had to
+    copy into its chunks (``monkeypatch`` given) and the plan memsched ended with."""
     from transformers import Trainer, TrainingArguments
 
     model = copy.deepcopy(base)
     args = TrainingArguments(str(tmp_path / ("m" if use_memsched else "t")), per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3, weight_decay=0.1,
-                             max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1, logging_steps=1,
-                             report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0, seed=0)
-    copies = []
+                             max_grad_norm=max_grad_norm, lr_scheduler_type="linear", warmup_steps=1,
+                             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                             dataloader_num_workers=0, seed=0)
+    copies: list = []
     sched = None
     if use_memsched:
-        count_grad_copies(monkeypatch, copies)
-        sched = memsched.attach(model, device="sim:64MiB", lr=1e-3, weight_decay=0.1, chunk_numel=16384,
-                                policy="static", policy_options={"offload_optim_frac": 0.5})
+        if monkeypatch is not None:
+            count_grad_copies(monkeypatch, copies)
+        kwargs = attach_kwargs or {"device": "sim:64MiB", "chunk_numel": 16384, "policy": "static",
+                                   "policy_options": {"offload_optim_frac": 0.5}}
+        sched = memsched.attach(model, lr=1e-3, weight_decay=0.1, **kwargs)
         opt = sched.optimizer
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    places = None
+    plan = None
     if sched is not None:
-        places = {c.placement for c in sched.store.chunks}
+        plan = sched.plan
         sched.close()
-    return losses, model, copies, places
+    return losses, model, copies, plan
 
 
 def test_trainer_with_memsched_equals_fused_adamw(tmp_path, monkeypatch):
@@ -56,8 +64,8 @@ def test_trainer_with_memsched_equals_fused_adamw(tmp_path, monkeypatch):
     tokens = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": t, "labels": t} for t in tokens]
     ref_losses, ref, _, _ = _trainer_run(base, data, tmp_path, False, monkeypatch)
-    losses, model, copies, places = _trainer_run(base, data, tmp_path, True, monkeypatch)
-    assert places == {"device", "host"}
+    losses, model, copies, plan = _trainer_run(base, data, tmp_path, True, monkeypatch)
+    assert set(plan.placement) == {"device", "host"}
     assert len(losses) == 4 and losses == ref_losses
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)

@@ -244,7 +244,7 @@ def test_a_warmup_out_of_memory_with_the_parameters_on_the_device_says_how_to_tr
 def test_hugging_face_trainer_with_max_grad_norm(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     transformers.utils.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -260,33 +260,15 @@ def test_hugging_face_trainer_with_max_grad_norm(tmp_path) -> None:
     params = sum(p.numel() for p in base.parameters()) * 4
     cap = tracer.timeline.peak_non_model_bytes() + (2 * params) // 4
 
-    def run(use_memsched: bool):
-        model = copy.deepcopy(base)
-        args = TrainingArguments(str(tmp_path / str(use_memsched)), per_device_train_batch_size=4,
-                                 gradient_accumulation_steps=2, max_steps=4, learning_rate=1e-3,
-                                 weight_decay=0.1, max_grad_norm=0.05, lr_scheduler_type="linear",
-                                 warmup_steps=1, logging_steps=1, report_to=[], save_strategy="no",
-                                 use_cpu=True, dataloader_num_workers=0, seed=0)
-        sched = None
-        if use_memsched:
-            # non-model data takes most of the device: the warmup traces with the parameters on the host
-            sched = memsched.attach(model, device=f"sim:{cap}B", lr=1e-3, weight_decay=0.1, chunk_numel=4096,
-                                    policy_options={"warmup_non_model_share": 1.0})
-            opt = sched.optimizer
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-        trainer = Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, None))
-        trainer.train()
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        offloaded = None
-        if sched is not None:
-            offloaded = sched.plan.param_host_chunks
-            sched.close()
-        return losses, model, offloaded
+    from tests.test_hf_trainer import _trainer_run
 
-    ref_losses, ref, _ = run(False)
-    losses, model, offloaded = run(True)
-    assert offloaded  # the Trainer's steps fetched parameters kept on the host
+    # non-model data takes most of the device: the warmup traces with the parameters on the host
+    attach_kwargs = {"device": f"sim:{cap}B", "chunk_numel": 4096,
+                     "policy_options": {"warmup_non_model_share": 1.0}}
+    ref_losses, ref, _, _ = _trainer_run(base, data, tmp_path, False, max_grad_norm=0.05)
+    losses, model, _, plan = _trainer_run(base, data, tmp_path, True, max_grad_norm=0.05,
+                                          attach_kwargs=attach_kwargs)
+    assert plan.param_host_chunks  # the Trainer's steps fetched parameters kept on the host
     assert len(losses) == 4 and losses == ref_losses
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p, q)
