@@ -115,7 +115,7 @@ def _param_reasons(p: PlacementProblem, params: list[str], sched: ParamSchedule,
         f"stay on the host (with every chunk's optimizer state and gradients); the device keeps "
         f"{fb(fixed_bytes(p, [HOST] * len(p.chunks), params))} of model data and at most "
         f"{sched.max_resident} of those chunks at a time{peak_part}.",
-        f"Schedule from the warmup's {len(p.accesses)} chunk reads: {sched.fetches} fetches per step, "
+        f"Schedule from the traced step's {len(p.accesses)} chunk reads: {sched.fetches} fetches per step, "
         f"{sched.prefetched} of them ahead of their read (up to the room left at every read), "
         f"{sched.demand_fetches} at it; the chunk read farthest ahead leaves first; {len(sched.keep)} stay "
         f"cached across steps; {fb(sched.h2d_copies * per)} H2D per step for these parameters.",

@@ -33,3 +33,18 @@ def slow_early_worker(monkeypatch):
     monkeypatch.setattr(HybridAdamW, "_update_host", slowed_host)
     monkeypatch.setattr(EarlyUpdates, "_run", slowed_early)
     return calls
+
+
+@pytest.fixture(autouse=True)
+def no_saved_tensor_hooks_outlive_a_test():
+    """Nothing memsched installs outlives its scheduler: after every test this thread's stack of saved-tensor
+    hooks is as it was before it (a left-over pack hook would see every tensor any later code saves)."""
+    import torch
+
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    yield
+    left = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if left != top:
+        while torch._C._autograd._top_saved_tensors_default_hooks(False) != top:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        pytest.fail(f"saved-tensor hooks left on the stack: {left}")

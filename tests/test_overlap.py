@@ -241,6 +241,32 @@ def test_step_timeline_phases_add_up_and_export():
     assert sum(1 for e in events if e["ph"] == "X" and e["name"].startswith("step ")) == 4
 
 
+def test_a_span_that_reaches_the_timeline_after_its_step_closed_goes_to_that_step():
+    # A worker descheduled between its clock read and span() (a loaded 2-core CI machine) must not hand its
+    # span to the open step, where it overlaps nothing and reads as a step with no CPU update.
+    from memsched.telemetry.step_timeline import CPU_UPDATE, StepTimeline
+
+    tl = StepTimeline(overlap=True)
+    tl.start()
+    t0 = tl._start
+    tl.step_begin()
+    tl.step_end(2)
+    t1 = tl.records[-1].end_s
+    tl.step_begin()
+    tl.step_end(3)
+    t2 = tl.records[-1].end_s
+    mid1, mid2 = (t0 + t1) / 2, (t1 + t2) / 2
+    tl.span(CPU_UPDATE, "update", mid1 - 1e-9, mid1)  # ended in step 2, arrives after step 3 closed
+    tl.span(CPU_UPDATE, "update", mid1, mid2)  # ended in step 3, started in step 2
+    tl.span(CPU_UPDATE, "update", t0 - 2.0, t0 - 1.0)  # ended before recording started: dropped
+    first, second = tl.records
+    assert [sp.end_s for sp in first.spans if sp.track == CPU_UPDATE] == [mid1]
+    assert [sp.end_s for sp in second.spans if sp.track == CPU_UPDATE] == [mid2]
+    assert first.summary()["cpu_update_s"] == pytest.approx(1e-9, abs=1e-12)
+    assert second.summary()["cpu_update_s"] == pytest.approx(mid2 - t1)
+    assert tl._spans == []
+
+
 def test_overlap_must_be_a_known_mode():
     with pytest.raises(ValueError, match="overlap must be False, True or 'backward', got 'yes'"):
         memsched.attach(tiny_gpt(), overlap="yes", device="sim:64MiB")

@@ -394,3 +394,108 @@ def test_longer_inputs_are_re_planned_with_parameters_on_the_host() -> None:
         assert history[1].plan.param_host_chunks == list(range(len(sched.store.chunks)))
         assert 0 < len(history[2].plan.param_host_chunks) < len(sched.store.chunks)
         assert len(history[2].plan.param_host_chunks) >= len(history[0].plan.param_host_chunks)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_an_evaluation_between_steps_sees_current_values_and_training_goes_on_exactly(mode) -> None:
+    """An evaluation forward between steps (``no_grad`` or ``inference_mode``) fetches what it reads; after
+    it the model is between steps again (host-placed parameters read their host values, not the NaN of
+    absent views), its outputs and ``state_dict()`` equal torch's, and the chunks it fetched are not
+    inference tensors that the next training step could not save for backward."""
+    cap, _ = capacity(torch.float32)
+    model = OffloadNet()
+    ref = Reference(model)
+    data, probe = batches(STEPS * ACCUM), batches(1, seed=9)[0]
+    with attach(model, torch.float32, cap) as sched:
+        for step in range(STEPS):
+            train(sched, model, ref, data, step, step + 1)
+            model.eval()
+            seen: list[bool] = []  # inside the evaluation: are the chunks it fetched inference tensors?
+
+            def look(*_a, seen=seen) -> None:
+                seen.extend(c.data.is_inference() for c in sched.store.chunks if c.data is not None)
+
+            handle = model.shared.register_forward_pre_hook(look)
+            with mode():
+                out = model(probe[0])
+            handle.remove()
+            model.train()
+            assert seen and not any(seen)
+            assert not any(p.is_inference() for p in model.parameters())
+            with sched.sim.paused():
+                assert sched.plan is None or sched.plan.param_host_chunks  # parameters on the host
+                with torch.no_grad():
+                    assert torch.equal(out, ref.model(probe[0])), f"step {step}"
+                state = model.state_dict()
+                for k, v in ref.model.state_dict().items():
+                    assert torch.equal(state[k], v), (step, k)
+            del out
+
+
+def penalised(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """An L2 penalty over ``model.parameters()`` computed before the forward, as a user's loss term may."""
+    penalty = sum(p.pow(2).sum() for p in model.parameters())
+    return 1e-3 * penalty + loss_fn(model, batch)
+
+
+def test_a_loss_term_read_before_the_forward_is_exact_also_across_an_out_of_memory_retry() -> None:
+    """The penalty reads every parameter between steps: host-placed ones as their host values, the others
+    on the device; autograd saves them all. A forward that then runs out of memory is retried after
+    ``zero_grad()`` and re-planned at its begin (every chunk on the host): the parameters the penalty of the
+    retry saved on the device have moved to the host by backward, which must read their values, not the NaN
+    of their absent views."""
+    model = OffloadNet()
+    # the penalty's gradients come last in backward, so every chunk's gradients are complete only at its end
+    cap = capacity(torch.float32)[0] + sum(p.numel() for p in model.parameters()) * 4 * 3 // 4
+    ref = Reference(model)
+    data = batches(STEPS)
+    oom_at = 3
+    with attach(model, torch.float32, cap) as sched:
+        for step, b in enumerate(data):
+            if step == oom_at:
+                def oom(*_a):
+                    raise memsched.devices.simdevice.SimOutOfMemoryError(1 << 30, 0, cap)
+
+                handle = model.blocks[5].register_forward_hook(oom)
+                raised = False
+                try:  # not pytest.raises: its traceback would keep the failed forward's graph alive
+                    sched.backward(penalised(model, b))
+                except torch.OutOfMemoryError:
+                    raised = True
+                assert raised
+                handle.remove()
+                sched.optimizer.zero_grad()
+            sched.backward(penalised(model, b))
+            with sched.sim.paused():
+                assert not any(torch.isnan(p.grad).any() for p in model.parameters() if p.grad is not None)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with sched.sim.paused():
+                ref.step(b, penalised, CLIP)
+                assert_same(model, ref, f"step {step}", optimizer=sched.optimizer)
+        assert sched.plan_history[0].plan.param_host_chunks  # some parameters read on the host between steps
+        reasons = [h.reason for h in sched.plan_history]
+        assert len(reasons) >= 2 and "out of memory" in reasons[1], reasons
+        assert sched.plan_history[1].step == oom_at  # optimizer steps done before the retry
+
+
+def test_an_activation_modified_in_place_after_it_was_saved_is_refused_as_torch_refuses_it() -> None:
+    """Under saved-tensor hooks autograd no longer checks the version of what it saved; memsched's hooks (on
+    while parameters live on the host) check it themselves, so the in-place write is an error as in torch,
+    not a silently wrong gradient."""
+    cap, _ = capacity(torch.float32)
+    model = OffloadNet()
+    data = batches(4)
+    with attach(model, torch.float32, cap) as sched:
+        for b in data[:2]:
+            sched.backward(loss_fn(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        assert sched.plan.param_host_chunks
+        x, y = data[2]
+        h = model(x).sigmoid()  # sigmoid saves its output
+        h.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            F.mse_loss(h, torch.zeros_like(h)).backward()
+        sched.optimizer.zero_grad()

@@ -65,12 +65,24 @@ LOOKAHEAD = 8
 
 @dataclass
 class _Saved:
-    """What a saved tensor in a chunk's buffer is replaced by while backward has not read it yet."""
+    """What a saved tensor in a chunk's buffer is replaced by while backward has not read it yet: resolved at
+    the unpack through the parameter (its chunk then, which a re-plan or a re-pack since may have changed)."""
 
-    chunk: Chunk
     param: torch.nn.Parameter  # the parameter itself (``view`` None), or the one whose slot the view is in
     version: int  # the parameter's version counter when it was saved
-    view: tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype] | None  # size, stride, offset, dtype
+    view: tuple[tuple[int, ...], tuple[int, ...], int] | None  # size, stride, offset in the parameter's slot
+    values: torch.Tensor | None = None  # saved between steps from the chunk's host buffer: those values
+
+
+@dataclass
+class _Plain:
+    """A saved tensor outside the chunks, with its version counter when saved (checked at the unpack).
+    Detached (its storage and version counter shared): an output saved by its own node would otherwise hold
+    that node, a reference cycle only the garbage collector frees; autograd gives an unpacked output its node
+    back."""
+
+    tensor: torch.Tensor
+    version: int
 
 
 class ParamFetcher:
@@ -108,7 +120,9 @@ class ParamFetcher:
         self._last: tuple[int, str] | None = None
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
-        self._saved_hooks: Any = None
+        self._saved_hooks: Any = None  # the forward's saved-tensor hooks
+        self._between: Any = None  # the same hooks from a forward's end to the next one's begin
+        self._removed = False
         self._storage: dict[int, Chunk] = {}  # id(untyped storage) of a watched chunk's buffer -> chunk
         # The read guard (memsched.runtime.read_guard) of the root's forward: the H2D waits enter and leave it
         # (one mode for both); reads of chunks not fetched here go back to them (delegate_reads).
@@ -242,10 +256,9 @@ class ParamFetcher:
         return reads
 
     def _watch(self) -> None:
-        """The storages the saved-tensor hooks replace: the offloaded chunks' (every chunk's while
-        recording)."""
-        self._storage = {id(c.data.untyped_storage()): c for c in self.store.chunks
-                         if c.data is not None and (self.recording is not None or c.index in self.offloaded)}
+        """The storages the saved-tensor hooks replace: every chunk's device buffer ([Note: saved tensors
+        across a re-plan])."""
+        self._storage = {id(c.data.untyped_storage()): c for c in self.store.chunks if c.data is not None}
 
     # ---- hooks --------------------------------------------------------------------------------------------
     def install(self) -> None:
@@ -274,7 +287,10 @@ class ParamFetcher:
         self._module_handles.clear()
         self._install_root_hooks()
         if not (self._installed and self.active):
+            self._pop_between()  # nothing on the host, nothing recorded: no saved tensor to replace
             return
+        if not self.store.computing:  # between steps: from here to the next forward
+            self._push_between()
         store = self.store
         if self.recording is not None:  # when each gradient is made, for the gradients in flight
             for p in store.params():
@@ -328,6 +344,7 @@ class ParamFetcher:
         self._stack.clear()
         if self.recording is not None and torch.is_grad_enabled():
             self.recording.append(Read(None, "begin", self._sample(), ""))  # type: ignore[arg-type]
+        self._pop_between()
         if torch.is_grad_enabled():  # chunks fetched during the forward are saved through these too
             self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._saved_hooks.__enter__()
@@ -337,12 +354,14 @@ class ParamFetcher:
         """The root's forward ends. Its read guard is left here (by the H2D waits): until backward fetches
         them, the parameters of chunks away from the device are host views, so a read outside the forward
         (a loss term) sees their values (on CUDA: refuses them, being on the host) instead of the NaN of
-        their absent views. With no backward to follow, the forward's reads are over."""
+        their absent views. With no backward to follow (an evaluation under ``no_grad``), the model is between
+        steps again (:meth:`memsched.chunks.ChunkStore.settle`)."""
         if torch.compiler.is_compiling():
             return
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
+        self._push_between()
         if not self.offloaded:
             return
         if torch.is_grad_enabled():
@@ -350,8 +369,11 @@ class ParamFetcher:
                 c = self.store.chunks[i]
                 if not self.store.resident(c):
                     self.store.bind_host(c)
-        elif self.schedule is not None:
-            self._settle()
+        elif not self.store.in_backward:
+            # An evaluation: no backward follows, so the model is between steps again: the chunks the
+            # schedule keeps stay, the parameters of the others are host views (not their absent views' NaN)
+            with torch.inference_mode(False):
+                self.store.settle()
 
     def watched_params(self) -> dict[int, int]:
         """``id(parameter) -> chunk`` the read guard watches for this fetcher: every chunk's while recording,
@@ -395,11 +417,40 @@ class ParamFetcher:
                 self._evict(self.store.chunks[i])
         self._last = None
 
+    def _push_between(self) -> None:
+        """[Note: saved tensors between steps]
+        A loss term computed outside the forward (an L2 penalty before or after ``model(x)``) reads the
+        parameters between steps, where those of host chunks are host views; autograd saves the parameter
+        itself, and by backward the forward has bound it to its device buffer or, its chunk being away, to
+        its absent view. So from a forward's end (and from attach) to the next forward's begin the same
+        saved-tensor hooks are on this thread's stack: such a parameter is saved as a token of its host
+        values, which nothing changes before the step. Pushed and popped in stack order: the hooks come off at
+        the next forward's begin only when they are on top (a user's own hooks pushed since stay above
+        them, and ours wait)."""
+        if self._between is None and self.active and not self._removed:
+            self._between = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._between.__enter__()
+
+    def _pop_between(self) -> None:
+        if self._between is None:
+            return
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is not None and top[0] == self._pack:  # ours on top: leaving them keeps the stack in order
+            hooks, self._between = self._between, None
+            hooks.__exit__(None, None, None)
+            _drain_removed()
+
     def remove(self) -> None:
-        """Remove every hook (``close()``)."""
+        """Remove every hook (``close()``). Saved-tensor hooks that another context (a scheduler attached
+        later, a user's ``saved_tensors_hooks``) pushed over cannot come off in stack order: they are left
+        inert (they pass every tensor through) and come off as soon as they are on top again
+        (:func:`_drain_removed`)."""
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
+        self._pop_between()
+        self._removed = True  # hooks left under another's pass every tensor through until they come off
+        _drain_removed()
         for h in (*self._handles, *self._module_handles):
             h.remove()
         self._handles.clear()
@@ -439,7 +490,10 @@ class ParamFetcher:
         if (i, phase) == self._last or i not in self.offloaded:
             return
         c = self.store.chunks[i]
-        with torch._C.DisableTorchFunction():  # fetching binds parameters: bookkeeping, not reads
+        # Fetching binds parameters: bookkeeping, not reads. Under torch.inference_mode (an evaluation) the
+        # buffers and views made here would be inference tensors, which a later training step cannot save
+        # for backward: they are made as outside it, as the parameters of a plain model are.
+        with torch._C.DisableTorchFunction(), torch.inference_mode(False):
             self._advance(i, phase)
             self._ready(c)
         self._last = (i, phase)
@@ -539,8 +593,7 @@ class ParamFetcher:
         self.transfers.add_h2d(nbytes)
         self.stats["fetches"] += 1
         self.stats["fetched_bytes"] += nbytes
-        if self.recording is not None or c.index in self.offloaded:
-            self._storage[id(data.untyped_storage())] = c
+        self._storage[id(data.untyped_storage())] = c
         if wait:
             c.wait_h2d()
 
@@ -559,23 +612,53 @@ class ParamFetcher:
 
     # ---- saved tensors ------------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> Any:
-        if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter):
-            return t
-        c = self._storage.get(id(t.untyped_storage()))
-        if c is None:
+        """[Note: saved tensors across a re-plan]
+        Autograd saves a parameter (or a view of it) as the tensor itself, and reads it back in backward. By
+        then the parameter may be bound elsewhere: its chunk left the device (an offloaded chunk, evicted
+        after its forward reads), or a re-plan at a forward's begin (an input that grew, an out-of-memory
+        retry) moved it to the host after a loss term read it on the device, or a re-pack changed its chunk.
+        So a saved tensor in any chunk's device buffer is replaced by a token resolved at the unpack through
+        the parameter: its chunk then is fetched if away, and the slot read where it is now. Between steps a
+        host-bound parameter is saved as its host values ([Note: saved tensors between steps]), which no
+        re-plan changes (a buffer freed by one stays alive through the token). Any other tensor is saved with
+        its version: under saved-tensor hooks autograd no longer checks that nothing modified it in place
+        before backward, so the unpack does, as torch would."""
+        if self._removed or not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor,
+                                                                               torch.nn.Parameter):
             return t
         store = self.store
+        sid = id(t.untyped_storage())
+        c, host = self._storage.get(sid), False
+        if c is not None and (c.data is None or id(c.data.untyped_storage()) != sid):
+            c = None  # a buffer that has left since: not a chunk's any more
+        if c is None and store.host_bound:  # between steps: a host view ([Note: saved tensors between steps])
+            c = next((store.chunks[i] for i in store.host_bound if store.chunks[i].param_host is not None
+                      and id(store.chunks[i].param_host.untyped_storage()) == sid), None)
+            host = c is not None
+        if c is None:
+            return _Plain(t.detach(), t._version)
         if id(t) in store.param_chunk and store.param_chunk[id(t)] is c:
-            return _Saved(c, t, t._version, None)
+            return _Saved(t, t._version, None, t.detach() if host else None)
         if t.dtype != c.dtype:
-            return t  # a reinterpreting view: kept as it is (its buffer stays alive until backward reads it)
-        off = t.storage_offset()
-        p = next((q for q, (o, n) in zip(c.params, c.ranges, strict=True) if o <= off < o + n), None)
-        if p is None:
-            return t
-        return _Saved(c, p, p._version, (tuple(t.shape), tuple(t.stride()), off, t.dtype))
+            # a reinterpreting view: kept as it is (its buffer stays alive until backward reads it)
+            return _Plain(t.detach(), t._version)
+        off = t.storage_offset() + (c.lo if host else 0)  # an offset in the chunk
+        found = next(((q, o) for q, (o, n) in zip(c.params, c.ranges, strict=True) if o <= off < o + n), None)
+        if found is None:
+            return _Plain(t.detach(), t._version)
+        p, start = found
+        return _Saved(p, p._version, (tuple(t.shape), tuple(t.stride()), off - start),
+                      t.detach() if host else None)
 
     def _unpack(self, saved: Any) -> Any:
+        if isinstance(saved, _Plain):
+            t = saved.tensor
+            if t._version != saved.version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: tensor of shape {tuple(t.shape)} is at version {t._version}; expected "
+                    f"version {saved.version} instead")
+            return t
         if not isinstance(saved, _Saved):
             return saved
         p = saved.param
@@ -585,15 +668,29 @@ class ParamFetcher:
                 f"operation: parameter of shape {tuple(p.shape)} is at version {p._version}; expected "
                 f"version {saved.version} instead (memsched saved it for backward while its chunk's "
                 "parameters live on the host)")
-        c = saved.chunk
+        if saved.values is not None:  # its host values when saved (nothing writes them before the step)
+            return saved.values
+        c = self.store.param_chunk[id(p)]
         if self.recording is not None:
             self._read_params([p], "backward")
         else:
             self.read(c.index, BACKWARD)
         if saved.view is None:
             return p
-        size, stride, off, _dtype = saved.view
-        return c.data.as_strided(size, stride, off)
+        size, stride, off = saved.view
+        return c.data.as_strided(size, stride, self.store.param_range[id(p)][0] + off)
+
+
+def _drain_removed() -> None:
+    """Take off the top of this thread's saved-tensor hooks those of removed fetchers (left under another
+    context's when their scheduler closed), down to the first that is not."""
+    while True:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        owner = getattr(top[0], "__self__", None) if top is not None else None
+        if not isinstance(owner, ParamFetcher) or not owner._removed or owner._between is None:
+            return
+        hooks, owner._between = owner._between, None
+        hooks.__exit__(None, None, None)
 
 
 @torch.compiler.disable

@@ -39,7 +39,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -145,8 +145,23 @@ class StepTimeline:
 
     def span(self, track: str, name: str, start_s: float, end_s: float, **args: Any) -> None:
         if self.enabled:
+            sp = Span(track, name, start_s, end_s, args)
             with self._lock:
-                self._spans.append(Span(track, name, start_s, end_s, args))
+                if self._start is None or end_s >= self._start:
+                    self._spans.append(sp)
+                else:
+                    self._late(sp)
+
+    def _late(self, sp: Span) -> None:
+        """A span that ended in a closed step but reached the lock after it closed (a worker thread
+        descheduled between its clock read and this call, as on a loaded 2-core machine) goes to the step it
+        ended in, not the open one it does not overlap; one that ended before the first record is dropped
+        (warmup is not recorded). Called under the lock."""
+        for i in range(len(self.records) - 1, -1, -1):
+            rec = self.records[i]
+            if rec.start_s <= sp.end_s:
+                self.records[i] = replace(rec, spans=rec.spans + (sp,))
+                return
 
     def _enter(self, phase: str) -> None:
         now = time.perf_counter()
@@ -187,8 +202,8 @@ class StepTimeline:
         end = self._phase[1] if self._phase is not None else time.perf_counter()
         with self._lock:
             spans, self._spans = self._spans, []
-        self.records.append(StepRecord(step, self._start, end, tuple(spans), self.overlap))
-        self._start = end
+            self.records.append(StepRecord(step, self._start, end, tuple(spans), self.overlap))
+            self._start = end
 
     def stop(self) -> None:
         self.enabled = False
@@ -196,8 +211,9 @@ class StepTimeline:
     def take_last(self) -> StepRecord | None:
         """The last step's record, or ``None``; every record is dropped (the warmup steps' records are read
         once, by the cost model, and never shown)."""
-        last = self.records[-1] if self.records else None
-        self.records.clear()
+        with self._lock:
+            last = self.records[-1] if self.records else None
+            self.records.clear()
         return last
 
     # ---- reading ------------------------------------------------------------------------------------------
