@@ -262,3 +262,14 @@ def test_gpu_numerics_runs_its_cases_on_the_stand_in(tmp_path: Path, monkeypatch
     assert result["passed"] == 9 and result["failed"] == 0  # 3 clipping paths x overlap off/on/backward
     assert {r["clip_via"] for r in result["results"]} == {"torch", "memsched", "none"}
     assert {r["overlap"] for r in result["results"]} == {False, True, "backward"}
+
+
+def test_zero_memory_measures_a_peak_per_rank_and_reports_a_refused_stage() -> None:
+    from bench import zero_memory
+
+    two = zero_memory.measure(2, 2, 1, "cpu")
+    assert len(two["peak_bytes_per_rank"]) == 2 and two["peak_bytes"] == max(two["peak_bytes_per_rank"])
+    assert two["peak_bytes"] > zero_memory.Model().gpt.wte.weight.numel() * 4  # at least the embedding
+    assert two["step_s_median"] > 0
+    three = zero_memory.measure(2, 3, 1, "cpu")
+    assert "zero_stage must be one of" in three["refused"]
