@@ -106,6 +106,18 @@ def train(sched, model, ref, data, first: int, last: int, *, swap_at: int | None
     return stats
 
 
+def planned(model: nn.Module, data: list) -> memsched.Scheduler:
+    """``model`` attached on the fp32 stand-in and trained a step per batch of ``data`` (past warmup): some
+    of its parameters are on the host."""
+    sched = attach(model, torch.float32, capacity(torch.float32)[0])
+    for b in data:
+        sched.backward(loss_fn(model, b))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+    assert sched.plan.param_host_chunks
+    return sched
+
+
 def attach(model: nn.Module, dtype: torch.dtype, cap: int, **kwargs) -> memsched.Scheduler:
     return memsched.attach(model, policy="auto", device=f"sim:{cap}B", lr=LR, weight_decay=WD, dtype=dtype,
                            chunk_numel=CHUNK, **kwargs)
@@ -328,15 +340,8 @@ def test_compiled_code_reading_parameters_on_the_host_is_refused(monkeypatch) ->
     """torch.compile traces the fetcher's hooks to nothing; a compiled forward that would read parameters
     kept on the host raises at the first module that reads them, rather than read NaN. (The stand-in keeps
     compiled code eager: compilation is simulated by ``torch.compiler.is_compiling``.)"""
-    cap, _ = capacity(torch.float32)
-    model = OffloadNet()
-    data = batches(4)
-    with attach(model, torch.float32, cap) as sched:
-        for b in data[:2]:
-            sched.backward(loss_fn(model, b))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-        assert sched.plan.param_host_chunks
+    model, data = OffloadNet(), batches(4)
+    with planned(model, data[:2]) as sched:
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         with pytest.raises(RuntimeError, match=r"compiled code reads parameters the plan keeps on the host"):
             model(data[2][0])
@@ -484,15 +489,8 @@ def test_an_activation_modified_in_place_after_it_was_saved_is_refused_as_torch_
     """Under saved-tensor hooks autograd no longer checks the version of what it saved; memsched's hooks (on
     while parameters live on the host) check it themselves, so the in-place write is an error as in torch,
     not a silently wrong gradient."""
-    cap, _ = capacity(torch.float32)
-    model = OffloadNet()
-    data = batches(4)
-    with attach(model, torch.float32, cap) as sched:
-        for b in data[:2]:
-            sched.backward(loss_fn(model, b))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-        assert sched.plan.param_host_chunks
+    model, data = OffloadNet(), batches(4)
+    with planned(model, data[:2]) as sched:
         x, y = data[2]
         h = model(x).sigmoid()  # sigmoid saves its output
         h.mul_(2)
