@@ -406,9 +406,9 @@ def _fp16_rank(rank: int, world: int) -> dict:
             if step == 1:
                 sched.clip_grad_norm_(1e30)  # a no-op clip that finishes the gradient reductions
                 if rank == 1:
-                    # element 0 of chunk 0 is rank 0's part: only rank 1 sees this overflow (in its zeros)
+                    # ZeRO-2: rank 1 holds only its shard of the reduced gradients: only rank 1 sees this
                     with torch.no_grad():
-                        sched.store.chunks[0].grad[0] = float("inf")
+                        sched.store.chunks[0].grad_shard[0] = float("inf")
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             sched.optimizer.step()
             sched.optimizer.zero_grad()

@@ -173,6 +173,8 @@ class StorageAccountant(TorchDispatchMode):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         cat = _category_index(category)
         st = tensor.untyped_storage()
+        if not _holds_memory(st):  # a wrapper subclass (DTensor, a sharded gradient): its parts are tracked
+            return 0
         entry = self._live.get(id(st))
         if entry is None:
             nbytes = st.nbytes()
@@ -345,3 +347,12 @@ def _category_index(category: Category | str) -> int:
     except ValueError:
         allowed = ", ".join(_CAT_NAMES)
         raise ValueError(f"unknown category {category!r}: expected one of {allowed}") from None
+
+
+def _holds_memory(st: torch.UntypedStorage) -> bool:
+    """Whether ``st`` is real memory: a wrapper tensor subclass has a storage object that holds nothing."""
+    try:
+        st.data_ptr()
+    except RuntimeError:
+        return False
+    return True

@@ -59,6 +59,9 @@ class Chunk:
         self.data: torch.Tensor | None = data  # None while its parameters are away (runtime.param_fetch)
         self.dtype, self.device = data.dtype, data.device  # the compute buffer's, present or not
         self.grad = grad
+        # ZeRO-2: this rank's shard of the averaged gradients once reduced (``[hi - lo]``, compute dtype, on
+        # the device; ``grad`` is then freed): see memsched.chunks.sharded_grad
+        self.grad_shard: torch.Tensor | None = None
         self.grad_generation = 0  # moves at every allocation of ``grad`` (its version restarts then)
         self.lo, self.hi = 0, numel
         self.placement: str | None = None
@@ -321,10 +324,18 @@ class Chunk:
         D2H stream that reads it was recorded on it, :class:`memsched.devices.transfers.Streams`)."""
         self.grad = None
 
-    def grad_signature(self) -> tuple[int, int] | None:
-        """What changes whenever the gradient buffer is written or replaced: ``(allocation, version)``, or
-        ``None`` without a buffer."""
-        return None if self.grad is None else (self.grad_generation, self.grad._version)
+    def grad_signature(self) -> tuple[Any, ...] | None:
+        """What changes whenever the gradient buffer (or the reduced shard) is written or replaced:
+        ``(allocation, version, shard version)``, or ``None`` without either."""
+        if self.grad is None and self.grad_shard is None:
+            return None
+        return (self.grad_generation, None if self.grad is None else self.grad._version,
+                None if self.grad_shard is None else (id(self.grad_shard), self.grad_shard._version))
+
+    def reduced_grad(self) -> torch.Tensor:
+        """The gradients of the shard the update reads (``[hi - lo]``): the reduced shard at ZeRO-2, else
+        ``grad[lo:hi]``."""
+        return self.grad_shard if self.grad_shard is not None else self.grad[self.lo:self.hi]
 
     # -- gradient readiness ---------------------------------------------------------------------------------
     def mark_grad_ready(self, param_id: int, task: int | None) -> bool:
@@ -342,7 +353,7 @@ class Chunk:
 
     def release(self) -> None:
         """Drop every tensor (the buffers are freed when nothing else holds them)."""
-        self.data = self.grad = None  # type: ignore[assignment]
+        self.data = self.grad = self.grad_shard = None  # type: ignore[assignment]
         self.master = self.exp_avg = self.exp_avg_sq = self.steps = self.host_grad = self.staging = None
         self.grad_host = self.landing = None
         self.initial_master = None
@@ -357,8 +368,9 @@ class Chunk:
             dst = self.staging if self.staging is not None else self.host_grad
         self.wait_h2d()  # the previous step's H2D may still read ``staging``
         self.wait_d2h()
-        self.d2h_event = streams.copy_d2h(dst, self.grad[self.lo:self.hi], after)
-        return self.shard_numel * self.grad.element_size()
+        src = self.reduced_grad()
+        self.d2h_event = streams.copy_d2h(dst, src, after)
+        return self.shard_numel * src.element_size()
 
     def start_h2d(self, streams: Any, src: torch.Tensor, after: Any = None) -> int:
         """Copy the updated shard ``src`` (host) into ``data[lo:hi]`` (after the CUDA event ``after`` when

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from memsched.chunks.buffers import Allocator
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
+from memsched.chunks.sharded_grad import ShardedGrad, is_sharded
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
@@ -90,10 +92,15 @@ class ChunkStore:
                                      "device: materialise the model (e.g. model.to_empty(device=...)) "
                                      "before attach")
         self.align = self.dp.align
-        # One rank: a chunk's gradient buffer exists only while some gradient does (from the first gradient a
-        # backward gives one of its parameters to zero_grad), so it is not alive through the forward's peak.
-        # More ranks: the buffers stay (the reductions write every chunk's buffer on every rank).
-        self.lazy_grads = self.dp.world == 1
+        # One rank and ZeRO-2: a chunk's gradient buffer exists only while some gradient does (from the
+        # first gradient a backward gives one of its parameters to zero_grad; at ZeRO-2 to its
+        # reduce-scatter), so it is not alive through the forward's peak. ZeRO-0/1: the buffers stay (the
+        # all-reduce writes every chunk's buffer on every rank).
+        self.shards_grads = bool(getattr(self.dp, "shards_grads", False))
+        self.lazy_grads = self.dp.world == 1 or self.shards_grads
+        # One rank: host chunks' gradients go to the host as backward completes them ([Note: host binding]);
+        # with more ranks they are reduced first and copied at the step.
+        self.backward_offload = self.dp.world == 1
         # [Note: memory formats]
         # One rank: a parameter's slot in its chunk holds its elements in the parameter's memory order
         # (contiguous, channels_last, channels_last_3d), and the parameter, its gradient and every state
@@ -187,7 +194,7 @@ class ChunkStore:
                 p.grad = None
         chunk = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad,
                       initial_master=initial)
-        chunk.offload_grads = self.lazy_grads
+        chunk.offload_grads = self.backward_offload
         chunk.private_grads = self.private_grads
         return chunk
 
@@ -433,7 +440,8 @@ class ChunkStore:
     def offloads(self, c: Chunk) -> bool:
         """Whether ``c``'s gradients leave the device as backward completes them and its parameters are host
         views between steps (see [Note: host binding]): one rank, optimizer state on the host."""
-        return self.offloader is not None and self.lazy_grads and not self.closed and c.placement == HOST
+        return (self.offloader is not None and self.backward_offload and not self.closed
+                and c.placement == HOST)
 
     def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
         """``p``'s slot in its chunk's host values (``kind="data"``: ``param_host``) or host gradients
@@ -450,6 +458,8 @@ class ChunkStore:
 
     def in_host_memory(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view into a chunk's host buffers (a host-bound parameter or gradient)."""
+        if is_sharded(t):  # ZeRO-2's ShardedGrad holds no memory
+            return False
         ptr = t.untyped_storage().data_ptr()
         return any(ptr == b.untyped_storage().data_ptr() for c in self.chunks if c.placement == HOST
                    for b in (c.param_host, c.grad_host) if b is not None)
@@ -698,7 +708,8 @@ class ChunkStore:
     def has_grads(self, c: Chunk) -> bool:
         """Whether any parameter of ``c`` holds a gradient memsched keeps: in its device buffer, or on the
         host."""
-        return c.grad is not None or any(id(p) in self.host_grads for p in c.params)
+        return (c.grad is not None or c.grad_shard is not None
+                or any(id(p) in self.host_grads for p in c.params))
 
     def settle(self) -> None:
         """Before a step: gradients still on the device of host chunks go to the host and the host chunks
@@ -750,6 +761,8 @@ class ChunkStore:
             elif c.index in self.host_bound:  # away from the device since the forward's end
                 self.bind_absent(c) if c.data is None else self.bind_resident(c)
             g = p.grad
+            if is_sharded(g):  # ZeRO-2: reduced already; this backward's gradients go to a new buffer
+                p.grad = g = None
             if g is not None and self.offloads(c) and (c.grad is None
                                                        or g.data_ptr() != self.grad_view(p, c).data_ptr()):
                 # The host gradients of earlier micro-batches stay on the host; a gradient set by hand since
@@ -777,7 +790,7 @@ class ChunkStore:
         self.with_grad.add(id(p))
         self.grad_events += 1
         task = graph_task_id()
-        if task != self._end_task and self.dp.world == 1:
+        if task != self._end_task and self.lazy_grads:
             self._end_task = task
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
@@ -794,7 +807,7 @@ class ChunkStore:
         self._end_task = None
         if len(self.with_grad) < self._n_params:
             for p in self.params():
-                if id(p) not in self.with_grad and p.grad is not None \
+                if id(p) not in self.with_grad and p.grad is not None and not is_sharded(p.grad) \
                         and self.param_chunk[id(p)].grad is not None \
                         and p.grad.data_ptr() == self.grad_view(p).data_ptr():
                     p.grad = None
@@ -911,15 +924,89 @@ class ChunkStore:
             return
         for p in c.params:
             self._views.pop(("grad", id(p)), None)
-            if p.grad is not None and p.grad.data_ptr() >= c.grad.data_ptr() \
+            if p.grad is not None and not is_sharded(p.grad) and p.grad.data_ptr() >= c.grad.data_ptr() \
                     and p.grad.data_ptr() < c.grad.data_ptr() + c.grad.numel() * c.grad.element_size():
                 p.grad = None
         c.free_grad()
 
+    # -- ZeRO-2: the reduced shard of each chunk's gradients (see [Note: sharded gradients]) ---------------
+    def keep_grad_shard(self, c: Chunk, shard: torch.Tensor) -> None:
+        """ZeRO-2: ``shard`` (``[hi - lo]``, compute dtype) is this rank's part of ``c``'s gradients of this
+        round, averaged over the ranks. It becomes the reduced shard, or is added to an earlier micro-batch's;
+        the whole gradient buffer is freed and every parameter that had a gradient shows a
+        :class:`memsched.chunks.sharded_grad.ShardedGrad`. Reductions reading the buffer are complete."""
+        with torch.no_grad():
+            if c.grad_shard is None:
+                own = shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+                c.grad_shard = shard if own else shard.clone()  # not a view of a larger receive buffer
+            else:
+                c.grad_shard.add_(shard)
+        had = [p for p in c.params if p.grad is not None]
+        self.free_grad(c)
+        for p in had:
+            p.grad = self.sharded_grad(p, c)
+
+    def sharded_grad(self, p: torch.nn.Parameter, c: Chunk) -> ShardedGrad:
+        """The :class:`memsched.chunks.sharded_grad.ShardedGrad` ``p.grad`` shows once ``c`` is reduced (its
+        ``zero_()`` zeroes ``p``'s part of the shard; it holds the store weakly)."""
+        store = weakref.ref(self)
+
+        def on_zero() -> None:
+            s = store()
+            if s is not None and c.grad_shard is not None:
+                s.zero_shard_part(p, c)
+
+        return ShardedGrad(p, f"a parameter of shape {tuple(p.shape)} in chunk {c.index}", self.dp.world,
+                           on_zero)
+
+    def zero_shard_part(self, p: torch.nn.Parameter, c: Chunk) -> None:
+        """Zero ``p``'s elements in ``c``'s reduced shard (those this rank holds)."""
+        off, n = self.param_range[id(p)]
+        a, b = max(off, c.lo), min(off + n, c.hi)
+        if a < b:
+            with torch.no_grad():
+                c.grad_shard[a - c.lo:b - c.lo].zero_()
+
+    def guard_grads(self, params: set[int]) -> None:
+        """ZeRO-2, every reduction complete: the parameters (ids) with a gradient on some rank have one here
+        too (their averaged gradient is in the shards), shown as ShardedGrads."""
+        for c in self.chunks:
+            if c.grad_shard is None:
+                continue
+            for p in c.params:
+                if id(p) in params:
+                    self.with_grad.add(id(p))
+                    if p.grad is None:
+                        p.grad = self.sharded_grad(p, c)
+
+    def whole_grads(self, gather: Callable[[Chunk], torch.Tensor]) -> None:
+        """ZeRO-2: every reduced shard becomes a whole gradient buffer again (``gather(c)``: the chunk's whole
+        averaged gradients, ``[numel]``, a collective over the ranks), and the parameters' ShardedGrads its
+        views (before re-packing, and at ``close()``)."""
+        for c in self.chunks:
+            if c.grad_shard is None:
+                continue
+            whole = gather(c)
+            self.free_grad(c)
+            c.grad = whole
+            c.grad_generation += 1
+            for p in c.params:
+                self._views.pop(("grad", id(p)), None)
+                if is_sharded(p.grad):
+                    p.grad = self.grad_view(p, c)
+            c.grad_shard = None
+
+    def shard_whole_grads(self) -> None:
+        """ZeRO-2: the inverse of :meth:`whole_grads` (after re-packing): each whole gradient buffer (averaged
+        already) keeps this rank's shard only."""
+        for c in self.chunks:
+            if c.grad is not None:
+                self.keep_grad_shard(c, c.grad[c.lo:c.hi])
+
     def rebind_grad(self, p: torch.nn.Parameter, c: Chunk | None = None) -> None:
         """Put ``p.grad`` back into its chunk view if autograd or the user produced a separate tensor."""
         g = p.grad
-        if g is None:
+        if g is None or is_sharded(g):
             return
         view = self.grad_view(p, c)
         if g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.dtype != view.dtype:
@@ -943,8 +1030,12 @@ class ChunkStore:
                 for p in c.params:
                     if p.grad is None:
                         self.with_grad.discard(id(p))
+                        if c.grad_shard is not None:  # ZeRO-2: its part of the reduced shard is dropped
+                            self.zero_shard_part(p, c)
                 if c.grad is not None and all(p.grad is None for p in c.params):
                     self.free_grad(c)
+                if c.grad_shard is not None and all(p.grad is None for p in c.params):
+                    c.grad_shard = None
             return
         with torch.no_grad():
             for p in self.params():
@@ -986,6 +1077,7 @@ class ChunkStore:
             for c in self.chunks:
                 c.reset_ready()
                 self.free_grad(c)
+                c.grad_shard = None
                 for p in c.params:
                     p.grad = None
             return
@@ -998,11 +1090,13 @@ class ChunkStore:
                     with self.alloc.host_context():
                         for p in held:
                             self.host_view("grad", p, c).zero_()
+                if c.grad_shard is not None:  # ZeRO-2: the reduced shard, zeroed; p.grad stay ShardedGrads
+                    c.grad_shard.zero_()
                 if c.grad is None:  # no gradient since the last zero_grad: p.grad stays None, as in torch
                     continue
                 c.grad.zero_()
                 for p in c.params:
-                    if self.lazy_grads and p.grad is None:  # stays None, as torch's zero_grad leaves it
+                    if self.lazy_grads and (p.grad is None or is_sharded(p.grad)):  # as torch leaves it
                         continue
                     if id(p) in self.host_grads:
                         continue

@@ -30,6 +30,7 @@ class DataParallel:
     rank = 0
     world = 1
     sharded = False
+    shards_grads = False
     align = 1
     group: Any = None
 
@@ -81,6 +82,10 @@ class DataParallel:
         parameter's whole averaged gradient; returns its total norm."""
         self.before_update()
         return clip()
+
+    def gather_grad(self, chunk: Chunk) -> torch.Tensor:
+        """``chunk``'s whole averaged gradients (``[numel]``). One rank: its gradient buffer."""
+        return chunk.grad
 
     def agree_with_grad(self, store: ChunkStore, with_grad: set[int]) -> set[int]:
         """The parameters (ids) the step updates: those with a gradient on this rank (ZeRO: on any rank, since

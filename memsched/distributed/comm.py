@@ -74,6 +74,7 @@ class Comm:
         self._reduce_scatter = _pick("reduce_scatter_single", "reduce_scatter_tensor")
         self.reduce_scatter_supported = self._reduce_scatter is not None
         self.all_gather_supported = self._all_gather is not None
+        self.all_to_all_supported = getattr(dist, "all_to_all_single", None) is not None
 
     # ---- errors -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -133,6 +134,24 @@ class Comm:
             dist.all_reduce(inp, group=self.group)
         out.copy_(inp[self.rank * k : (self.rank + 1) * k])
         return None
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *, what: str = "all_to_all",
+                   async_op: bool = False) -> Any:
+        """``out[r * k:(r + 1) * k]`` receives rank ``r``'s ``inp[rank * k:(rank + 1) * k]`` (both ``[world *
+        k]``): every rank gets every rank's part of its own shard, to sum in rank order
+        (:mod:`memsched.distributed.grad_reduction`). Returns the work, or raises
+        :class:`NotImplementedError` when the backend has no all-to-all (the caller falls back to a
+        reduce-scatter)."""
+        if not self.all_to_all_supported:
+            raise NotImplementedError("all_to_all_single is not supported by this backend")
+        try:
+            with self.guard(what):
+                return dist.all_to_all_single(out, inp, group=self.group, async_op=async_op)
+        except ZeroCommError as e:
+            if not _unsupported(e.__cause__):
+                raise
+            self.all_to_all_supported = False
+            raise NotImplementedError(str(e)) from e
 
     def all_gather(
         self, out: torch.Tensor, inp: torch.Tensor, *, what: str = "all_gather", async_op: bool = False

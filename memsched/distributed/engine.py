@@ -11,12 +11,16 @@ Stages (ZeRO, arXiv 1910.02054; ``memsched.attach(zero_stage=...)``):
 * ``0``: plain data parallelism. Gradients are all-reduced (averaged) whole; every rank keeps the whole
   optimizer state and updates whole chunks; nothing is fetched after the step.
 * ``1``: optimizer state sharded. Gradients are all-reduced (averaged) whole; each rank updates its part.
-* ``2``: gradients sharded too. Each chunk's gradients are reduce-scattered into the owning shard as soon as
-  the chunk's gradients are complete in backward (overlapping the rest of backward); only that shard is
-  copied device-to-host for host-placed chunks. memsched keeps each chunk's whole gradient buffer on the
-  device in every stage (the parameters' ``.grad`` are views into it and backward writes there), so here
-  stage 2 saves communication (a reduce-scatter moves half the bytes of an all-reduce) rather than gradient
-  memory; outside the own shard the gradients are zero after the reduction.
+* ``2``: gradients sharded too. A chunk's whole gradient buffer exists from its first gradient in backward
+  to its reduction: as soon as backward completes the chunk's gradients they are reduce-scattered
+  (overlapping the rest of backward), this rank keeps only its averaged shard (``Chunk.grad_shard``,
+  ``[numel / world]`` on the device) and the whole buffer is freed. The parameters' ``.grad`` are then
+  :class:`memsched.chunks.sharded_grad.ShardedGrad`: torch's ``clip_grad_norm_(model.parameters())`` is
+  refused loudly, ``sched.clip_grad_norm_`` is exact. Only the shard is copied device-to-host for
+  host-placed chunks, at the step.
+
+Reductions at stages 1 and 2 add the ranks' gradients in rank order, so they are bit-identical to plain torch
+averaging the per-rank gradients at any world size (:mod:`memsched.distributed.grad_reduction`).
 
 After the update (stages 1 and 2) the updated shards are fetched into the pre-allocated flat chunk, whose
 views the parameters already are: ``fetch="all_gather"`` gathers them with ``all_gather_into_tensor`` (no
@@ -34,9 +38,10 @@ compared).
 Gradient accumulation: ``with sched.no_sync(): ...`` (as in DDP) runs backward without reducing; the next
 backward outside it (or the step) reduces once per accumulation boundary, not per micro-batch. Cost: the whole
 gradient buffer of every chunk is kept across the micro-batches (``chunk_numel * n_chunks`` elements of the
-compute dtype per rank). Because the gradients must then stay whole, gradient sharding gives no memory gain
-(the reason DeepSpeed allows only ZeRO-1 with pipeline parallelism); ``zero_stage=2`` with ``no_sync`` warns
-about it once.
+compute dtype per rank), so at stage 2 it warns once that sharding saves nothing until the last micro-batch.
+Without ``no_sync``, stage 2 reduce-scatters every micro-batch and adds the averaged shards (one
+reduce-scatter per micro-batch, ``1 / world`` of the gradient memory between micro-batches); stages 0 and 1
+then all-reduce every micro-batch as DistributedDataParallel does.
 
 Re-packing at the end of warmup: the optimizer state of every chunk is gathered whole (temporarily, one-off:
 full fp32 state per rank on the state's side), the chunks are re-packed as in a single process, and the shards
@@ -87,6 +92,7 @@ class ZeroEngine(DataParallel):
         self._fetch_bytes = 0
         self._fetch_count = 0
         self.build_stats: dict[str, Any] = {}
+        self._guard_pending = False  # stage 2: reduced at a backward's end, parameters not agreed on yet
         self.chunk_build = chunk_build  # where chunks are built at attach (memsched.distributed.build)
 
     @property
@@ -108,8 +114,20 @@ class ZeroEngine(DataParallel):
 
     def before_update(self) -> None:
         """Reduce whatever backward did not and wait for every reduction
-        (:meth:`GradientReducer.before_update`)."""
-        self.reducer.before_update()
+        (:meth:`GradientReducer.before_update`). Stage 2: the parameters with a gradient on any rank then show
+        one here too (a ShardedGrad over the averaged shards)."""
+        flushed = self.reducer.before_update()
+        if self.shards_grads and self.store is not None and (flushed or self._guard_pending):
+            self._guard_pending = False
+            self.store.guard_grads(self.agree_with_grad(self.store, self.store.with_grad))
+
+    def backward_end(self) -> None:
+        """Stage 2, the end of a backward outside ``no_sync``: every chunk not reduced yet is reduced now (its
+        whole buffer freed), as DistributedDataParallel reduces every bucket in every backward; the
+        micro-batches' averages then add up in the shards."""
+        if self.shards_grads and self.reducer.synchronizing:
+            self.reducer.before_update()
+            self._guard_pending = True
 
     def before_zero_grad(self) -> None:
         """No reduction may still be writing into the gradient buffers."""
@@ -128,6 +146,20 @@ class ZeroEngine(DataParallel):
     def sharded(self) -> bool:
         """Optimizer state split over ranks (stages 1 and 2)."""
         return self.stage >= 1
+
+    @property
+    def shards_grads(self) -> bool:
+        """Gradients reduce-scattered into shards and the whole buffers freed (stage 2)."""
+        return self.stage >= 2
+
+    def gather_grad(self, c: Chunk) -> torch.Tensor:
+        """``c``'s whole averaged gradients (``[numel]``, compute dtype, on its device), all-gathered from the
+        ranks' reduced shards into a new tensor: a collective every rank makes for the same chunks."""
+        whole = torch.empty(c.numel, dtype=c.grad_shard.dtype, device=c.grad_shard.device)
+        what = f"gradient gather of chunk {c.index}"
+        self.comm.wait(self.comm.all_gather(whole, c.grad_shard, what=what), what)
+        self.reducer.add_reduce_bytes((self.world - 1) * whole.numel() * whole.element_size() // self.world)
+        return whole
 
     # ---- layout -------------------------------------------------------------------------------------------
     @property
@@ -179,6 +211,8 @@ class ZeroEngine(DataParallel):
         """Know the chunks (the store calls this engine at its moments; see :class:`DataParallel`)."""
         self.store = store
         self.reducer.install(store)
+        if self.shards_grads:
+            store.observe_backward_end(self.backward_end)
 
     def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:
         """Start every rank from group rank 0's parameters and buffers (as DistributedDataParallel does)."""
@@ -250,25 +284,11 @@ class ZeroEngine(DataParallel):
         return t.to(found.device)
 
     def clip_grad_norm_(self, clip: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run ``clip`` exactly as one process would over the averaged gradients; a collective. Stages 0 and 1
-        all-reduce whole gradients anyway; at stage 2 the reduced shards are all-gathered into the whole
-        gradient buffers first (the bytes of the reduce-scatter once more; memsched keeps those buffers whole
-        in every stage), and the rest of each buffer is zeroed again afterwards."""
+        """Run ``clip`` exactly as one process would over the averaged gradients, once every reduction is
+        complete; a collective. Stages 0 and 1 hold whole averaged gradients; at stage 2 the clipper gathers
+        one chunk at a time (:meth:`gather_grad`, :class:`memsched.optim.clipping.Clipper`)."""
         self.before_update()
-        if self.stage < 2:
-            return clip()
-        with torch.no_grad():
-            for c in self.store.chunks:
-                what = f"gradient gather of chunk {c.index} for clipping"
-                self.comm.wait(self.comm.all_gather(c.grad, c.grad[c.lo : c.hi], what=what), what)
-                nbytes = c.grad.numel() * c.grad.element_size()
-                self.reducer.add_reduce_bytes((self.world - 1) * nbytes // self.world)
-        total = clip()
-        with torch.no_grad():  # back to "zero outside the own shard", so a later backward reduces right
-            for c in self.store.chunks:
-                c.grad[: c.lo].zero_()
-                c.grad[c.hi :].zero_()
-        return total
+        return clip()
 
     # ---- re-packing at the end of warmup ------------------------------------------------------------------
     def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None, *,
@@ -279,11 +299,15 @@ class ZeroEngine(DataParallel):
         from memsched.distributed.reshard import reshard, unshard
 
         unshard(self, store)
+        if self.shards_grads:  # gradients not zeroed since the step move with their parameters, whole
+            store.whole_grads(self.gather_grad)
         store.repack(order, chunk_numel=self.chunk_numel_for(store.groups, order, chunk_numel))
         lay = store.layout
         self.check_same("chunk layout", (lay.chunk_numel, lay.chunk_groups,
                                          tuple((s.group, s.index, s.numel) for c in lay.chunks for s in c)))
         reshard(self, store)
+        if self.shards_grads:
+            store.shard_whole_grads()
         self.reducer.reset()
 
     def full_state(self, c: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

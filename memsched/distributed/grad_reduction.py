@@ -1,8 +1,30 @@
 """The gradient reductions of :class:`memsched.distributed.engine.ZeroEngine` (see that module's docstring
-for the stages and the collective order): each chunk's gradients are all-reduced (stages 0, 1) or
-reduce-scattered into the owning shard (stage 2) as soon as backward completes them, launched in a fixed chunk
-order (last chunk first, DistributedDataParallel's in-order bucket launch), averaged, and finished before the
-update; ``no_sync`` accumulates without reducing. The engine holds one :class:`GradientReducer`.
+for the stages and the collective order): each chunk's gradients are reduced as soon as backward completes
+them, launched in a fixed chunk order (last chunk first, DistributedDataParallel's in-order bucket launch),
+averaged, and finished before the update; ``no_sync`` accumulates without reducing. The engine holds one
+:class:`GradientReducer`.
+
+What each stage does with a chunk's gradient buffer ``[numel]``:
+
+* 0: all-reduce (SUM) in place, then divide by the world size.
+* 1: the sums of the own shard in rank order (below), divided by the world size, then all-gathered into the
+  whole buffer: every rank holds the whole averaged gradients (the bytes of a ring all-reduce).
+* 2: the same sums of the own shard, divided, kept as the chunk's reduced shard (``Chunk.grad_shard``,
+  ``[numel / world]``); the whole buffer is freed (:meth:`memsched.chunks.ChunkStore.keep_grad_shard`).
+  With accumulation outside ``no_sync`` each micro-batch is reduced and the averages are added to the shard
+  (DeepSpeed ZeRO-2's way): the whole buffer lives only from a chunk's first gradient to its reduction, at the
+  price of one reduce-scatter per micro-batch. Under ``no_sync`` the whole buffers accumulate locally and are
+  reduced once: fewer bytes sent, whole buffers kept across the micro-batches.
+
+[Note: sums in rank order]
+A ring reduce-scatter or all-reduce adds the ranks' values in an order that depends on the element's position
+and the world size, so with three or more ranks its sums differ in the last bit from plain torch averaging the
+per-rank gradients (``(g0 + g1 + g2) / 3``, left to right), and Adam amplifies such bits. With three or more
+ranks, stages 1 and 2 send each rank its part of every rank's buffer with one all-to-all (the bytes a
+reduce-scatter sends; a receive buffer of the chunk's size while in flight) and add the parts in rank order,
+so the averaged gradients are bit-identical to that reference at any world size. Two ranks use the backend's
+reduce-scatter (a sum of two is the same in either order). A backend without all-to-all falls back to its
+reduce-scatter and warns once.
 
 [Note: the order of gradient reductions]
 Every rank must issue the same collectives in the same order, but backward completes chunks in an order that
@@ -17,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +49,19 @@ from memsched.chunks import Chunk, ChunkStore
 
 class ZeroAccumulationWarning(UserWarning):
     """ZeRO-2 with gradient accumulation: gradient sharding saves nothing there."""
+
+
+@dataclass
+class _Reduction:
+    """One chunk's reduction in flight: its collective's work, the all-to-all's receive buffer (``[numel]``,
+    or the own shard after a reduce-scatter: ``summed``), and at stage 1 whether its all-gather was
+    launched."""
+
+    chunk: Chunk
+    work: Any
+    recv: torch.Tensor | None = None
+    summed: bool = False
+    gathering: bool = False
 
 
 class GradientReducer:
@@ -47,7 +83,7 @@ class GradientReducer:
         self.store: ChunkStore | None = None
         self._sync = True
         self._warned_accumulation = False
-        self._reduced: set[int] = set()  # chunks reduced since the last zero_grad
+        self._warned_unordered = False
         self._flushed_at: int | None = None  # store.grad_events at the last flush
         self.reduce_bytes = 0
         self.reductions = 0
@@ -64,17 +100,21 @@ class GradientReducer:
     def reset(self) -> None:
         """Forget every round and reduction (the chunks were re-packed)."""
         self._reset_round()
-        self._reduced.clear()
 
     def _reset_round(self) -> None:
         self._next = 0
         self._ready: set[int] = set()
         self._launched: set[int] = set()
-        self._pending: list[tuple[Chunk, Any, torch.Tensor | None]] = []
+        self._pending: list[_Reduction] = []
 
     def _order(self) -> list[int]:
         assert self.store is not None
         return list(range(len(self.store.chunks) - 1, -1, -1))
+
+    @property
+    def synchronizing(self) -> bool:
+        """Whether backward reduces now (outside ``no_sync``)."""
+        return self._sync
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -83,9 +123,10 @@ class GradientReducer:
         if self.stage == 2 and not self._warned_accumulation:
             self._warned_accumulation = True
             warnings.warn(
-                "zero_stage=2 with gradient accumulation (no_sync): the whole gradient buffer is kept across "
-                "micro-batches, so gradient sharding saves no memory; zero_stage=1 keeps the same memory "
-                "(DeepSpeed allows only ZeRO-1 with pipeline parallelism for the same reason)",
+                "zero_stage=2 with gradient accumulation under no_sync: the whole gradient buffers are kept "
+                "across the micro-batches, so gradient sharding saves no memory until the last one; without "
+                "no_sync each micro-batch's gradients are reduce-scattered and only this rank's shard is "
+                "kept (one reduce-scatter per micro-batch instead of one per step)",
                 ZeroAccumulationWarning,
                 stacklevel=3,
             )
@@ -111,71 +152,116 @@ class GradientReducer:
 
     def _launch(self, c: Chunk) -> None:
         w = self.world
+        if self.stage == 1:
+            self._gather_reduced()  # collectives only at launches: the same order on every rank
+        elif self.stage == 2:  # one reduction in flight: the whole buffers do not pile up behind backward
+            while self._pending:
+                self._finalize(self._pending.pop(0))
+        if c.grad is None:  # no gradient on this rank in this round (lazy buffers): its part is zeros
+            self.store.alloc_grad(c)
+        what = f"gradient reduction of chunk {c.index}"
+        nbytes = c.grad.numel() * c.grad.element_size()
         with torch.no_grad():
-            if self.stage == 2 and c.index in self._reduced:
-                # The own shard holds an average already; scale it back to a sum so that adding the new local
-                # gradients of every rank and averaging again is right.
-                c.grad[c.lo : c.hi].mul_(w)
-            what = f"gradient reduction of chunk {c.index}"
-            if self.stage < 2:
-                work, out = self.comm.all_reduce(c.grad, what=what, async_op=True), None
-                self.reduce_bytes += 2 * (w - 1) * c.grad.numel() * c.grad.element_size() // w
+            if self.stage == 0:
+                work = self.comm.all_reduce(c.grad, what=what, async_op=True)
+                self._pending.append(_Reduction(c, work))
+                self.reduce_bytes += 2 * (w - 1) * nbytes // w
             else:
-                # NCCL reduces in place when the output is the own shard of the input; elsewhere a temporary.
-                out = (
-                    c.grad[c.lo : c.hi]
-                    if self.comm.nccl
-                    else torch.empty(c.shard_numel, dtype=c.grad.dtype, device=c.grad.device)
-                )
-                work = self.comm.reduce_scatter(out, c.grad, what=what, async_op=True)
-                self.reduce_bytes += (w - 1) * c.grad.numel() * c.grad.element_size() // w
+                r = _Reduction(c, None)
+                try:  # [Note: sums in rank order]
+                    if w == 2:  # a sum of two is the same in either order: the backend's reduce-scatter
+                        raise NotImplementedError
+                    r.recv = torch.empty_like(c.grad)
+                    r.work = self.comm.all_to_all(r.recv, c.grad, what=what, async_op=True)
+                except NotImplementedError:
+                    if w > 2:
+                        self._warn_unordered()
+                    r.recv = torch.empty(c.shard_numel, dtype=c.grad.dtype, device=c.grad.device)
+                    r.work = self.comm.reduce_scatter(r.recv, c.grad, what=what, async_op=True)
+                    r.summed = True
+                self._pending.append(r)
+                self.reduce_bytes += (w - 1) * nbytes // w
         self.reductions += 1
         self._launched.add(c.index)
-        self._pending.append((c, work, out))
 
-    def _finalize(self, c: Chunk, work: Any, out: torch.Tensor | None) -> None:
-        self.comm.wait(work, f"gradient reduction of chunk {c.index}")
+    def _warn_unordered(self) -> None:
+        if not self._warned_unordered:
+            self._warned_unordered = True
+            warnings.warn(
+                f"the {self.comm.backend} backend has no all-to-all: gradients are reduced with its "
+                "reduce-scatter, whose sums with three or more ranks may differ in the last bit from "
+                "averaging the per-rank gradients in rank order", RuntimeWarning, stacklevel=4)
+
+    def _own_average(self, r: _Reduction) -> torch.Tensor:
+        """The own shard of a finished all-to-all (or reduce-scatter), summed in rank order and averaged."""
+        self.comm.wait(r.work, f"gradient reduction of chunk {r.chunk.index}")
+        w = self.world
         with torch.no_grad():
-            if self.stage < 2:
+            if r.summed:
+                own = r.recv
+            else:  # [Note: sums in rank order]: rank 0's part, then rank 1's added, ...
+                parts = r.recv.view(w, -1)
+                own = parts[0]
+                for k in range(1, w):
+                    own.add_(parts[k])
+            return own.div_(w)
+
+    def _gather_reduced(self) -> None:
+        """Stage 1: every launched reduction whose all-gather is not launched yet gets it now (waiting for its
+        all-to-all first), in launch order."""
+        w = self.world
+        for r in self._pending:
+            if r.gathering:
+                continue
+            own = self._own_average(r)
+            what = f"gradient reduction of chunk {r.chunk.index} (all-gather)"
+            r.work = self.comm.all_gather(r.chunk.grad, own, what=what, async_op=True)
+            r.gathering = True
+            self.reduce_bytes += (w - 1) * r.chunk.grad.numel() * r.chunk.grad.element_size() // w
+
+    def _finalize(self, r: _Reduction) -> None:
+        c = r.chunk
+        if self.stage == 0:
+            self.comm.wait(r.work, f"gradient reduction of chunk {c.index}")
+            with torch.no_grad():
                 c.grad.div_(self.world)
-            else:
-                own = c.grad[c.lo : c.hi]
-                if out is not None and out.data_ptr() != own.data_ptr():
-                    own.copy_(out)
-                own.div_(self.world)
-                c.grad[: c.lo].zero_()
-                c.grad[c.hi :].zero_()
-        self._reduced.add(c.index)
+        elif self.stage == 1:
+            self.comm.wait(r.work, f"gradient reduction of chunk {c.index} (all-gather)")
+        else:
+            self.store.keep_grad_shard(c, self._own_average(r))
 
     def _poll(self) -> None:
+        """Finish the reductions that are complete, in launch order; none that needs another collective."""
         while self._pending:
-            c, work, out = self._pending[0]
-            if work is not None and not work.is_completed():
+            r = self._pending[0]
+            if (self.stage == 1 and not r.gathering) or (r.work is not None and not r.work.is_completed()):
                 return
             self._pending.pop(0)
-            self._finalize(c, work, out)
+            self._finalize(r)
 
     def _finish_round(self) -> None:
         order = self._order()
         for i in order[self._next :]:
             self._launch(self.store.chunks[i])
-        for c, work, out in self._pending:
-            self._finalize(c, work, out)
+        if self.stage == 1:
+            self._gather_reduced()
+        for r in self._pending:
+            self._finalize(r)
         self._reset_round()
 
-    def before_update(self) -> None:
+    def before_update(self) -> bool:
         """Before the update (and before clipping): reduce whatever backward did not (in order) and wait for
-        every reduction. A second flush with no backward in between reduces nothing again (the gradients are
-        averaged already; reducing them twice would scale them)."""
+        every reduction; True when it did. A second flush with no backward in between reduces nothing again
+        (the gradients are averaged already; reducing them twice would scale them)."""
         if self.store is not None and self._flushed_at == self.store.grad_events:
-            return
+            return False
         self._finish_round()
         self._flushed_at = self.store.grad_events if self.store is not None else None
+        return True
 
     def before_zero_grad(self) -> None:
         """Hook, before the gradient buffers are zeroed: no reduction may still be writing into them."""
         if self._launched or self._pending:
             self._finish_round()
         self._reset_round()
-        self._reduced.clear()
         self._flushed_at = None

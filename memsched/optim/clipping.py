@@ -92,6 +92,8 @@ class Clipper:
         in fp16, so a scaled norm above 65504 is no overflow), and the coefficient waits in :attr:`pending`
         for the step (``p.grad`` keeps the scaled fp16 values).
         """
+        if self._store.shards_grads:
+            return self._clip_sharded(params, max_norm, norm_type)
         if self._scaler is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         inv = self._scaler.inv_scale(self._store.alloc.device)
@@ -104,4 +106,40 @@ class Clipper:
             norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
         total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
         self.pending.append(clip_coefficient(total, max_norm))
+        return total
+
+    def _clip_sharded(self, params: Sequence[torch.nn.Parameter], max_norm: float,
+                      norm_type: float) -> torch.Tensor:
+        """ZeRO-2 (see [Note: sharded gradients] in :mod:`memsched.chunks.sharded_grad`): every rank gathers
+        the whole averaged gradients one chunk at a time (a temporary of one chunk, in chunk order: the same
+        collectives on every rank), computes the per-parameter norms as torch would, and scales its shards by
+        the coefficient (elementwise, so the same values as torch scaling whole gradients); under fp16 the
+        coefficient waits for the step."""
+        store = self._store
+        inv = self._scaler.inv_scale(store.alloc.device) if self._scaler is not None else None
+        with_grad = [p for p in params if p.grad is not None]  # the reduced ones, the same on every rank
+        by_chunk: dict[int, list[torch.nn.Parameter]] = {}
+        for p in with_grad:
+            by_chunk.setdefault(store.param_chunk[id(p)].index, []).append(p)
+        norms: dict[int, torch.Tensor] = {}
+        for c in store.chunks:
+            ps = by_chunk.get(c.index)
+            if not ps:
+                continue
+            whole = store.dp.gather_grad(c)
+            grads = [store.slot(whole, store.param_range[id(p)][0], p) for p in ps]
+            if inv is not None:
+                grads = [fp32_grad(g, None, inv, self.pending) for g in grads]
+            norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
+            del whole, grads
+        total = total_norm([norms[id(p)] for p in with_grad], norm_type, of_norms=True)
+        if not with_grad:
+            return total
+        coef = clip_coefficient(total, max_norm)
+        if self._scaler is not None:
+            self.pending.append(coef)
+        else:
+            for c in store.chunks:
+                if c.index in by_chunk:
+                    c.grad_shard.mul_(coef.to(c.grad_shard.device))
         return total

@@ -11,6 +11,7 @@ import torch
 from torch.autograd.graph import increment_version
 
 from memsched.chunks import Chunk, ChunkStore
+from memsched.chunks.sharded_grad import is_sharded
 
 
 class GradChecks:
@@ -91,6 +92,8 @@ class GradChecks:
                 fixes.append((p, None))
                 continue
             c = store.param_chunk[id(p)]
+            if is_sharded(g) and c.grad_shard is not None:  # ZeRO-2: reduced into the chunk's shard
+                continue
             host_bound = c.index in store.host_bound
             if host_bound or c.grad is not None:
                 view = store.host_view("grad", p, c) if host_bound else store.grad_view(p, c)
@@ -171,6 +174,9 @@ def _sums(store: ChunkStore, chunks: list[Chunk]) -> torch.Tensor:
     out = []
     for c in chunks:
         total = c.grad.sum(dtype=torch.float32) if c.grad is not None else None
+        if c.grad_shard is not None:  # ZeRO-2: the reduced shard (an inf on any rank skips everywhere)
+            shard = c.grad_shard.sum(dtype=torch.float32)
+            total = shard if total is None else total + shard
         held = [p for p in c.params if id(p) in store.host_grads] if store.offloads(c) else []
         if held:  # only the parameters that hold a host gradient (the rest of the buffer is stale)
             with store.alloc.host_context():

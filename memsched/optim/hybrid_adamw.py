@@ -208,8 +208,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self.store.check_bound(self.names)
         fixes = self.checks.validate_grads()  # allocates the buffers that gradients set by hand go into
         store = self.store
-        chunks = [c for c in store.chunks if store.has_grads(c) or any(
-            g is not None for p, g in fixes if store.param_chunk[id(p)] is c)]  # the others have no gradient
+        # the others have no gradient (ZeRO-2: every chunk is reduced below, and has its shard then)
+        chunks = [c for c in store.chunks if store.shards_grads or store.has_grads(c) or any(
+            g is not None for p, g in fixes if store.param_chunk[id(p)] is c)]
         device_chunks = [c for c in chunks if c.placement == DEVICE]
         host_chunks = [c for c in chunks if c.placement == HOST]
         if self.capacity_check is not None:
@@ -318,14 +319,14 @@ class HybridAdamW(torch.optim.Optimizer):
             return
         fp32 = [c for c in chunks if not c.mixed]
         if fp32:  # one fused call over all fp32 device chunks of the group
-            self._adamw(fp32, [c.data[c.lo:c.hi] for c in fp32], [c.grad[c.lo:c.hi] for c in fp32], hp)
+            self._adamw(fp32, [c.data[c.lo:c.hi] for c in fp32], [c.reduced_grad() for c in fp32], hp)
             for c in fp32:
                 self.store.after_update(c)
         for c in chunks:
             if not c.mixed:
                 continue
             # One chunk at a time: the fp32 gradient copy is a temporary of one chunk, not of all of them.
-            g = fp32_grad(c.grad[c.lo:c.hi], None, inv_scale, coefs)
+            g = fp32_grad(c.reduced_grad(), None, inv_scale, coefs)
             self._adamw([c], [c.master], [g], hp)
             del g
             c.data[c.lo:c.hi].copy_(c.master)
