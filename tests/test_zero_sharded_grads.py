@@ -277,3 +277,25 @@ def test_torch_clip_is_refused_at_zero_2_and_zero_grad_is_followed() -> None:
         assert "sched.clip_grad_norm_" in res["error"] and "sharded over 2 ranks" in res["error"]
         assert res["full_buffers"] == 0  # only the shards stay after backward
         assert res["shard_max"] == 0.0 and res["kept"]
+
+
+def _aux_on_rank_0_only(rank: int, world: int) -> dict:
+    from memsched.chunks.sharded_grad import ShardedGrad
+
+    model = make_model()
+    x, y, _ = data(1)[0][0]
+    with memsched.attach(model, lr=LR, zero_stage=2, chunk_numel=400, **SIM) as sched:
+        for step in range(2):  # warmup traces the same reads on every rank; then rank 1 skips aux
+            use_aux = step == 0 or rank == 0
+            sched.backward(loss_of(model, rows(x, rank, world), rows(y, rank, world), use_aux, 1))
+            aux = [type(p.grad) for p in model.aux.parameters()]
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+    return {"aux": aux, "sharded": ShardedGrad}
+
+
+def test_a_gradient_from_another_rank_shows_here_after_backward() -> None:
+    # rank 1 never runs ``aux``: after its backward ``aux`` still has a gradient (rank 0's, averaged), so
+    # torch's clip_grad_norm_ on rank 1 meets a ShardedGrad instead of skipping it
+    for res in run_ranks(_aux_on_rank_0_only, 2, timeout=120):
+        assert res["aux"] == [res["sharded"]] * 2

@@ -20,6 +20,7 @@ class ChunkEvents(Protocol):
 
     align: int
     world: int
+    shards_grads: bool  # ZeRO-2: gradients kept as reduced shards (memsched.chunks.sharded_grad)
 
     def install(self, store: object) -> None:
         """Know the store (called once it is built)."""
@@ -39,6 +40,7 @@ class OneProcess:
 
     align = 1
     world = 1
+    shards_grads = False
 
     def install(self, store: object) -> None:
         pass

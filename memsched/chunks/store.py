@@ -96,7 +96,7 @@ class ChunkStore:
         # first gradient a backward gives one of its parameters to zero_grad; at ZeRO-2 to its
         # reduce-scatter), so it is not alive through the forward's peak. ZeRO-0/1: the buffers stay (the
         # all-reduce writes every chunk's buffer on every rank).
-        self.shards_grads = bool(getattr(self.dp, "shards_grads", False))
+        self.shards_grads = bool(self.dp.shards_grads)
         self.lazy_grads = self.dp.world == 1 or self.shards_grads
         # One rank: host chunks' gradients go to the host as backward completes them ([Note: host binding]);
         # with more ranks they are reduced first and copied at the step.

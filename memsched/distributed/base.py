@@ -78,8 +78,9 @@ class DataParallel:
 
     def clip_grad_norm_(self, clip: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run ``clip`` (per-parameter norms over the averaged gradients, then the coefficient: see
-        :meth:`memsched.optim.hybrid_adamw.HybridAdamW.clip_grad_norm_`) once every rank holds every
-        parameter's whole averaged gradient; returns its total norm."""
+        :meth:`memsched.optim.hybrid_adamw.HybridAdamW.clip_grad_norm_`) once every gradient reduction is
+        complete; returns its total norm. ZeRO-2's shards are gathered one chunk at a time by the clipper
+        (:class:`memsched.optim.clipping.Clipper`)."""
         self.before_update()
         return clip()
 

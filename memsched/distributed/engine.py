@@ -92,7 +92,6 @@ class ZeroEngine(DataParallel):
         self._fetch_bytes = 0
         self._fetch_count = 0
         self.build_stats: dict[str, Any] = {}
-        self._guard_pending = False  # stage 2: reduced at a backward's end, parameters not agreed on yet
         self.chunk_build = chunk_build  # where chunks are built at attach (memsched.distributed.build)
 
     @property
@@ -116,18 +115,16 @@ class ZeroEngine(DataParallel):
         """Reduce whatever backward did not and wait for every reduction
         (:meth:`GradientReducer.before_update`). Stage 2: the parameters with a gradient on any rank then show
         one here too (a ShardedGrad over the averaged shards)."""
-        flushed = self.reducer.before_update()
-        if self.shards_grads and self.store is not None and (flushed or self._guard_pending):
-            self._guard_pending = False
+        if self.reducer.before_update() and self.shards_grads and self.store is not None:
             self.store.guard_grads(self.agree_with_grad(self.store, self.store.with_grad))
 
     def backward_end(self) -> None:
         """Stage 2, the end of a backward outside ``no_sync``: every chunk not reduced yet is reduced now (its
         whole buffer freed), as DistributedDataParallel reduces every bucket in every backward; the
-        micro-batches' averages then add up in the shards."""
+        micro-batches' averages then add up in the shards. Every parameter with a gradient on any rank shows
+        one from here on, so torch's ``clip_grad_norm_`` on any rank meets a ShardedGrad and refuses."""
         if self.shards_grads and self.reducer.synchronizing:
-            self.reducer.before_update()
-            self._guard_pending = True
+            self.before_update()
 
     def before_zero_grad(self) -> None:
         """No reduction may still be writing into the gradient buffers."""
@@ -282,13 +279,6 @@ class ZeroEngine(DataParallel):
         t = found.to(self.comm.device)
         self.comm.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="fp16 overflow check")
         return t.to(found.device)
-
-    def clip_grad_norm_(self, clip: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run ``clip`` exactly as one process would over the averaged gradients, once every reduction is
-        complete; a collective. Stages 0 and 1 hold whole averaged gradients; at stage 2 the clipper gathers
-        one chunk at a time (:meth:`gather_grad`, :class:`memsched.optim.clipping.Clipper`)."""
-        self.before_update()
-        return clip()
 
     # ---- re-packing at the end of warmup ------------------------------------------------------------------
     def repack(self, store: ChunkStore, order: Sequence[torch.nn.Parameter], chunk_numel: int | None, *,
