@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memsched
 from memsched import checkpoint as mcheckpoint
+from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS
 from tests._dist_utils import run_ranks
 
 STEPS, LR, WD, CLIP = 3, 1e-2, 0.1, 0.05
@@ -234,10 +235,16 @@ def _peak(rank: int, world: int, stage: int) -> dict:
             if step == 2:
                 sched.sim.reset_peak()
             sched.backward(model(x).square().mean())
+            if step == 2:  # what the chunks hold on the device once backward is over
+                chunks = sched.store.chunks
+                held = sum(t.numel() * t.element_size() for c in chunks
+                           for t in (c.data, c.grad, c.grad_shard) if t is not None)
             sched.optimizer.step()
             sched.optimizer.zero_grad()
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        return {"peak": sched.sim.peak_bytes, "grad_bytes": grad_bytes}
+        return {"peak": sched.sim.peak_bytes, "grad_bytes": grad_bytes, "held": held,
+                "planned": sched.planner.problem.resident_model_bytes, "whole": chunks[0].data_bytes,
+                "n_chunks": len(chunks)}
 
 
 def test_zero_2_saves_a_third_of_the_gradient_bytes_at_2_ranks() -> None:
@@ -245,6 +252,12 @@ def test_zero_2_saves_a_third_of_the_gradient_bytes_at_2_ranks() -> None:
     for r1, r2 in zip(zero1, zero2, strict=True):
         saved = r1["peak"] - r2["peak"]
         assert saved >= r1["grad_bytes"] / 3, (r1, r2, saved)
+        # the plan counts what each stage holds: whole gradients at ZeRO-1; at ZeRO-2 the shards, plus the
+        # whole buffers of the chunks backward fills at once (DEFAULT_GRAD_WORKING_CHUNKS), gone by its end
+        assert r1["held"] == r1["planned"], r1
+        working = min(DEFAULT_GRAD_WORKING_CHUNKS, r2["n_chunks"]) * r2["whole"]
+        assert r2["held"] == r2["planned"] - working, r2
+        assert r2["planned"] < r1["planned"], (r1, r2)
 
 
 # ---- torch's clip refused, memsched's exact; zero_grad(set_to_none=False) followed ------------------------

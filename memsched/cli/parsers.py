@@ -239,6 +239,7 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "on the host / does not fit; with --model, the largest preset that fits.", 79),
         epilog="examples: memsched plan --model 1.3b --batch-size 8 --seq-len 1024 --capacity 24GiB\n"
                "          memsched plan --model 1.3b --seq-len 512,1024,2048 --gpu a100-40gb\n"
+               "          memsched plan --model 1.3b --world-size 4 --gpu a100-40gb\n"
                "          memsched plan examples/trace_target.py:build --gpu a100-40gb --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -261,6 +262,9 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--gpu-margin-mem-ratio", type=ratio, default=0.8, metavar="R",
                    help="share of the GPU margin policies may fill, in [0, 1] (default 0.8)")
     p.add_argument("--policy", default="auto", help="policy the verdict uses (default auto)")
+    p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
+                   help="also predict one rank's device peak at each ZeRO stage with N >= 2 data-parallel "
+                        "ranks (the batch is per rank; one size only)")
     p.add_argument("--attention", choices=ATTENTION, default="default",
                    help="attention kernel of the trace: torch's default for the device, or math (keeps the "
                         "[batch, heads, seq, seq] attention matrix)")

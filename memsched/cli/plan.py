@@ -32,6 +32,7 @@ from memsched.planning.capacity import (  # noqa: F401 (re-exported for the comm
     VERSION,
     CapacityPlan,
     largest_preset,
+    per_rank_dict,
     plan_for_capacity,
     result_dict,
     sweep_dict,
@@ -77,6 +78,9 @@ def run(args: argparse.Namespace) -> int:
                          f"(one of {', '.join(sizes())}), not both or neither")
     if args.policy not in policies.names():
         raise ValueError(f"unknown policy {args.policy!r}: known policies are {', '.join(policies.names())}")
+    if args.world_size is not None and args.world_size < 2:
+        raise ValueError(f"--world-size must be at least 2 (one rank is the plan without it), got "
+                         f"{args.world_size}")
     capacity, gpu = _capacity(args)
     dtype = DTYPES[args.dtype] if args.dtype else None
     over: str | None = None  # the swept key when several sizes are given
@@ -88,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
                              f"--batch-size {','.join(map(str, batches))} and --seq-len "
                              f"{','.join(map(str, seqs))}): the largest size that fits is defined along one")
         over = "batch_size" if len(batches) > 1 else "seq_len" if len(seqs) > 1 else None
+        if over is not None and args.world_size is not None:
+            raise ValueError(f"--world-size predicts one size: give one --{over.replace('_', '-')} value")
         # Every workload is made (and checked: block size) before the first, possibly long, trace.
         runs: list[tuple[str | WorkloadFn, dict[str, Any]]] = [
             (gpt_workload(args.model, b, s), {"model": args.model, "batch_size": b, "seq_len": s})
@@ -110,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
                                     attention=args.attention)
         cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
         result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)
+        if args.world_size is not None:
+            result["ranks"] = per_rank_dict(prediction, capacity, args.world_size, policy=args.policy,
+                                            gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
         entries.append((what[over] if over else 0, result, cplan))
     if over is None:
         result = entries[0][1]
@@ -221,9 +230,10 @@ def render(result: dict[str, Any], console: Console) -> None:
         console.print(f"  [dim]{result['verdict']['policy']}:[/dim] {reason}")
 
     v = result["verdict"]
-    style = {"fits": "bold green", "offload": "bold yellow", "offload_params": "bold yellow",
-             "does_not_fit": "bold red"}[v["status"]]
+    style = _STYLES[v["status"]]
     console.print(f"[{style}]Verdict ({v['policy']}):[/{style}] {v['message']}")
+    if "ranks" in result:
+        render_ranks(result["ranks"], result["trace"]["peak_non_model_bytes"], console)
     largest = result.get("largest_preset")
     if largest is not None:
         def say(name: str | None) -> str:
@@ -234,6 +244,31 @@ def render(result: dict[str, Any], console: Console) -> None:
             f"{largest['seq_len']} ({largest['policy']}):[/bold] {say(largest['any'])}; with the parameters "
             f"on the device {say(largest['params_on_device'])}; with everything on the device "
             f"{say(largest['all_on_device'])}")
+
+
+_STYLES = {"fits": "bold green", "offload": "bold yellow", "offload_params": "bold yellow",
+           "does_not_fit": "bold red", "not_built": "dim"}
+
+
+def render_ranks(ranks: dict[str, Any], peak_non_model_bytes: int, console: Console) -> None:
+    """Print a :func:`memsched.planning.capacity.per_rank_dict`: one row per ZeRO stage."""
+    fb = format_bytes
+    table = Table(title=f"Per rank with {ranks['world_size']} data-parallel ranks ({ranks['policy']}; the "
+                        f"batch is per rank, peak non-model data {fb(peak_non_model_bytes)})",
+                  title_justify="left")
+    for col in ("ZeRO stage", "resident model data", "optimizer state on device", "pinned host", "peak",
+                "verdict"):
+        table.add_column(col, justify="left" if col == "verdict" else "right")
+
+    def cell(value: int | None) -> str:
+        return "-" if value is None else fb(value)
+
+    for st in ranks["stages"]:
+        style = _STYLES[st["status"]]
+        status = st["message"] if st["status"] == "not_built" else st["status"].replace("_", " ")
+        table.add_row(str(st["zero_stage"]), cell(st["resident_model_bytes"]), cell(st["device_state_bytes"]),
+                      cell(st["host_bytes"]), cell(st["peak_bytes"]), f"[{style}]{status}[/{style}]")
+    console.print(table)
 
 
 def _status_text(v: dict[str, Any]) -> str:

@@ -58,9 +58,12 @@ class CapacityPlan:
 
 
 def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin_mem_ratio: float = 0.8,
-                      policy_names: list[str] | None = None) -> CapacityPlan:
+                      policy_names: list[str] | None = None, world_size: int = 1,
+                      zero_stage: int | None = None) -> CapacityPlan:
     """Build the placement problem for ``capacity_bytes`` and plan it with each policy (default: all
-    registered).
+    registered). With ``world_size`` > 1 and a ``zero_stage``, the problem is one rank's at that ZeRO stage
+    (:func:`memsched.planning.problem.build_problem`), its batch the traced one, and the parameters stay on
+    the device (memsched fetches host-placed parameters with one rank only).
 
     The problem carries the predicted step's chunk accesses (:attr:`Prediction.reads` mapped to the chunks,
     :func:`memsched.planning.reads.chunk_accesses`), so a policy may keep parameters on the host when they do
@@ -70,22 +73,24 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
 
     Raises:
         ValueError: a ratio outside [0, 1] or a negative capacity (from :class:`PlacementProblem`), an unknown
-            policy name (lists the known ones).
+            policy name (lists the known ones), a bad ``world_size`` or ``zero_stage``.
     """
     model = prediction.model
     dtype = prediction.dtype
     master = dtype != torch.float32
     order = prediction.param_order or None
+    ranks = world_size > 1 and zero_stage is not None
     problem, layout = build_problem(model, prediction.peak_non_model_bytes, capacity_bytes,
                                     gpu_margin_mem_ratio=gpu_margin_mem_ratio, master_weights=master,
-                                    param_order=order, compute_dtype=dtype,
+                                    param_order=order, compute_dtype=dtype, world_size=world_size,
+                                    zero_stage=zero_stage,
                                     pinned=True)  # planned for a CUDA device: host state is pinned
     # The trace is of plain torch, whose gradients stay on the device; memsched's leave it chunk by chunk:
     # the gradients in flight follow from the recorded gradient events in this packing (memsched.planning.
     # reads), and so what they add to the peak.
     grad_bytes = chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master).grad_bytes
     accesses: list[Any] = []
-    if prediction.reads:
+    if prediction.reads and not ranks:
         chunks = layout_param_chunks(model, layout, order)
         accesses = chunk_accesses(prediction.reads, chunks, prediction.timeline, prediction.device,
                                   grad_bytes=grad_bytes)
@@ -338,3 +343,49 @@ def sweep_dict(over: str, entries: list[tuple[int, dict[str, Any], CapacityPlan]
         "sizes": sizes,
         "largest_fitting": largest,
     }
+
+
+#: The ZeRO stages ``memsched plan --world-size`` predicts (those :func:`memsched.attach` runs).
+PREDICTED_STAGES = (0, 1, 2)
+
+
+def per_rank_dict(prediction: Prediction, capacity_bytes: int, world_size: int, *, policy: str = "auto",
+                  gpu_margin_mem_ratio: float = 0.8) -> dict[str, Any]:
+    """One rank's memory at each ZeRO stage with ``world_size`` ranks (``memsched plan --world-size``): the
+    predicted step is one rank's micro-batch, planned with ``policy`` at stages 0, 1 and 2
+    (:func:`plan_for_capacity` with ``zero_stage``; see :func:`memsched.planning.problem.build_problem` for
+    what each stage keeps per rank). ZeRO stage 3 is listed as not built.
+
+    Returns:
+        ``{"world_size", "policy", "stages"}``; each stage: ``zero_stage``, ``status`` (a :func:`verdict`
+        status, or ``"not_built"``), ``message``, ``chunk_numel`` (padded for the ranks),
+        ``resident_model_bytes`` (parameters, the gradients the stage keeps, frozen parameters and
+        buffers), ``device_state_bytes`` (optimizer state the plan keeps on the device), ``host_bytes``
+        (pinned host bytes of the host-placed shards) and ``peak_bytes`` (peak non-model data + resident model
+        data + device state: the rank's predicted device peak); ``None`` where the policy found no plan. All
+        bytes.
+
+    Raises:
+        ValueError: ``world_size`` < 2 (names it), or an unknown policy (lists the known ones).
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+        raise ValueError(f"world_size must be an integer >= 2 (one rank is the plan without it), got "
+                         f"{world_size!r}")
+    stages: list[dict[str, Any]] = []
+    for stage in PREDICTED_STAGES:
+        cplan = plan_for_capacity(prediction, capacity_bytes, gpu_margin_mem_ratio=gpu_margin_mem_ratio,
+                                  policy_names=[policy], world_size=world_size, zero_stage=stage)
+        p, plan, v = cplan.problem, cplan.plans[policy], verdict(cplan, policy)
+        state = plan.device_bytes if isinstance(plan, PlacementPlan) else None
+        stages.append({
+            "zero_stage": stage, "status": v["status"], "message": v["message"],
+            "chunk_numel": cplan.chunk_numel, "resident_model_bytes": p.resident_model_bytes,
+            "device_state_bytes": state, "host_bytes": v["host_bytes"] if state is not None else None,
+            "peak_bytes": None if state is None else p.peak_non_model_bytes + p.resident_model_bytes + state,
+        })
+    stages.append({
+        "zero_stage": 3, "status": "not_built", "chunk_numel": None, "resident_model_bytes": None,
+        "device_state_bytes": None, "host_bytes": None, "peak_bytes": None,
+        "message": "not built yet: memsched.attach refuses zero_stage=3 (parameters are replicated on every "
+                   "rank)"})
+    return {"world_size": world_size, "policy": policy, "stages": stages}

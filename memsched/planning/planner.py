@@ -27,7 +27,7 @@ from memsched.devices.transfers import TransferStats
 from memsched.distributed.base import DataParallel
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import PlanChange
-from memsched.planning.problem import build_problem, machine_inputs
+from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
 from memsched.planning.reads import chunk_accesses, grad_working_bytes, reordered, scaled
 from policies.plans import make_plan, schedule_for
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
@@ -225,18 +225,23 @@ class Planner:
         store, dp = self._store, self._dp
         order = [p for g in store.groups for p in g]  # the packing in force
         capacity, peak = dp.agree_margin_inputs(self._device.capacity_bytes, peak_non_model_bytes)
+        # one rank: the host chunks' gradients in flight are measured in warmup (below); more ranks: what the
+        # ZeRO stage keeps per rank, whole gradient buffers in flight included (build_problem)
+        grads: dict[str, Any] = (
+            {"world_size": dp.world, "zero_stage": dp.stage,
+             "grad_working_chunks": DEFAULT_GRAD_WORKING_CHUNKS} if dp.world > 1 else
+            {"offload_grads": store.offloader is not None and store.lazy_grads, "grad_working_chunks": 0})
         problem, layout = build_problem(
             self._model, peak, capacity,
             gpu_margin_mem_ratio=self._config.placement.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=store.layout.chunk_numel, param_groups=store.groups,
             compute_dtype=self._config.compute_dtype, align=store.align, pinned=store.alloc.pin,
-            world_size=dp.world if dp.sharded else 1, private_grads=store.private_grads,
-            offload_grads=store.offloader is not None and store.lazy_grads,
+            private_grads=store.private_grads,
             accesses=scaled(self.accesses, peak_non_model_bytes, self._traced_peak),
-            grad_working_chunks=0,
+            **grads,
             **machine_inputs(self._timeline, self._device, store, dp))  # host budget, fragmentation
         assert layout == store.layout, "planning and chunks disagree on the layout"
-        if self.host_grad_working_bytes:
+        if self.host_grad_working_bytes and dp.world == 1:
             problem = dataclasses.replace(problem, host_grad_working_bytes=self.host_grad_working_bytes)
         return problem
 

@@ -80,6 +80,7 @@ def build_problem(
     private_grads: bool = False,
     offload_grads: bool | None = None,
     accesses: Sequence[ChunkAccess] = (),
+    zero_stage: int | None = None,
 ) -> tuple[PlacementProblem, ChunkLayout]:
     """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
 
@@ -115,18 +116,47 @@ def build_problem(
             is 1).
         accesses: the chunk reads of a traced step in this layout (:mod:`memsched.planning.reads`), from which
             a policy schedules parameter fetches; empty: parameters cannot leave the device.
+        zero_stage: one of ``world_size`` ranks at this ZeRO stage (:mod:`memsched.distributed.engine`; the
+            scheduler's planner and ``memsched plan --world-size``): 0 keeps the whole optimizer state per
+            rank, 1 a ``1 / world`` shard of it, 2 also keeps only a shard of each chunk's averaged
+            gradients, plus whole gradient buffers for the ``grad_working_chunks`` chunks backward fills at
+            once (each lives from a chunk's first gradient to its reduce-scatter; counted beside its shard,
+            as in an accumulation's later micro-batches). The chunk size is then padded as the engine pads it
+            (a multiple of ``world_size`` times ``align``) and ``offload_grads`` must be left unset. ``None``:
+            ``world_size`` ranks shard the optimizer state, gradients as ``offload_grads`` says.
 
     Returns:
         ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
 
     Raises:
-        ValueError: no trainable parameters, a bad ``chunk_numel``/``world_size``, or a bad ratio / byte count
-            (the latter from :class:`PlacementProblem`).
+        ValueError: no trainable parameters, a bad ``chunk_numel``/``world_size``, a ``zero_stage`` memsched
+            does not run (names the allowed ones) or one given with ``offload_grads``, or a bad ratio / byte
+            count (the latter from :class:`PlacementProblem`).
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     groups = ordered_groups(trainable_groups(model, param_groups), param_order)
-    layout = build_layout([[p.numel() for p in g] for g in groups], chunk_numel=chunk_numel, align=align)
+    sizes = [[p.numel() for p in g] for g in groups]
+    grad_shards = False
+    if zero_stage is not None:
+        from memsched.distributed.options import check_zero_options
+
+        check_zero_options(zero_stage, "all_gather")
+        if offload_grads is not None:
+            raise ValueError("give zero_stage or offload_grads, not both: at a ZeRO stage the gradients' "
+                             "place follows from the stage")
+        if world_size > 1:
+            from memsched.chunks import SHARD_ALIGN, search_chunk_size
+            from memsched.distributed.layout import padded_chunk_numel
+
+            align = SHARD_ALIGN if zero_stage >= 1 else 1
+            wanted = chunk_numel if chunk_numel is not None else search_chunk_size(sizes, align=align)
+            chunk_numel = padded_chunk_numel(wanted, world_size * align) if zero_stage >= 1 else wanted
+            grad_shards = zero_stage >= 2
+            if zero_stage == 0:
+                world_size = 1  # every rank keeps and updates the whole optimizer state
+            offload_grads = False
+    layout = build_layout(sizes, chunk_numel=chunk_numel, align=align)
     if compute_dtype is None:
         compute_dtype = next(p for g in groups for p in g).dtype  # a group may be empty (all frozen)
         if master_weights and compute_dtype == torch.float32:
@@ -146,7 +176,10 @@ def build_problem(
                                numel=layout.chunk_numel, param_bytes=cb.compute_bytes))
     resident = layout.n_chunks * cb.compute_bytes + resident_extra_bytes(model, groups)
     working = min(grad_working_chunks, layout.n_chunks) * cb.grad_bytes if offload else 0
-    if not offload:  # more ranks: every chunk's gradient buffer stays on the device
+    if grad_shards:  # ZeRO-2: each chunk's gradient shard, and the whole buffers backward is filling
+        shard_grad = cb.grad_bytes // layout.chunk_numel * shard
+        resident += layout.n_chunks * shard_grad + min(grad_working_chunks, layout.n_chunks) * cb.grad_bytes
+    elif not offload:  # more ranks: every chunk's gradient buffer stays on the device
         resident += layout.n_chunks * cb.grad_bytes
     problem = PlacementProblem(
         capacity_bytes=int(capacity_bytes),
