@@ -9,11 +9,12 @@ The model is the tied-embedding GPT of :mod:`memsched.models.gpt` (``n_layer=4, 
 4096, batch 4 x 128, fp32), its first block checkpointed and its second frozen. Each rank trains on its own
 batch; after two untimed steps the stand-in's peak is reset and ``--steps`` steps are measured: the peak
 (``SimDevice.peak_bytes``, bytes; the largest over the ranks) and the median step time of the slowest rank.
-Stage 3 is attached too: while memsched refuses it the row says so with the error.
+A stage memsched refuses gets a row with the error.
 
 What to read from it: ``trainable_param_bytes`` (the fp32 parameters that get gradients) and, per stage and
 world size, ``peak_bytes``; ZeRO-2 divides the gradient bytes by the world size only if its row lies below
-ZeRO-1's by about ``(1 - 1/world) * trainable_param_bytes``.
+ZeRO-1's by about ``(1 - 1/world) * trainable_param_bytes``, and ZeRO-3 the parameter bytes too only if its
+row lies lower still by about as much again.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ZeRO-1/2 over NCCL on several GPUs, bit for bit against emulated DDP on the same GPUs.
+"""ZeRO-1/2/3 over NCCL on several GPUs, bit for bit against emulated DDP on the same GPUs.
 
 Run ``torchrun --nproc_per_node N bench/zero_nccl.py`` (N >= 2 GPUs) from the repository root. Each rank runs
 the configurations of ``tests/test_zero_sharded_grads.py`` (clip that triggers, accumulation with and without

@@ -160,8 +160,11 @@ def save(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
     Raises:
         CheckpointError: DCP failed on some rank.
     """
+    # ZeRO-3: the model's parameters whole (a collective, as DCP is; device memory, outside _on_host)
+    with sched.gathered_params():
+        with _on_host(sched):
+            sd, _ = _build(sched, fill=True)
     with _on_host(sched), _dcp_errors("writing", checkpoint_id), warnings.catch_warnings():
-        sd, _ = _build(sched, fill=True)
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         dcp.save(
             sd, checkpoint_id=os.fspath(checkpoint_id), process_group=sched.dp.group, **_no_dist(dcp.save)
@@ -176,7 +179,7 @@ def load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
         ValueError: the param-group count differs, or the loss-scaler state is malformed.
         CheckpointError: DCP failed (e.g. a key is missing, or there is no checkpoint there).
     """
-    with _on_host(sched):
+    with sched.gathered_params(), _on_host(sched):  # ZeRO-3: written whole, then sharded again
         _load(sched, checkpoint_id)
 
 

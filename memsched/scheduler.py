@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
+from memsched.distributed.param_shards import ParamShards
 from memsched.lifecycle import Phase
 from memsched.optim.hybrid_adamw import HybridAdamW
 from memsched.optim.precision import LossScaler
@@ -182,12 +183,14 @@ class Scheduler:
             dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload)
         self.store.observe_grads_ready(self.optimizer.grads_ready)
         self.streams.trace_to(self.optimizer.timeline)
-        # Parameters that live on the host come to the device for their reads (one rank, not on the CPU)
+        # Parameters that live on the host come to the device for their reads (one rank, not on the CPU);
         self.params: ParamFetcher | None = None
-        if self.dp.world == 1 and self.device.kind != "cpu":
+        # ZeRO-3: the same fetcher, whose chunks away keep this rank's shard and are all-gathered back
+        shards = ParamShards(self.dp.comm, self.store) if getattr(self.dp, "shards_params", False) else None
+        if (self.dp.world == 1 and self.device.kind != "cpu") or shards is not None:
             updates = self.optimizer.host_updates
             self.params = ParamFetcher(model, self.store, self.streams, self.transfers,
-                                       lambda i: updates.wait([i]), updates.ready)
+                                       lambda i: updates.wait([i]), updates.ready, shards=shards)
             if self.sim is not None:
                 self.params.on_move = self.sim.move
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
@@ -366,7 +369,10 @@ class Scheduler:
             return
         if fetcher.recording is not None:
             self.planner.revise(fetcher.stop_recording(), self.steps)
-        elif fetcher.misses and fetcher.offloaded:
+            return
+        # ZeRO-3: every rank records and revises at the same step (a revision compares the ranks' schedules)
+        missed = self.dp.agree_max([fetcher.misses])[0] if self.dp.world > 1 else fetcher.misses
+        if missed and fetcher.offloaded:
             fetcher.record(lambda: 0)  # in order; the bytes come from the plan in force
 
     def _planned_absent_bytes(self) -> int:
@@ -483,6 +489,32 @@ class Scheduler:
         the next backward outside it (or the step) does, once (like DDP's ``no_sync``). A no-op with one rank.
         See :mod:`memsched.distributed.engine` for the memory cost."""
         return self.dp.no_sync()
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """[zero] ZeRO-3: every parameter whole on every rank inside the context, to read or write them
+        between steps (``model.state_dict()``, an EMA, ``model.load_state_dict``, logging a weight). A
+        collective: every rank enters it, at the same point. On leaving, this rank's part of what was written
+        is kept in its shard and the chunks the schedule does not keep are sharded again. Nested contexts
+        gather once. Outside it, a read of a sharded parameter between steps raises
+        :class:`memsched.distributed.param_shards.ShardedParamError`. A no-op below stage 3 and with one
+        rank. DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params`` do the same.
+
+        Raises:
+            RuntimeError: entered while a step computes (between a forward and the end of its backward).
+        """
+        fetcher = self.params
+        if fetcher is None or fetcher.shards is None:
+            yield
+            return
+        if self.store.computing:
+            raise RuntimeError("memsched: gathered_params() is for between steps; a forward's and its "
+                               "backward's reads gather their chunks themselves")
+        fetcher.hold()
+        try:
+            yield
+        finally:
+            fetcher.unhold()
 
     @property
     def transfers_dict(self) -> dict[str, int]:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from policies.types import ChunkAccess, ParamSchedule
 from policies.units import format_bytes
 
-__all__ = ["ParamSchedule", "ScheduleError", "schedule_params"]
+__all__ = ["ParamSchedule", "ScheduleError", "schedule_params", "schedule_sharded"]
 
 
 class ScheduleError(ValueError):
@@ -163,3 +163,49 @@ def schedule_params(accesses: Sequence[ChunkAccess], offloaded: Sequence[int], s
         max_resident=max(len(t) for t in targets),
         slots=tuple(room),
     )
+
+
+def schedule_sharded(accesses: Sequence[ChunkAccess], n_chunks: int, *, prefetch: int = 2) -> ParamSchedule:
+    """The schedule of ZeRO-3's parameter chunks: each rank holds ``1 / world`` of every chunk, and a chunk is
+    whole only around its reads.
+
+    A chunk is all-gathered ``prefetch`` accesses ahead of its read (forward, a checkpointed block's
+    re-forward, backward) and sharded again once read, unless it is read again within ``prefetch`` accesses
+    (the last blocks of the forward, which backward reads first) or was read by the access right before (an
+    op may still read it). Cyclic: the chunks the step's first reads need stay whole from the end of one
+    step to the next (``keep``). DeepSpeed ZeRO-3's prefetch and release by reuse distance and FSDP2's
+    ``fully_shard`` (reshard after forward and after backward) work the same way; the window here is
+    counted in the traced accesses.
+
+    Args:
+        accesses: one micro-batch's chunk reads, in order (:class:`ChunkAccess`, first-use chunk indices).
+        n_chunks: the number of chunks (every one is sharded).
+        prefetch: how many accesses ahead a chunk is gathered (>= 0).
+
+    Returns:
+        the :class:`ParamSchedule`: every chunk ``offloaded``; ``fetches``: the all-gathers of a step.
+
+    Raises:
+        ValueError: ``prefetch`` < 0, ``n_chunks`` < 1, or an access names a chunk >= ``n_chunks``.
+    """
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    if n_chunks < 1:
+        raise ValueError(f"n_chunks must be >= 1, got {n_chunks}")
+    bad = [a.chunk for a in accesses if a.chunk >= n_chunks]
+    if bad:
+        raise ValueError(f"accesses name chunks {sorted(set(bad))}, beyond the {n_chunks} chunks")
+    everything = tuple(range(n_chunks))
+    seq = _merged(accesses, [n_chunks] * len(accesses), frozenset(everything))[0]
+    m = len(seq)
+    if not m:
+        return ParamSchedule(everything, (), (), (), 0, 0, 0)
+    targets = []
+    for j in range(m):
+        window = {seq[(j + k) % m].chunk for k in range(min(prefetch, m - 1) + 1)}
+        window.add(seq[(j - 1) % m].chunk)  # the access right before (cyclic: the step's last, for its first)
+        targets.append(tuple(sorted(window)))
+    fetches = sum(1 for j in range(m) for c in targets[j] if c not in targets[(j - 1) % m])
+    return ParamSchedule(offloaded=everything, accesses=tuple(seq), targets=tuple(targets),
+                         keep=targets[m - 1], fetches=fetches, prefetched=fetches if prefetch else 0,
+                         max_resident=max(len(t) for t in targets), slots=())

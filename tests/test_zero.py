@@ -321,8 +321,8 @@ def test_bad_layout_values_raise() -> None:
 
 # ---- options and world size 1 ------------------------------------------------------------------------------
 def test_bad_zero_options_list_the_allowed_values() -> None:
-    with pytest.raises(ValueError, match=r"zero_stage must be one of \(0, 1, 2\).*got 3"):
-        check_zero_options(3, "all_gather")
+    with pytest.raises(ValueError, match=r"zero_stage must be one of \(0, 1, 2, 3\).*got 4"):
+        check_zero_options(4, "all_gather")
     with pytest.raises(ValueError, match=r"fetch must be one of \('all_gather', 'all_reduce'\).*'broadcast'"):
         check_zero_options(1, "broadcast")
     with pytest.raises(ValueError, match="zero_stage must be one of"):

@@ -1,11 +1,12 @@
-"""ZeRO-1 and ZeRO-2 at 2 and 3 gloo ranks, bit for bit against emulated DDP: plain torch computes each
+"""ZeRO-1, 2 and 3 at 2 and 3 gloo ranks, bit for bit against emulated DDP: plain torch computes each
 rank's gradients on its own rows, averages them in rank order (``((g0 + g1) + g2) / 3``), clips with
 ``torch.nn.utils.clip_grad_norm_`` and steps ``torch.optim.AdamW(fused=True)``.
 
 The model has a tied embedding, a checkpointed block, a frozen block and a block unused in the first
 micro-batch. Covered: a clip that triggers, accumulation 2 under ``no_sync`` and (ZeRO-2) reduced every
-micro-batch, ``overlap=True``, a resume at another world size (3 ranks to 2), ZeRO-2's gradient memory per
-rank against ZeRO-1's, and torch's own clip refused loudly at ZeRO-2.
+micro-batch, ``overlap=True``, a resume at another world size (3 ranks to 2), ZeRO-2's gradient memory and
+ZeRO-3's parameter and gradient memory per rank against ZeRO-1's, and torch's own clip refused loudly at
+ZeRO-2. ZeRO-3's reads outside the forward are in ``tests/test_zero_sharded_params.py``.
 """
 
 from __future__ import annotations
@@ -164,11 +165,15 @@ CFGS = [
     {"stage": 2, "clip": None, "accum": 2, "no_sync": False},  # every micro-batch reduce-scattered
     {"stage": 1, "clip": CLIP, "accum": 1, "overlap": True},
     {"stage": 2, "clip": CLIP, "accum": 2, "no_sync": False, "overlap": True},
+    {"stage": 3, "clip": CLIP, "accum": 1},
+    {"stage": 3, "clip": CLIP, "accum": 2},
+    {"stage": 3, "clip": None, "accum": 2, "no_sync": False},
+    {"stage": 3, "clip": CLIP, "accum": 2, "no_sync": False, "overlap": True},
 ]
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero_1_and_2_bit_exact_against_emulated_ddp(world: int) -> None:
+def test_zero_1_2_and_3_bit_exact_against_emulated_ddp(world: int) -> None:
     results = run_ranks(_run, world, CFGS, timeout=240)
     for i, cfg in enumerate(CFGS):
         ref = reference([world] * STEPS, cfg["accum"], cfg["clip"], each=not cfg.get("no_sync", True))
@@ -183,30 +188,31 @@ def test_zero_1_and_2_bit_exact_against_emulated_ddp(world: int) -> None:
 
 
 # ---- a resume at another world size ----------------------------------------------------------------------
-RESUME = {"stage": 2, "clip": CLIP, "accum": 2}
+RESUME = {"clip": CLIP, "accum": 2}
 
 
-def _save(rank: int, world: int, path: str) -> None:
+def _save(rank: int, world: int, path: str, stage: int) -> None:
     model = make_model()
-    with memsched.attach(model, lr=LR, weight_decay=WD, zero_stage=2, chunk_numel=400, **SIM) as sched:
+    with memsched.attach(model, lr=LR, weight_decay=WD, zero_stage=stage, chunk_numel=400, **SIM) as sched:
         _train(sched, model, rank, world, RESUME, range(STEPS - 1))
         mcheckpoint.save(sched, path)
 
 
-def _resume(rank: int, world: int, path: str) -> dict:
+def _resume(rank: int, world: int, path: str, stage: int) -> dict:
     torch.manual_seed(7)
     model = Net()  # other weights: the checkpoint replaces them
     model.head.weight = model.emb.weight
-    with memsched.attach(model, lr=LR, weight_decay=WD, zero_stage=2, chunk_numel=400, **SIM) as sched:
+    with memsched.attach(model, lr=LR, weight_decay=WD, zero_stage=stage, chunk_numel=400, **SIM) as sched:
         mcheckpoint.load(sched, path)
         _train(sched, model, rank, world, RESUME, range(STEPS - 1, STEPS))
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_zero_2_resumes_at_another_world_size_bit_exact(tmp_path) -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_2_and_3_resume_at_another_world_size_bit_exact(tmp_path, stage: int) -> None:
     path = str(tmp_path / "ckpt")
-    run_ranks(_save, 3, path, timeout=120)
-    got = run_ranks(_resume, 2, path, timeout=120)
+    run_ranks(_save, 3, path, stage, timeout=120)
+    got = run_ranks(_resume, 2, path, stage, timeout=120)
     ref = reference([3] * (STEPS - 1) + [2], RESUME["accum"], RESUME["clip"], each=False)
     for r in range(2):
         for n, want in ref.items():

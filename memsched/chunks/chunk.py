@@ -62,6 +62,9 @@ class Chunk:
         # ZeRO-2: this rank's shard of the averaged gradients once reduced (``[hi - lo]``, compute dtype, on
         # the device; ``grad`` is then freed): see memsched.chunks.sharded_grad
         self.grad_shard: torch.Tensor | None = None
+        # ZeRO-3: this rank's shard of the parameters (``[hi - lo]``, compute dtype, on the device) while
+        # ``data`` is away, all-gathered back for the chunk's reads (memsched.distributed.param_shards)
+        self.param_shard: torch.Tensor | None = None
         self.grad_generation = 0  # moves at every allocation of ``grad`` (its version restarts then)
         self.lo, self.hi = 0, numel
         self.placement: str | None = None
@@ -109,9 +112,15 @@ class Chunk:
     def shard_numel(self) -> int:
         return self.hi - self.lo
 
+    def param_part(self) -> torch.Tensor:
+        """This rank's part of the parameters on the device (``[hi - lo]``, compute dtype): ``data[lo:hi]``,
+        or while ZeRO-3 has the chunk away, the shard kept for it (``param_shard``)."""
+        return self.data[self.lo:self.hi] if self.data is not None else self.param_shard
+
     def master_view(self) -> torch.Tensor:
-        """The fp32 master of the shard wherever it lives (``data[lo:hi]`` in fp32 on the device)."""
-        return self.master if self.master is not None else self.data[self.lo:self.hi]
+        """The fp32 master of the shard wherever it lives (the device part of the parameters in fp32:
+        :meth:`param_part`)."""
+        return self.master if self.master is not None else self.param_part()
 
     @property
     def param_host(self) -> torch.Tensor | None:
@@ -139,15 +148,15 @@ class Chunk:
         if master is None and self.initial_master is not None:
             master = self.initial_master[self.lo:self.hi]
         self.initial_master = None
-        src_master = master if master is not None else self.data[self.lo:self.hi]
+        src_master = master if master is not None else self.param_part()
         ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             if new["master"] is not None:
                 new["master"].copy_(src_master)
             elif master is not None:
-                self.data[self.lo:self.hi].copy_(master)
+                self.param_part().copy_(master)
             if new["staging"] is not None:  # the parameters' compute-dtype values, as the model has them
-                new["staging"].copy_(self.data[self.lo:self.hi])
+                new["staging"].copy_(self.param_part())
             for k, src in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
                 if src is None:
                     new[k].zero_()
@@ -270,9 +279,9 @@ class Chunk:
             if new["master"] is not None:
                 new["master"].copy_(src_master)
             else:  # fp32 to the device: the compute buffer becomes the master (it already holds its value)
-                self.data[self.lo:self.hi].copy_(src_master)
+                self.param_part().copy_(src_master)
             if new["staging"] is not None:
-                src = self.staging if self.staging is not None else self.data[self.lo:self.hi]
+                src = self.staging if self.staging is not None else self.param_part()
                 new["staging"].copy_(src)
             new["exp_avg"].copy_(self.exp_avg)
             new["exp_avg_sq"].copy_(self.exp_avg_sq)
@@ -353,7 +362,7 @@ class Chunk:
 
     def release(self) -> None:
         """Drop every tensor (the buffers are freed when nothing else holds them)."""
-        self.data = self.grad = self.grad_shard = None  # type: ignore[assignment]
+        self.data = self.grad = self.grad_shard = self.param_shard = None  # type: ignore[assignment]
         self.master = self.exp_avg = self.exp_avg_sq = self.steps = self.host_grad = self.staging = None
         self.grad_host = self.landing = None
         self.initial_master = None
@@ -373,12 +382,13 @@ class Chunk:
         return self.shard_numel * src.element_size()
 
     def start_h2d(self, streams: Any, src: torch.Tensor, after: Any = None) -> int:
-        """Copy the updated shard ``src`` (host) into ``data[lo:hi]`` (after the CUDA event ``after`` when
+        """Copy the updated shard ``src`` (host) into :meth:`param_part` (after the CUDA event ``after`` when
         given, else after the current stream's work); returns the bytes."""
-        if self.data is None:  # its parameters are away: their next fetch copies the updated values
+        if self.data is None and self.param_shard is None:  # away on the host: its next fetch copies them
             return 0
-        self.h2d_event = streams.copy_h2d(self.data[self.lo:self.hi], src, after)
-        return self.shard_numel * self.data.element_size()
+        dst = self.param_part()  # ZeRO-3 with the chunk away: its kept shard
+        self.h2d_event = streams.copy_h2d(dst, src, after)
+        return self.shard_numel * dst.element_size()
 
     # -- H2D / D2H helpers ----------------------------------------------------------------------------------
     def wait_h2d(self) -> None:

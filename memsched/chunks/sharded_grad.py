@@ -62,7 +62,7 @@ class ShardedGrad(torch.Tensor):
         what = guard._what if guard is not None else "a parameter"
         world = guard._world if guard is not None else "several"
         raise ShardedGradError(
-            f"memsched ZeRO-2: {func} on the gradient of {what}, which is sharded over {world} ranks (each "
+            f"memsched ZeRO-2/3: {func} on the gradient of {what}, which is sharded over {world} ranks (each "
             "rank holds only its shard of the averaged gradients; the whole gradient exists nowhere). "
             "torch.nn.utils.clip_grad_norm_(model.parameters()) cannot see it: clip with "
             "sched.clip_grad_norm_(max_norm) (exact, over all ranks), or attach with zero_stage=1 to keep "

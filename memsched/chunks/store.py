@@ -617,6 +617,18 @@ class ChunkStore:
         c.data = None
         c.h2d_event = None
 
+    def drop_data(self, c: Chunk) -> None:
+        """ZeRO-3: ``c``'s compute buffer leaves the device (this rank's shard was kept,
+        :mod:`memsched.distributed.param_shards`); its parameters become absent views (see [Note: absent
+        parameters]), while computing and between steps alike. The buffer is freed once nothing else holds
+        it (an op still reading it, a saved tensor's token resolved to it)."""
+        with torch.no_grad():
+            for p in c.params:
+                p.data = self.absent_view(p, c)
+                self._host_versions[id(p)] = p._version
+                self._views.pop(("data", id(p)), None)
+        c.data = None
+
     def _take_host_writes(self, c: Chunk) -> None:
         """The host values of ``c`` were written since it was host-bound: the fp32 master takes them (under
         mixed precision where they differ from the master's rounding, as
@@ -703,7 +715,7 @@ class ChunkStore:
         """The values ``c``'s parameters show now, flat over its shard (``[hi - lo]``, compute dtype): the
         host copy while host-bound (written there by ``load_state_dict`` between steps), else the device
         buffer."""
-        return c.param_host if c.index in self.host_bound else c.data[c.lo:c.hi]
+        return c.param_host if c.index in self.host_bound else c.param_part()
 
     def has_grads(self, c: Chunk) -> bool:
         """Whether any parameter of ``c`` holds a gradient memsched keeps: in its device buffer, or on the

@@ -247,7 +247,7 @@ def render(result: dict[str, Any], console: Console) -> None:
 
 
 _STYLES = {"fits": "bold green", "offload": "bold yellow", "offload_params": "bold yellow",
-           "does_not_fit": "bold red", "not_built": "dim"}
+           "does_not_fit": "bold red"}
 
 
 def render_ranks(ranks: dict[str, Any], peak_non_model_bytes: int, console: Console) -> None:
@@ -265,7 +265,7 @@ def render_ranks(ranks: dict[str, Any], peak_non_model_bytes: int, console: Cons
 
     for st in ranks["stages"]:
         style = _STYLES[st["status"]]
-        status = st["message"] if st["status"] == "not_built" else st["status"].replace("_", " ")
+        status = st["status"].replace("_", " ")
         table.add_row(str(st["zero_stage"]), cell(st["resident_model_bytes"]), cell(st["device_state_bytes"]),
                       cell(st["host_bytes"]), cell(st["peak_bytes"]), f"[{style}]{status}[/{style}]")
     console.print(table)

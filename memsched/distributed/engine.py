@@ -1,4 +1,4 @@
-"""ZeRO-1/2 data parallelism over memsched's chunks: every rank owns an equal shard of every chunk.
+"""ZeRO-1/2/3 data parallelism over memsched's chunks: every rank owns an equal shard of every chunk.
 
 Layout (:mod:`memsched.distributed.layout`): the chunk size is padded to a multiple of the world size and
 rank ``r`` owns elements ``[r * s, (r + 1) * s)``, ``s = chunk_numel / world``, of every chunk. A chunk's
@@ -18,14 +18,21 @@ Stages (ZeRO, arXiv 1910.02054; ``memsched.attach(zero_stage=...)``):
   :class:`memsched.chunks.sharded_grad.ShardedGrad`: torch's ``clip_grad_norm_(model.parameters())`` is
   refused loudly, ``sched.clip_grad_norm_`` is exact. Only the shard is copied device-to-host for
   host-placed chunks, at the step.
+* ``3``: parameters sharded too. Gradients as at stage 2. A chunk's parameters are whole only around their
+  reads: all-gathered a few traced accesses ahead of them in forward and backward and sharded again once
+  read (:mod:`memsched.distributed.param_shards`, through the parameter fetcher,
+  :mod:`memsched.runtime.param_fetch`); the update writes this rank's part in place, whether the chunk is
+  whole or not, and the step gathers only the chunks the schedule keeps whole for the next step's first
+  reads. Between steps the others are sharded: reading one raises, ``sched.gathered_params()`` makes them
+  whole.
 
-Reductions at stages 1 and 2 add the ranks' gradients in rank order, so they are bit-identical to plain torch
+Reductions at stages 1 to 3 add the ranks' gradients in rank order, so they are bit-identical to plain torch
 averaging the per-rank gradients at any world size (:mod:`memsched.distributed.grad_reduction`).
 
-After the update (stages 1 and 2) the updated shards are fetched into the pre-allocated flat chunk, whose
-views the parameters already are: ``fetch="all_gather"`` gathers them with ``all_gather_into_tensor`` (no
-concatenation, no slicing); ``fetch="all_reduce"`` zeroes the rest of the chunk and all-reduces it (adding
-zeros is exact). ``bench/zero_fetch.py`` compares the two.
+After the update (stages 1 and 2; at 3 the chunks whole then) the updated shards are fetched into the flat
+chunk, whose views the parameters already are: ``fetch="all_gather"`` gathers them with
+``all_gather_into_tensor`` (no concatenation, no slicing); ``fetch="all_reduce"`` zeroes the rest of the
+chunk and all-reduces it (adding zeros is exact). ``bench/zero_fetch.py`` compares the two.
 
 Collective order: every rank must issue the same collectives in the same order. Gradient reductions are
 launched in a fixed chunk order (last chunk first, the order in which backward completes them), a chunk that
@@ -71,7 +78,7 @@ class ZeroEngine(DataParallel):
 
     Args:
         comm: the process group (:class:`Comm`).
-        stage: 0, 1 or 2 (see the module docstring).
+        stage: 0, 1, 2 or 3 (see the module docstring).
         fetch: ``"all_gather"`` or ``"all_reduce"``.
         chunk_build: where chunks are built at attach (:mod:`memsched.distributed.build`).
 
@@ -146,8 +153,14 @@ class ZeroEngine(DataParallel):
 
     @property
     def shards_grads(self) -> bool:
-        """Gradients reduce-scattered into shards and the whole buffers freed (stage 2)."""
+        """Gradients reduce-scattered into shards and the whole buffers freed (stages 2 and 3)."""
         return self.stage >= 2
+
+    @property
+    def shards_params(self) -> bool:
+        """Parameters sharded while a step computes, all-gathered for their reads (stage 3:
+        :mod:`memsched.distributed.param_shards`)."""
+        return self.stage >= 3
 
     def gather_grad(self, c: Chunk) -> torch.Tensor:
         """``c``'s whole averaged gradients (``[numel]``, compute dtype, on its device), all-gathered from the
@@ -234,7 +247,7 @@ class ZeroEngine(DataParallel):
     # ---- parameters after the update ----------------------------------------------------------------------
     def after_update(self, c: Chunk) -> None:
         """Hook: ``c.data[lo:hi]`` holds this rank's updated shard; fetch the others' into ``c.data``."""
-        if not self.sharded:
+        if not self.sharded or c.data is None:  # ZeRO-3, the chunk away: its next gather sends the part
             return
         if c.h2d_event is not None:  # the shard's H2D comes first
             if c.data.device.type == "cuda":

@@ -69,7 +69,8 @@ class GradientReducer:
 
     Args:
         comm: the process group (:class:`memsched.distributed.comm.Comm`).
-        stage: the ZeRO stage: 0 and 1 all-reduce whole gradients, 2 reduce-scatters them into the own shard.
+        stage: the ZeRO stage: 0 and 1 all-reduce whole gradients, 2 and 3 reduce-scatter them into the own
+            shard.
 
     Attributes:
         reduce_bytes: bytes this rank sent into gradient collectives.
@@ -78,7 +79,8 @@ class GradientReducer:
 
     def __init__(self, comm: Any, stage: int) -> None:
         self.comm = comm
-        self.stage = stage
+        self.zero_stage = stage  # as attached (named in warnings)
+        self.stage = min(stage, 2)  # ZeRO-3 reduces gradients as ZeRO-2 does
         self.world = comm.world
         self.store: ChunkStore | None = None
         self._sync = True
@@ -119,12 +121,13 @@ class GradientReducer:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside only accumulates local gradients (no collective, no D2H); see the module docstring
-        for the memory cost. Warns (:class:`ZeroAccumulationWarning`) once at stage 2."""
+        for the memory cost. Warns (:class:`ZeroAccumulationWarning`) once at stages 2 and 3."""
         if self.stage == 2 and not self._warned_accumulation:
             self._warned_accumulation = True
             warnings.warn(
-                "zero_stage=2 with gradient accumulation under no_sync: the whole gradient buffers are kept "
-                "across the micro-batches, so gradient sharding saves no memory until the last one; without "
+                f"zero_stage={self.zero_stage} with gradient accumulation under no_sync: the whole gradient "
+                "buffers are kept across the micro-batches, so gradient sharding saves no memory until the "
+                "last one; without "
                 "no_sync each micro-batch's gradients are reduce-scattered and only this rank's shard is "
                 "kept (one reduce-scatter per micro-batch instead of one per step)",
                 ZeroAccumulationWarning,

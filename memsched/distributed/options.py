@@ -21,7 +21,7 @@ class DataParallelConfig:
 
 
 
-ZERO_STAGES = (0, 1, 2)
+ZERO_STAGES = (0, 1, 2, 3)
 FETCH_MODES = ("all_gather", "all_reduce")
 
 
@@ -29,13 +29,13 @@ def check_zero_options(zero_stage: Any, fetch: Any) -> tuple[int, str]:
     """Validate ``zero_stage`` and ``fetch`` of :func:`memsched.attach`.
 
     Raises:
-        ValueError: ``zero_stage`` not in (0, 1, 2) or ``fetch`` not in ("all_gather", "all_reduce"); the
+        ValueError: ``zero_stage`` not in (0, 1, 2, 3) or ``fetch`` not in ("all_gather", "all_reduce"); the
             message names the value and the allowed ones.
     """
     if isinstance(zero_stage, bool) or zero_stage not in ZERO_STAGES:
         raise ValueError(
             f"zero_stage must be one of {ZERO_STAGES} (0 = plain data parallel, 1 = optimizer "
-            f"state sharded, 2 = gradients sharded too), got {zero_stage!r}"
+            f"state sharded, 2 = gradients sharded too, 3 = parameters sharded too), got {zero_stage!r}"
         )
     if fetch not in FETCH_MODES:
         raise ValueError(f"fetch must be one of {FETCH_MODES}, got {fetch!r}")

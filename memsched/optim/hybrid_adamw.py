@@ -319,7 +319,7 @@ class HybridAdamW(torch.optim.Optimizer):
             return
         fp32 = [c for c in chunks if not c.mixed]
         if fp32:  # one fused call over all fp32 device chunks of the group
-            self._adamw(fp32, [c.data[c.lo:c.hi] for c in fp32], [c.reduced_grad() for c in fp32], hp)
+            self._adamw(fp32, [c.param_part() for c in fp32], [c.reduced_grad() for c in fp32], hp)
             for c in fp32:
                 self.store.after_update(c)
         for c in chunks:
@@ -329,7 +329,7 @@ class HybridAdamW(torch.optim.Optimizer):
             g = fp32_grad(c.reduced_grad(), None, inv_scale, coefs)
             self._adamw([c], [c.master], [g], hp)
             del g
-            c.data[c.lo:c.hi].copy_(c.master)
+            c.param_part().copy_(c.master)
             self.store.after_update(c)
 
     def _update_host(self, c: Chunk, hp: dict[str, Any], inv_scale: torch.Tensor | None,

@@ -346,7 +346,7 @@ def sweep_dict(over: str, entries: list[tuple[int, dict[str, Any], CapacityPlan]
 
 
 #: The ZeRO stages ``memsched plan --world-size`` predicts (those :func:`memsched.attach` runs).
-PREDICTED_STAGES = (0, 1, 2)
+PREDICTED_STAGES = (0, 1, 2, 3)
 
 
 def per_rank_dict(prediction: Prediction, capacity_bytes: int, world_size: int, *, policy: str = "auto",
@@ -354,12 +354,12 @@ def per_rank_dict(prediction: Prediction, capacity_bytes: int, world_size: int, 
     """One rank's memory at each ZeRO stage with ``world_size`` ranks (``memsched plan --world-size``): the
     predicted step is one rank's micro-batch, planned with ``policy`` at stages 0, 1 and 2
     (:func:`plan_for_capacity` with ``zero_stage``; see :func:`memsched.planning.problem.build_problem` for
-    what each stage keeps per rank). ZeRO stage 3 is listed as not built.
+    what each stage keeps per rank), and 3.
 
     Returns:
         ``{"world_size", "policy", "stages"}``; each stage: ``zero_stage``, ``status`` (a :func:`verdict`
-        status, or ``"not_built"``), ``message``, ``chunk_numel`` (padded for the ranks),
-        ``resident_model_bytes`` (parameters, the gradients the stage keeps, frozen parameters and
+        status), ``message``, ``chunk_numel`` (padded for the ranks),
+        ``resident_model_bytes`` (the parameters and gradients the stage keeps, frozen parameters and
         buffers), ``device_state_bytes`` (optimizer state the plan keeps on the device), ``host_bytes``
         (pinned host bytes of the host-placed shards) and ``peak_bytes`` (peak non-model data + resident model
         data + device state: the rank's predicted device peak); ``None`` where the policy found no plan. All
@@ -383,9 +383,4 @@ def per_rank_dict(prediction: Prediction, capacity_bytes: int, world_size: int, 
             "device_state_bytes": state, "host_bytes": v["host_bytes"] if state is not None else None,
             "peak_bytes": None if state is None else p.peak_non_model_bytes + p.resident_model_bytes + state,
         })
-    stages.append({
-        "zero_stage": 3, "status": "not_built", "chunk_numel": None, "resident_model_bytes": None,
-        "device_state_bytes": None, "host_bytes": None, "peak_bytes": None,
-        "message": "not built yet: memsched.attach refuses zero_stage=3 (parameters are replicated on every "
-                   "rank)"})
     return {"world_size": world_size, "policy": policy, "stages": stages}

@@ -30,6 +30,7 @@ from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
 from memsched.planning.reads import chunk_accesses, grad_working_bytes, reordered, scaled
 from policies.plans import make_plan, schedule_for
+from policies.schedule import schedule_sharded
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
 
 
@@ -127,7 +128,7 @@ class Planner:
         """
         self._timeline = timeline
         self.host_grad_working_bytes = host_grad_working_bytes
-        if reads and self._params is not None and self._device.kind != "cpu":
+        if reads and self._params is not None and (self._device.kind != "cpu" or self._sharded_params):
             chunks = {k: c.index for k, c in self._store.param_chunk.items()}
             grad_bytes = max(c.data_bytes for c in self._store.chunks)
             accesses = chunk_accesses(reads, chunks, timeline, grad_bytes=grad_bytes)
@@ -190,8 +191,26 @@ class Planner:
         self._traced_peak = self.problem.peak_non_model_bytes  # the bytes are those of the plan in force
         self.replan(self.problem.peak_non_model_bytes,
                     "the parameter reads came in another order than the schedule's", steps)
-        if self._params is not None:
+        if self._sharded_params:  # the placement may not have changed: the schedule has
+            self._shard_params()
+        elif self._params is not None:
             self._params.resume_schedule()
+
+    @property
+    def _sharded_params(self) -> bool:
+        """ZeRO-3: the fetcher's chunks are sharded over the ranks (memsched.distributed.param_shards)."""
+        return self._params is not None and self._params.shards is not None
+
+    def _shard_params(self) -> None:
+        """ZeRO-3: every chunk's parameters are sharded while a step computes, on the schedule of the
+        recorded reads (:func:`policies.schedule.schedule_sharded`), the same on every rank (compared: the
+        all-gathers must match)."""
+        assert self._params is not None
+        n = len(self._store.chunks)
+        schedule = schedule_sharded(self.accesses, n)
+        self._dp.check_same("ZeRO-3 parameter schedule",
+                            tuple((a.chunk, a.phase) for a in schedule.accesses) + (schedule.targets,))
+        self._params.use(range(n), schedule)
 
     def _most_offloaded(self, problem: policies.PlacementProblem) -> PlacementPlan:
         """The plan that keeps the least on the device: everything on the host, every parameter fetched for
@@ -237,7 +256,8 @@ class Planner:
             chunk_numel=store.layout.chunk_numel, param_groups=store.groups,
             compute_dtype=self._config.compute_dtype, align=store.align, pinned=store.alloc.pin,
             private_grads=store.private_grads,
-            accesses=scaled(self.accesses, peak_non_model_bytes, self._traced_peak),
+            # parameters leave the device for the host with one rank only (ZeRO-3 shards them: _apply)
+            accesses=scaled(self.accesses, peak_non_model_bytes, self._traced_peak) if dp.world == 1 else (),
             **grads,
             **machine_inputs(self._timeline, self._device, store, dp))  # host budget, fragmentation
         assert layout == store.layout, "planning and chunks disagree on the layout"
@@ -254,7 +274,9 @@ class Planner:
         for c, where in zip(store.chunks, plan.placement, strict=True):
             if where == HOST and c.placement != HOST:
                 self._transfers.add_chunk_move(store.place(c, HOST))
-        if self._params is not None:
+        if self._sharded_params:
+            self._shard_params()
+        elif self._params is not None:
             offloaded = plan.param_host_chunks
             if offloaded or self._params.offloaded:
                 self._params.use(offloaded, plan.schedule)

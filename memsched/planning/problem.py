@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 #: Host chunks assumed to hold device gradients at once when nothing was measured (a chunk being completed
 #: and one whose parameters are used far apart, such as tied embeddings).
 DEFAULT_GRAD_WORKING_CHUNKS = 2
+#: ZeRO-3: the chunks whole at once at most (the one read, the one read before it and two gathered ahead:
+#: :func:`policies.schedule.schedule_sharded` with its default prefetch of 2).
+SHARDED_PARAM_WORKING_CHUNKS = 4
 
 
 def trainable_groups(model: torch.nn.Module,
@@ -121,9 +124,11 @@ def build_problem(
             rank, 1 a ``1 / world`` shard of it, 2 also keeps only a shard of each chunk's averaged
             gradients, plus whole gradient buffers for the ``grad_working_chunks`` chunks backward fills at
             once (each lives from a chunk's first gradient to its reduce-scatter; counted beside its shard,
-            as in an accumulation's later micro-batches). The chunk size is then padded as the engine pads it
-            (a multiple of ``world_size`` times ``align``) and ``offload_grads`` must be left unset. ``None``:
-            ``world_size`` ranks shard the optimizer state, gradients as ``offload_grads`` says.
+            as in an accumulation's later micro-batches); 3 also keeps only a shard of each chunk's
+            parameters, plus :data:`SHARDED_PARAM_WORKING_CHUNKS` whole chunks around the reads (one rank's
+            peak in forward and backward; between steps fewer). The chunk size is then padded as the engine
+            pads it (a multiple of ``world_size`` times ``align``) and ``offload_grads`` must be left unset.
+            ``None``: ``world_size`` ranks shard the optimizer state, gradients as ``offload_grads`` says.
 
     Returns:
         ``(problem, layout)``: chunk ``i`` of the problem is chunk ``i`` of the layout.
@@ -137,7 +142,7 @@ def build_problem(
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     groups = ordered_groups(trainable_groups(model, param_groups), param_order)
     sizes = [[p.numel() for p in g] for g in groups]
-    grad_shards = False
+    grad_shards = param_shards = False
     if zero_stage is not None:
         from memsched.distributed.options import check_zero_options
 
@@ -152,7 +157,7 @@ def build_problem(
             align = SHARD_ALIGN if zero_stage >= 1 else 1
             wanted = chunk_numel if chunk_numel is not None else search_chunk_size(sizes, align=align)
             chunk_numel = padded_chunk_numel(wanted, world_size * align) if zero_stage >= 1 else wanted
-            grad_shards = zero_stage >= 2
+            grad_shards, param_shards = zero_stage >= 2, zero_stage >= 3
             if zero_stage == 0:
                 world_size = 1  # every rank keeps and updates the whole optimizer state
             offload_grads = False
@@ -175,6 +180,10 @@ def build_problem(
                                host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
                                numel=layout.chunk_numel, param_bytes=cb.compute_bytes))
     resident = layout.n_chunks * cb.compute_bytes + resident_extra_bytes(model, groups)
+    if param_shards:  # ZeRO-3: each chunk's part of the parameters, and the chunks whole around their reads
+        resident -= layout.n_chunks * cb.compute_bytes
+        resident += layout.n_chunks * (cb.compute_bytes // layout.chunk_numel * shard) + min(
+            SHARDED_PARAM_WORKING_CHUNKS, layout.n_chunks) * cb.compute_bytes
     working = min(grad_working_chunks, layout.n_chunks) * cb.grad_bytes if offload else 0
     if grad_shards:  # ZeRO-2: each chunk's gradient shard, and the whole buffers backward is filling
         shard_grad = cb.grad_bytes // layout.chunk_numel * shard

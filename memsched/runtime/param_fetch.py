@@ -1,4 +1,4 @@
-"""Parameters that live on the host come to the device for their reads (one rank).
+"""Parameters that live on the host (one rank) or on other ranks (ZeRO-3) come to the device for their reads.
 
 A plan may keep some chunks' parameters on the host (:attr:`policies.PlacementPlan.param_placement`): their
 optimizer state and gradients are there too, and their values live in the chunk's host buffer
@@ -36,6 +36,21 @@ plan without one) every read is on demand, with ``demand_resident`` chunks kept.
 chunks the schedule keeps for the next step stay; the others leave, so nothing is left in flight into the
 step.
 
+[Note: reads of sharded parameters]
+At ZeRO stage 3 the same fetcher runs with :class:`memsched.distributed.param_shards.ParamShards`: a chunk
+away keeps this rank's shard on the device and comes back by an all-gather, on the schedule of
+:func:`policies.schedule.schedule_sharded` (the window of the traced accesses around each read). Nothing is on
+the host to bind the parameters of a chunk away to between steps, so there they stay absent views, and the
+read guard stays on from the first forward (or the plan that first shards a chunk) until ``close()``: while
+a step computes (a forward, a loss term outside it, backward) a read of a chunk away gathers it, as every
+rank makes the same reads; between steps it raises ``ShardedParamError`` (a rank-0-only read, a log line,
+would otherwise wait forever in a collective the others never join), and ``sched.gathered_params()`` (every
+rank) makes every chunk whole for reads and writes. Setting ``p.grad``, registering hooks and reading
+metadata are no reads. An evaluation under ``no_grad`` is off the schedule: each chunk is gathered at its read
+and only those read together and the one read last stay. The guard is this thread's: another thread that reads
+a chunk away between steps sees its absent view's NaN (train and read from one thread, or read inside
+``gathered_params()``). DeepSpeed ZeRO-3 shows such parameters as empty tensors, FSDP2 as sharded DTensors.
+
 The idea is ZeRO-Infinity's parameter offload (DeepSpeed ``offload_param``), ColossalAI Gemini's and
 PatrickStar's chunk eviction and FSDP2's ``CPUOffloadPolicy``; here one schedule from the measured timeline
 decides both what is fetched ahead (bounded by the room at every read) and what leaves (OPT).
@@ -53,6 +68,7 @@ import torch
 from memsched.chunks import Chunk, ChunkStore
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import Streams, TransferStats
+from memsched.distributed.param_shards import ParamShards
 from memsched.runtime.read_guard import ReadGuard
 from memsched.teardown import weak_method
 from policies.types import BACKWARD, ParamSchedule
@@ -95,6 +111,8 @@ class ParamFetcher:
         transfers: byte counters (fetches count as H2D).
         wait_update: ``f(chunk_index)`` blocking until the CPU update of a chunk is done (``overlap=True``).
         update_ready: ``f(chunk_index) -> bool``: its CPU update is done, without waiting.
+        shards: ZeRO-3 (:class:`memsched.distributed.param_shards.ParamShards`): a chunk away keeps this
+            rank's shard on the device and is all-gathered for its reads; between steps every chunk is whole.
 
     Attributes:
         offloaded: the chunks whose parameters live on the host.
@@ -107,8 +125,12 @@ class ParamFetcher:
     """
 
     def __init__(self, model: torch.nn.Module, store: ChunkStore, streams: Streams, transfers: TransferStats,
-                 wait_update: Callable[[int], None], update_ready: Callable[[int], bool]) -> None:
+                 wait_update: Callable[[int], None], update_ready: Callable[[int], bool], *,
+                 shards: ParamShards | None = None) -> None:
         self.model, self.store, self.streams, self.transfers = model, store, streams, transfers
+        # ZeRO-3: chunks away keep this rank's shard on the device and are all-gathered back, instead of
+        # living on the host ([Note: sharded parameters] in memsched.distributed.param_shards)
+        self.shards = shards
         self._wait_update, self._update_ready = wait_update, update_ready
         self.offloaded: frozenset[int] = frozenset()
         self.schedule: ParamSchedule | None = None
@@ -135,6 +157,7 @@ class ParamFetcher:
         self.recording: list[Read] | None = None  # warmup: every read, for the trace
         self._stack: list[str] = []  # the modules whose forward is running (recording)
         self._names = {m: n for n, m in model.named_modules()}
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
         self._sample: Callable[[], int] = lambda: 0
         self.on_alloc: Callable[[torch.Tensor], None] | None = None  # warmup: the tracer classifies fetches
         # the stand-in leaves fetched buffers out of its fixed peak (memsched.devices.simdevice.SimDevice)
@@ -145,6 +168,7 @@ class ParamFetcher:
         self._installed = False
         self._res_begin = self._res_min = 0
         self._packing = [id(c) for c in store.chunks]  # the chunks the indices above refer to
+        self.holding = 0  # ZeRO-3: gathered_params() contexts open (every chunk whole, none leaves)
 
     # ---- the resident parameters over a step, for the elastic peak probe --------------------------------
     def begin(self) -> None:
@@ -214,6 +238,8 @@ class ParamFetcher:
                 self._evict(c)
         self._watch()
         self._install_module_hooks()
+        if self.shards is not None and new:  # chunks away between steps: their reads are refused from now
+            self.on_forward_begin()
 
     def evict_all(self) -> None:
         """Every offloaded chunk on the device leaves it (before the chunks are re-packed: the new packing
@@ -340,7 +366,9 @@ class ParamFetcher:
     def _forward_begin(self) -> None:
         if torch.compiler.is_compiling() or not self.active:
             return
-        self._cursor, self._last = 0, None
+        if self.shards is None or torch.is_grad_enabled():  # ZeRO-3: an evaluation is off the schedule
+            self._cursor = 0
+        self._last = None
         self._stack.clear()
         if self.recording is not None and torch.is_grad_enabled():
             self.recording.append(Read(None, "begin", self._sample(), ""))  # type: ignore[arg-type]
@@ -363,6 +391,14 @@ class ParamFetcher:
             hooks.__exit__(None, None, None)
         self._push_between()
         if not self.offloaded:
+            return
+        if self.shards is not None:
+            # ZeRO-3: until backward gathers them, a read of a chunk away (a loss term outside the forward)
+            # is gathered on demand by the read guard, which stays (keeps_guard). With no backward to follow
+            # (an evaluation), the model is between steps again.
+            if not torch.is_grad_enabled() and not self.store.in_backward:
+                with torch.inference_mode(False):
+                    self.store.settle()
             return
         if torch.is_grad_enabled():
             for i in self.offloaded:
@@ -387,6 +423,12 @@ class ParamFetcher:
         parameter): they are read together; those of chunks this fetcher does not own wait as the H2D
         waits say."""
         mine = [(i, p) for i, p in found if self.owns(i)]
+        if self.shards is not None and not self.store.computing and not self.holding:
+            away = [(i, p) for i, p in mine if not self.store.resident(self.store.chunks[i])]
+            if away:
+                i, p = away[0]
+                raise self.shards.refusal(what, self._param_names.get(id(p), "?"), i)
+            return  # whole chunks between steps: off the step's schedule, nothing to do
         # chunks whose parameters stay on the device wait as the H2D waits say (recorded too, if recording)
         for i in sorted({i for i, _ in found if i not in self.offloaded}):
             if any(self.guard.unwaited.get(id(p)) == i for j, p in found if j == i):
@@ -402,8 +444,40 @@ class ParamFetcher:
         """Backward's end (before the host chunks become host-bound): the reads of the step are over."""
         if self.recording is not None:  # its gradients leave for the host: none is in flight any more
             self.recording.append(Read(None, END, self._sample(), ""))  # type: ignore[arg-type]
-        if self.offloaded:
+        if self.offloaded and not self.holding:
             self._settle()
+
+    def keeps_guard(self) -> bool:
+        """ZeRO-3: the read guard stays on from the forward's begin (and from :meth:`use`) to ``close()``:
+        until backward, a read of a chunk away is gathered on demand; between steps it is refused
+        ([Note: reads of sharded parameters])."""
+        return self.shards is not None and bool(self.offloaded)
+
+    def hold(self) -> None:
+        """ZeRO-3 (:meth:`memsched.Scheduler.gathered_params`): every chunk whole, and kept so, until as many
+        :meth:`unhold`. A collective: all-gathers in chunk order, issued together, then waited for."""
+        assert self.shards is not None
+        self.holding += 1
+        self._gather_away()
+
+    def _gather_away(self) -> None:
+        assert self.shards is not None
+        with torch._C.DisableTorchFunction(), torch.inference_mode(False):
+            away = [c for c in self.store.chunks if not self.store.resident(c)]
+            for c in away:
+                self._fetch(c, wait=False)
+            self.shards.wait_all()
+            for c in away:
+                self.store.bind_resident(c)
+        self._last = None
+
+    def unhold(self) -> None:
+        """The end of a :meth:`hold`: between steps, the chunks the schedule does not keep leave again (this
+        rank's part of what was written to them meanwhile stays in its shard)."""
+        self.holding -= 1
+        if not self.holding and self.offloaded and not self.store.computing:
+            with torch._C.DisableTorchFunction():
+                self._settle()
 
     def _settle(self) -> None:
         """Only the chunks the schedule keeps for the next step stay on the device (all of them without a
@@ -415,6 +489,11 @@ class ParamFetcher:
         for i in list(self._lru):
             if i not in keep:
                 self._evict(self.store.chunks[i])
+        if self.shards is not None:  # ZeRO-3: those gathered ahead and kept are whole: their views
+            for i in list(self._lru):
+                c = self.store.chunks[i]
+                self.shards.wait(c)
+                self.store.bind_resident(c)
         self._last = None
 
     def _push_between(self) -> None:
@@ -441,14 +520,16 @@ class ParamFetcher:
             _drain_removed()
 
     def remove(self) -> None:
-        """Remove every hook (``close()``). Saved-tensor hooks that another context (a scheduler attached
-        later, a user's ``saved_tensors_hooks``) pushed over cannot come off in stack order: they are left
-        inert (they pass every tensor through) and come off as soon as they are on top again
-        (:func:`_drain_removed`)."""
+        """Remove every hook (``close()``; at ZeRO-3 every chunk is all-gathered first: a collective).
+        Saved-tensor hooks that another context (a scheduler attached later, a user's ``saved_tensors_hooks``)
+        pushed over cannot come off in stack order: they are left inert (they pass every tensor through) and
+        come off as soon as they are on top again (:func:`_drain_removed`)."""
         if self._saved_hooks is not None:
             hooks, self._saved_hooks = self._saved_hooks, None
             hooks.__exit__(None, None, None)
         self._pop_between()
+        if self.shards is not None and not self._removed:  # ZeRO-3: a plain model again, whole on every rank
+            self._gather_away()
         self._removed = True  # hooks left under another's pass every tensor through until they come off
         _drain_removed()
         for h in (*self._handles, *self._module_handles):
@@ -490,6 +571,19 @@ class ParamFetcher:
         if (i, phase) == self._last or i not in self.offloaded:
             return
         c = self.store.chunks[i]
+        if self.shards is not None and (self.holding or (not torch.is_grad_enabled() and phase != BACKWARD)):
+            # ZeRO-3 inside gathered_params (every chunk stays), or an evaluation: off the training step's
+            # schedule, each chunk gathered at its read and, in an evaluation, only those read together and
+            # the one read last kept
+            with torch._C.DisableTorchFunction(), torch.inference_mode(False):
+                if not self.holding:
+                    keep = {i, *self._pinned, *([] if self._last is None else [self._last[0]])}
+                    for j in list(self._lru):
+                        if j not in keep:
+                            self._evict(self.store.chunks[j])
+                self._ready(c)
+            self._last = (i, phase)
+            return
         # Fetching binds parameters: bookkeeping, not reads. Under torch.inference_mode (an evaluation) the
         # buffers and views made here would be inference tensors, which a later training step cannot save
         # for backward: they are made as outside it, as the parameters of a plain model are.
@@ -549,7 +643,9 @@ class ParamFetcher:
         if not self.store.resident(c):
             self.stats["demand_fetches"] += 1
             self._fetch(c, wait=False)
-        if c.h2d_event is not None:  # a wait that blocks is a span of the step timeline (Streams.wait)
+        if self.shards is not None:
+            self.shards.wait(c)
+        elif c.h2d_event is not None:  # a wait that blocks is a span of the step timeline (Streams.wait)
             self.streams.wait([c.h2d_event], f"fetch <- chunk {c.index}")
             if not self.streams.cuda:
                 c.h2d_event = None
@@ -583,6 +679,16 @@ class ParamFetcher:
             raise
         if self.on_alloc is not None:
             self.on_alloc(data)
+        if self.shards is not None:  # ZeRO-3: every rank's shard, all-gathered
+            self.store.attach_data(c, data)
+            self._lru[c.index] = None
+            self.shards.gather(c, data)
+            self.stats["fetches"] += 1
+            self.stats["fetched_bytes"] += c.data_bytes
+            self._storage[id(data.untyped_storage())] = c
+            if wait:
+                self.shards.wait(c)
+            return
         if c.hi - c.lo < c.numel:  # the padding beyond the shard is never read; zero it for determinism
             data[c.hi:].zero_()
             data[:c.lo].zero_()
@@ -601,7 +707,12 @@ class ParamFetcher:
         if not self.store.resident(c):
             return
         self._storage.pop(id(c.data.untyped_storage()), None)
-        self.store.detach_data(c)
+        if self.shards is not None:  # ZeRO-3: this rank's shard stays on the device
+            self._wait_update(c.index)
+            self.shards.release(c)
+            self.store.drop_data(c)
+        else:
+            self.store.detach_data(c)
         if self._lru.pop(c.index, "away") is None:  # fetched (counted as moving); not: resident until now
             self.on_move(-c.data_bytes)
         self._res_min = min(self._res_min, self._resident_bytes())

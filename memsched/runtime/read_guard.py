@@ -34,7 +34,7 @@ _METADATA_METHODS = frozenset({
     "untyped_storage", "data_ptr", "numel", "nelement", "size", "dim", "ndimension", "stride",
     "storage_offset", "element_size", "is_contiguous", "is_pinned", "is_shared", "get_device", "_is_view",
     "is_floating_point", "is_complex", "has_names", "__hash__", "__len__", "__sizeof__", "__repr__",
-    "__format__", "__reduce_ex__",
+    "__format__", "__reduce_ex__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
 })
 _METADATA_PROPERTIES = frozenset({
     "grad", "_grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "_version", "layout",
@@ -44,11 +44,16 @@ _METADATA_PROPERTIES = frozenset({
 })
 
 
+_SETTABLE = frozenset({"grad", "_grad", "requires_grad"})
+
+
 def is_metadata(func: Any) -> bool:
     """Whether the torch function ``func`` only looks at a tensor's metadata (no element is read)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES
+    if name in ("__set__", "__delete__"):  # ``p.grad = None``, ``del p.grad``: the parameter is not read
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _SETTABLE
     return name in _METADATA_METHODS
 
 

@@ -215,7 +215,8 @@ class H2DWaits:
                 self.store.bind_dropped_grads()
 
     def _forward_end(self) -> None:
-        if self._guarded:
+        # ZeRO-3: the guard stays on ([Note: reads of sharded parameters] in memsched.runtime.param_fetch)
+        if self._guarded and not (self.fetcher is not None and self.fetcher.keeps_guard()):
             self._guarded = False
             self.guard.pop()
         if torch.compiler.is_compiling():  # a compiled submodule called after this forward waits again

@@ -1,0 +1,119 @@
+"""ZeRO-3: a chunk's parameters sharded over the ranks while a step computes, all-gathered for their reads.
+
+[Note: sharded parameters]
+At ZeRO stage 3 the parameter fetcher (:class:`memsched.runtime.param_fetch.ParamFetcher`) treats every
+chunk as one whose parameters may leave the device, and this class is where they go and how they come back:
+
+* **Release.** When the fetcher lets a chunk go (its last forward read is served, on the schedule of
+  :func:`policies.schedule.schedule_sharded`), this rank's part of it, ``data[lo:hi]``, is copied into a
+  buffer of its own (``Chunk.param_shard``, ``[hi - lo]``, compute dtype, on the device) and the whole
+  buffer is freed: ``1 / world`` of the chunk stays. Copying the part each time (a device-to-device copy of
+  ``1 / world`` of the chunk) follows any write made to the parameters since they were gathered (the same
+  write on every rank, as data parallelism requires).
+* **Gather.** A read (or the schedule, a few accesses ahead) allocates the whole buffer again and
+  all-gathers every rank's part into it with one ``all_gather_into_tensor`` (asynchronous; the read waits
+  for it). Once it completes the part's own buffer is freed.
+* **Collective order.** Every rank must gather the same chunks in the same order: the schedule is made from
+  the warmup's reads and compared between ranks, and a read off the schedule gathers on demand, which every
+  rank running the same modules does at the same point. A rank that runs other modules than its peers
+  (a data-dependent branch taken on one rank only) makes the collectives mismatch: FSDP and DeepSpeed ZeRO-3
+  require the same, as this does.
+
+The idea is ZeRO-3's parameter partitioning (arXiv 1910.02054) and FSDP2's sharded parameters
+(``fully_shard``), over memsched's chunks: one flat all-gather per chunk, as ColossalAI Gemini's chunk
+all-gather (ColossalAI #1623: every chunk split evenly over every rank).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memsched.chunks import Chunk, ChunkStore
+from memsched.distributed.comm import Comm
+
+
+class ShardedParamError(RuntimeError):
+    """A read of a parameter that ZeRO-3 holds sharded over the ranks between steps (see
+    [Note: reads of sharded parameters] in :mod:`memsched.runtime.param_fetch`)."""
+
+
+class ParamShards:
+    """Where a ZeRO-3 chunk's parameters go when the fetcher releases them, and the all-gather that brings
+    them back (see [Note: sharded parameters]).
+
+    Args:
+        comm: the process group.
+        store: the chunks (their ``lo``, ``hi`` are this rank's shard).
+
+    Attributes:
+        gathered_bytes: bytes this rank received from the others in parameter all-gathers (``(world - 1) /
+            world`` of each chunk gathered).
+        gathers: the number of all-gathers issued.
+    """
+
+    def __init__(self, comm: Comm, store: ChunkStore) -> None:
+        self.comm, self.store = comm, store
+        self.world = comm.world
+        self._pending: dict[int, Any] = {}  # chunk index -> its all-gather in flight
+        self.gathered_bytes = 0
+        self.gathers = 0
+
+    def gather(self, c: Chunk, data: torch.Tensor) -> None:
+        """Start the all-gather of ``c``'s parts into ``data`` (``[numel]``, compute dtype, on the device;
+        attached to ``c`` already): asynchronous, :meth:`wait` completes it.
+
+        Raises:
+            RuntimeError: ``c`` has no part of its own to send (it was never released).
+        """
+        if c.param_shard is None:
+            raise RuntimeError(f"memsched ZeRO-3: chunk {c.index} is gathered but this rank holds no shard "
+                               "of it (it was never released)")
+        what = f"ZeRO-3 parameter gather of chunk {c.index}"
+        if c.h2d_event is not None:  # the updated part's H2D copy (a host chunk) comes first
+            if data.device.type == "cuda":
+                torch.cuda.current_stream(data.device).wait_event(c.h2d_event)
+            else:  # the stand-in's link: the host waits
+                c.wait_h2d()
+        with torch.no_grad():
+            self._pending[c.index] = self.comm.all_gather(data, c.param_shard, what=what, async_op=True)
+        self.gathers += 1
+        self.gathered_bytes += (self.world - 1) * data.numel() * data.element_size() // self.world
+
+    def pending(self, c: Chunk) -> bool:
+        """Whether ``c``'s all-gather was issued and not waited for."""
+        return c.index in self._pending
+
+    def wait(self, c: Chunk) -> None:
+        """Complete ``c``'s all-gather (if one is in flight): its whole buffer holds every rank's part, and
+        its own part's buffer is freed."""
+        work = self._pending.pop(c.index, None)
+        if work is None:
+            return
+        self.comm.wait(work, f"ZeRO-3 parameter gather of chunk {c.index}")
+        c.param_shard = None
+
+    def release(self, c: Chunk) -> None:
+        """Keep this rank's part of ``c``'s parameters in a buffer of its own (before the fetcher frees the
+        whole buffer)."""
+        self.wait(c)
+        with torch.no_grad():
+            shard = self.store.alloc.device_empty(c.hi - c.lo, c.dtype)
+            shard.copy_(c.data[c.lo:c.hi])
+        c.param_shard = shard
+
+    def wait_all(self) -> None:
+        """Complete every all-gather in flight."""
+        for i in sorted(self._pending):
+            self.wait(self.store.chunks[i])
+
+    def refusal(self, what: str, name: str, index: int) -> ShardedParamError:
+        """The error for ``what`` reading parameter ``name`` of chunk ``index`` while it is sharded between
+        steps: names the ways to read it."""
+        return ShardedParamError(
+            f"memsched ZeRO-3: {what} reads parameter {name!r} (chunk {index}) between steps, where it is "
+            f"sharded over {self.world} ranks (each holds 1/{self.world} of it; the whole exists nowhere). "
+            "Read or write parameters between steps inside `with sched.gathered_params():`, entered on every "
+            "rank (a collective), save and load with memsched.checkpoint.save / load, or attach with "
+            "zero_stage=2 to keep whole parameters on every rank")

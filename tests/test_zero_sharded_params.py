@@ -1,0 +1,125 @@
+"""ZeRO-3's parameters outside the training step's own reads, at 2 gloo ranks, against emulated DDP.
+
+Between steps a rank holds only its shard of most chunks: a read there raises ``ShardedParamError`` (never the
+absent views' NaN), ``with sched.gathered_params():`` makes them whole on every rank (reads exact, writes
+followed), a loss term computed outside the forward gathers what it reads, an evaluation forward under
+``no_grad`` reads exact values, and ``close()`` gives back a whole model. The reference is plain torch
+averaging the per-rank gradients and stepping ``torch.optim.AdamW(fused=True)``, with the same loss term and
+the same write.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memsched
+from memsched.distributed.param_shards import ShardedParamError
+from tests._dist_utils import run_ranks
+from tests.test_zero_sharded_grads import LR, SIM, WD, Net, _average, data, make_model, rows
+
+STEPS, PENALTY = 4, 1e-3
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    # a loss term computed after the forward, outside any module: the embedding is away by then
+    return F.cross_entropy(out.flatten(0, 1), y.flatten()) + PENALTY * model.emb.weight.square().sum()
+
+
+def write(model: nn.Module) -> None:
+    """What the test writes into the parameters between steps 1 and 2 (on every rank)."""
+    with torch.no_grad():
+        model.block[0].weight.mul_(0.5)
+        model.emb.weight[3].fill_(0.25)
+
+
+def reference(world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """Emulated DDP: the parameters after step 1 and at the end, and the evaluation's output at the end."""
+    model = make_model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
+                            fused=True)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    after_1: dict[str, torch.Tensor] = {}
+    for step, ((x, y, _aux),) in enumerate(data(1)[:1] * STEPS):
+        per_rank = []
+        for r in range(world):
+            model.zero_grad()
+            loss_of(model, rows(x, r, world), rows(y, r, world)).backward()
+            per_rank.append({n: params[n].grad.clone() for n in names})
+        avg = _average(per_rank)
+        for n in names:
+            params[n].grad = avg[n]
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            after_1 = {n: p.detach().clone() for n, p in model.named_parameters()}
+            write(model)
+    with torch.no_grad():
+        out = model(data(1)[1][0][0])
+    return after_1, {n: p.detach().clone() for n, p in model.named_parameters()}, out
+
+
+def _run(rank: int, world: int) -> dict:
+    model = make_model()
+    x, y, _ = data(1)[0][0]
+    got: dict = {"refusals": []}
+    with memsched.attach(model, lr=LR, weight_decay=WD, zero_stage=3, chunk_numel=400, **SIM) as sched:
+        for step in range(STEPS):
+            loss = loss_of(model, rows(x, rank, world), rows(y, rank, world))
+            if step == 2:  # between a forward and its backward: refused, the reads gather themselves
+                with pytest.raises(RuntimeError, match="gathered_params\\(\\) is for between steps"):
+                    with sched.gathered_params():
+                        pass
+            sched.backward(loss)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            if step == 0:
+                away = [n for n, p in model.named_parameters()
+                        if id(p) in sched.store.param_chunk and sched.store.param_chunk[id(p)].data is None]
+                got["away"] = away
+                one = model.get_parameter(away[0]) if away else None
+                for read in (lambda one=one: one.sum(), lambda: model.state_dict(),
+                             lambda: [p.detach().clone() for p in model.parameters()]):
+                    with pytest.raises(ShardedParamError, match="sharded over 2 ranks") as e:
+                        read()
+                    got["refusals"].append(str(e.value))
+                model.zero_grad()  # p.grad = None reads nothing: allowed
+                with sched.gathered_params():
+                    got["after_1"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+                    with sched.gathered_params():  # nested: gathered once
+                        pass
+                    write(model)
+                got["away_again"] = all(sched.store.param_chunk[id(p)].data is None for n, p in
+                                        model.named_parameters() if n in away)
+        with torch.no_grad():  # an evaluation between steps: exact, chunks gathered as read and let go
+            got["eval"] = model(data(1)[1][0][0])
+        got["whole_after_eval"] = sum(c.data is not None for c in sched.store.chunks)
+        got["n_chunks"] = len(sched.store.chunks)
+    got["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}  # after close(): whole
+    return got
+
+
+def test_zero_3_parameters_between_steps_are_refused_gathered_exact_and_written() -> None:
+    got = run_ranks(_run, 2, timeout=180)
+    after_1, final, out = reference(2)
+    for r in range(2):
+        g = got[r]
+        assert g["away"], "no chunk is sharded between steps"
+        assert g["away_again"]
+        assert len(g["refusals"]) == 3 and all("gathered_params()" in m for m in g["refusals"])
+        for n, want in after_1.items():
+            assert torch.equal(g["after_1"][n], want), (r, n)
+        for n, want in final.items():
+            assert torch.equal(g["final"][n], want), (r, n)
+        assert torch.equal(g["eval"], out)
+        assert g["whole_after_eval"] < g["n_chunks"]
+
+
+def test_gathered_params_is_a_no_op_below_stage_3() -> None:
+    model = Net()
+    with memsched.attach(model, device="cpu") as sched, sched.gathered_params():
+        assert model.emb.weight.sum().isfinite()
