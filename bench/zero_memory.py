@@ -3,7 +3,8 @@ on the stand-in device, and the step time against ZeRO-1.
 
 Run ``python bench/zero_memory.py [--worlds 1 2 3 4] [--steps 4] [--policy cpu]`` from the repository root
 (ranks are local processes on gloo; run it alone: they share the machine's cores). The result goes to
-``bench/results/zero_memory.json`` via :func:`bench._machine.write_result`.
+``bench/results/zero_memory.json`` (``zero_memory_<policy>.json`` for another policy) via
+:func:`bench._machine.write_result`.
 
 The model is the tied-embedding GPT of :mod:`memsched.models.gpt` (``n_layer=4, n_embd=256``, vocabulary
 4096, batch 4 x 128, fp32), its first block checkpointed and its second frozen. Each rank trains on its own
@@ -146,7 +147,7 @@ def main() -> None:
             if r and base and "step_s_median" in r and "step_s_median" in base:
                 r["step_time_vs_zero1"] = r["step_s_median"] / base["step_s_median"]
                 r["peak_saved_vs_zero1_bytes"] = base["peak_bytes"] - r["peak_bytes"]
-    path = write_result("zero_memory", {
+    path = write_result("zero_memory" if args.policy == "cpu" else f"zero_memory_{args.policy}", {
         "model": {**CONFIG, "batch": BATCH, "seq": SEQ, "dtype": "float32", "checkpointed_blocks": [0],
                   "frozen_blocks": [1], "tied_embedding": True},
         "device": CAPACITY, "policy": args.policy, "steps": args.steps,

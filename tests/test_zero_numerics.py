@@ -1,4 +1,4 @@
-"""ZeRO-1/2 at 2 gloo ranks, bit for bit against plain PyTorch: each rank's gradients computed on its own
+"""ZeRO-1/2/3 at 2 gloo ranks, bit for bit against plain PyTorch: each rank's gradients computed on its own
 micro-batches, averaged ((g0 + g1) / 2), clipped by ``torch.nn.utils.clip_grad_norm_`` and stepped by
 ``torch.optim.AdamW(fused=True)``.
 
@@ -113,6 +113,10 @@ CFGS = [
     {"stage": 2, "clip": CLIP, "accum": 1, "chunk_numel": 170, "overlap": True},
     # overlap="backward" needs one rank: it warns and runs as overlap=True
     {"stage": 1, "clip": None, "accum": 1, "chunk_numel": 170, "overlap": "backward"},
+    {"stage": 3, "clip": CLIP, "accum": 1, "chunk_numel": 170},
+    {"stage": 3, "clip": None, "accum": 2, "chunk_numel": 400},
+    {"stage": 3, "clip": CLIP, "accum": 2, "chunk_numel": 170, "overlap": True},
+    {"stage": 3, "clip": CLIP, "accum": 1, "chunk_numel": 170, "overlap": "backward"},
 ]
 
 

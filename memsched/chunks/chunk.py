@@ -272,6 +272,13 @@ class Chunk:
             return 0
         self.wait_h2d()
         self.wait_d2h()  # a gradient copy into the host buffers being replaced (e.g. of a skipped step)
+        if placement == DEVICE and self.data is None and self.param_shard is None \
+                and self.param_host is not None:
+            # ZeRO-3, the chunk away with its part on the host: the part comes to the device with the state
+            shard = alloc.device_empty(self.hi - self.lo, self.dtype)
+            with torch.no_grad():
+                shard.copy_(self.param_host)
+            self.param_shard = shard
         new = self._alloc_state(placement, alloc)
         ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
         with torch.no_grad(), ctx:

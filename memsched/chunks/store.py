@@ -691,7 +691,7 @@ class ChunkStore:
         """
         if placement == c.placement:
             return 0
-        if placement == DEVICE and c.data is None:
+        if placement == DEVICE and c.data is None and not getattr(self.dp, "shards_params", False):
             raise RuntimeError(f"chunk {c.index}'s parameters are off the device: fetch them before its "
                                "optimizer state moves there")
         if c.index in self.host_bound:  # to the device: device-bound first, with any host writes taken in
@@ -715,7 +715,9 @@ class ChunkStore:
         """The values ``c``'s parameters show now, flat over its shard (``[hi - lo]``, compute dtype): the
         host copy while host-bound (written there by ``load_state_dict`` between steps), else the device
         buffer."""
-        return c.param_host if c.index in self.host_bound else c.param_part()
+        if c.index in self.host_bound or (c.data is None and c.param_shard is None):
+            return c.param_host  # host-bound, or (ZeRO-3) away with its part on the host
+        return c.param_part()
 
     def has_grads(self, c: Chunk) -> bool:
         """Whether any parameter of ``c`` holds a gradient memsched keeps: in its device buffer, or on the

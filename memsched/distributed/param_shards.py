@@ -4,15 +4,18 @@
 At ZeRO stage 3 the parameter fetcher (:class:`memsched.runtime.param_fetch.ParamFetcher`) treats every
 chunk as one whose parameters may leave the device, and this class is where they go and how they come back:
 
-* **Release.** When the fetcher lets a chunk go (its last forward read is served, on the schedule of
+* **Release.** When the fetcher lets a chunk go (once read, on the schedule of
   :func:`policies.schedule.schedule_sharded`), this rank's part of it, ``data[lo:hi]``, is copied into a
   buffer of its own (``Chunk.param_shard``, ``[hi - lo]``, compute dtype, on the device) and the whole
   buffer is freed: ``1 / world`` of the chunk stays. Copying the part each time (a device-to-device copy of
   ``1 / world`` of the chunk) follows any write made to the parameters since they were gathered (the same
-  write on every rank, as data parallelism requires).
+  write on every rank, as data parallelism requires). A chunk whose optimizer state the plan keeps on the
+  host keeps its part there instead, in the values its CPU update writes (``param_host``): nothing of it
+  stays on the device (written back first if the parameters were written since the gather).
 * **Gather.** A read (or the schedule, a few accesses ahead) allocates the whole buffer again and
   all-gathers every rank's part into it with one ``all_gather_into_tensor`` (asynchronous; the read waits
-  for it). Once it completes the part's own buffer is freed.
+  for it); a host chunk's part is copied H2D into its place first and gathered in place. Once it completes
+  the part's own device buffer is freed.
 * **Collective order.** Every rank must gather the same chunks in the same order: the schedule is made from
   the warmup's reads and compared between ranks, and a read off the schedule gathers on demand, which every
   rank running the same modules does at the same point. A rank that runs other modules than its peers
@@ -67,9 +70,11 @@ class ParamShards:
         Raises:
             RuntimeError: ``c`` has no part of its own to send (it was never released).
         """
-        if c.param_shard is None:
+        if c.param_shard is None and c.param_host is None:
             raise RuntimeError(f"memsched ZeRO-3: chunk {c.index} is gathered but this rank holds no shard "
                                "of it (it was never released)")
+        # a host chunk's part was copied into data[lo:hi] (H2D, c.h2d_event) and is gathered in place
+        src = c.param_shard if c.param_shard is not None else data[c.lo:c.hi]
         what = f"ZeRO-3 parameter gather of chunk {c.index}"
         if c.h2d_event is not None:  # the updated part's H2D copy (a host chunk) comes first
             if data.device.type == "cuda":
@@ -77,7 +82,7 @@ class ParamShards:
             else:  # the stand-in's link: the host waits
                 c.wait_h2d()
         with torch.no_grad():
-            self._pending[c.index] = self.comm.all_gather(data, c.param_shard, what=what, async_op=True)
+            self._pending[c.index] = self.comm.all_gather(data, src, what=what, async_op=True)
         self.gathers += 1
         self.gathered_bytes += (self.world - 1) * data.numel() * data.element_size() // self.world
 
@@ -95,9 +100,20 @@ class ParamShards:
         c.param_shard = None
 
     def release(self, c: Chunk) -> None:
-        """Keep this rank's part of ``c``'s parameters in a buffer of its own (before the fetcher frees the
-        whole buffer)."""
+        """Keep this rank's part of ``c``'s parameters (before the fetcher frees the whole buffer): in a
+        device buffer of its own, or for a chunk whose optimizer state is on the host, in its host values
+        (``param_host``, which the CPU update writes), copied there only when the parameters were written
+        since they were gathered."""
         self.wait(c)
+        store = self.store
+        if c.param_host is not None:
+            if any(p._version != store._host_versions.get(id(p), p._version) for p in c.params):
+                store.before_host_write(c)
+                c.wait_h2d()
+                with torch.no_grad(), store.alloc.host_context():
+                    c.param_host.copy_(c.data[c.lo:c.hi])
+            c.param_shard = None
+            return
         with torch.no_grad():
             shard = self.store.alloc.device_empty(c.hi - c.lo, c.dtype)
             shard.copy_(c.data[c.lo:c.hi])

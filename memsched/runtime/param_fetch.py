@@ -682,6 +682,9 @@ class ParamFetcher:
         if self.shards is not None:  # ZeRO-3: every rank's shard, all-gathered
             self.store.attach_data(c, data)
             self._lru[c.index] = None
+            if c.param_shard is None and c.param_host is not None:  # this rank's part is on the host
+                with self.store.alloc.host_context():
+                    self.transfers.add_h2d(c.start_h2d(self.streams, c.param_host))
             self.shards.gather(c, data)
             self.stats["fetches"] += 1
             self.stats["fetched_bytes"] += c.data_bytes
@@ -814,6 +817,7 @@ def _refuse_compiled(chunks: tuple[int, ...]) -> None:
         RuntimeError: always; names the chunks and what to do.
     """
     raise RuntimeError(
-        f"memsched: compiled code reads parameters the plan keeps on the host (chunks {list(chunks)}), which "
-        "torch.compile does not fetch yet. Run the model eagerly, or give it room to keep every parameter "
-        "on the device (a larger device, a smaller batch, or policy 'cpu' if the parameters fit)")
+        f"memsched: compiled code reads parameters the plan keeps on the host or ZeRO-3 shards over the "
+        f"ranks (chunks {list(chunks)}), which torch.compile does not fetch yet. Run the model eagerly, or "
+        "give it room to keep every parameter on the device (a larger device, a smaller batch, or policy "
+        "'cpu' if the parameters fit; zero_stage=2 keeps whole parameters on every rank)")
