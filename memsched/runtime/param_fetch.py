@@ -58,6 +58,7 @@ decides both what is fetched ahead (bounded by the room at every read) and what 
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -529,7 +530,12 @@ class ParamFetcher:
             hooks.__exit__(None, None, None)
         self._pop_between()
         if self.shards is not None and not self._removed:  # ZeRO-3: a plain model again, whole on every rank
-            self._gather_away()
+            try:
+                self._gather_away()
+            except Exception as e:  # a peer is gone (close() after a failure): say so, the model is not whole
+                warnings.warn(f"memsched: close(): the ZeRO-3 parameters could not be all-gathered ({e}); "
+                              "the parameters of chunks sharded at that point read as NaN", RuntimeWarning,
+                              stacklevel=2)
         self._removed = True  # hooks left under another's pass every tensor through until they come off
         _drain_removed()
         for h in (*self._handles, *self._module_handles):
