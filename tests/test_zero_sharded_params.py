@@ -174,3 +174,42 @@ def test_zero_3_follows_a_re_plan_bit_for_bit() -> None:
         assert "device" in three[r]["places"][3] and three[r]["places"] == two[r]["places"]
         for n, want in two[r]["params"].items():
             assert torch.equal(three[r]["params"][n], want), (r, n)
+
+
+# ---- ranks that gather different chunks are stopped before the step ---------------------------------------
+class Deep(nn.Module):
+    """Eight one-chunk layers; ``extra``: the index of a layer whose weight the forward reads again at its end
+    (its chunk is sharded by then: gathered on demand), or None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(8))
+        self.extra: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x if self.extra is None else x + self.layers[self.extra].weight.sum()
+
+
+def _diverging(rank: int, world: int) -> dict:
+    model = Deep()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    with memsched.attach(model, device="sim:64MiB", policy="cpu", zero_stage=3, chunk_numel=256) as sched:
+        for step in range(4):
+            # the last step: each rank reads another layer again, so they gather as many chunks, not the same
+            model.extra = rank if step == 3 else None
+            try:
+                sched.backward(model(x).square().mean())
+            except ShardedParamError as e:
+                return {"step": step, "error": str(e), "updates": sched.steps}
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+    return {"step": None}
+
+
+def test_ranks_that_gather_different_chunks_are_refused_before_the_step() -> None:
+    for r in run_ranks(_diverging, 2, timeout=120):
+        assert r["step"] == 3 and "all-gathered different parameter chunks" in r["error"], r
+        assert r["updates"] == 3  # the diverging step was not taken

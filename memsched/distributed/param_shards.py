@@ -20,7 +20,10 @@ chunk as one whose parameters may leave the device, and this class is where they
   the warmup's reads and compared between ranks, and a read off the schedule gathers on demand, which every
   rank running the same modules does at the same point. A rank that runs other modules than its peers
   (a data-dependent branch taken on one rank only) makes the collectives mismatch: FSDP and DeepSpeed ZeRO-3
-  require the same, as this does.
+  require the same, as this does. Chunks are all the same size, so two ranks gathering different chunks
+  would mix their parts without any error from the backend: each rank keeps a running hash of the chunks it
+  gathered, and at each backward's end (before any update) the ranks compare it (:meth:`check_order`, one
+  small all-reduce); a difference raises instead of stepping with mixed parameters.
 
 The idea is ZeRO-3's parameter partitioning (arXiv 1910.02054) and FSDP2's sharded parameters
 (``fully_shard``), over memsched's chunks: one flat all-gather per chunk, as ColossalAI Gemini's chunk
@@ -35,6 +38,8 @@ import torch
 
 from memsched.chunks import Chunk, ChunkStore
 from memsched.distributed.comm import Comm
+
+_PRIME = 2**61 - 1
 
 
 class ShardedParamError(RuntimeError):
@@ -60,6 +65,7 @@ class ParamShards:
         self.comm, self.store = comm, store
         self.world = comm.world
         self._pending: dict[int, Any] = {}  # chunk index -> its all-gather in flight
+        self._order = [0, 0]  # running hash of the chunks gathered since check_order(), and their count
         self.gathered_bytes = 0
         self.gathers = 0
 
@@ -84,6 +90,7 @@ class ParamShards:
         with torch.no_grad():
             self._pending[c.index] = self.comm.all_gather(data, src, what=what, async_op=True)
         self.gathers += 1
+        self._order = [(self._order[0] * 1_000_003 + c.index + 1) % _PRIME, self._order[1] + 1]
         self.gathered_bytes += (self.world - 1) * data.numel() * data.element_size() // self.world
 
     def pending(self, c: Chunk) -> bool:
@@ -133,3 +140,23 @@ class ParamShards:
             "Read or write parameters between steps inside `with sched.gathered_params():`, entered on every "
             "rank (a collective), save and load with memsched.checkpoint.save / load, or attach with "
             "zero_stage=2 to keep whole parameters on every rank")
+
+    def check_order(self) -> None:
+        """Compare the chunks every rank gathered since the last check (one small all-reduce; every rank calls
+        it at the same point: a backward's end).
+
+        Raises:
+            ShardedParamError: the ranks gathered different chunks (names the counts); nothing was updated.
+        """
+        h, n = self._order
+        self._order = [0, 0]
+        hi_h, hi_n, neg_lo_h, neg_lo_n = self.comm.reduce_ints(
+            [h, n, -h, -n], "max", what="comparing the ZeRO-3 parameter gathers")
+        if hi_h != -neg_lo_h or hi_n != -neg_lo_n:
+            raise ShardedParamError(
+                f"memsched ZeRO-3: the ranks all-gathered different parameter chunks in this forward and "
+                f"backward (this rank {n} gathers; between {-neg_lo_n} and {hi_n} over the ranks), so some "
+                "ranks computed with parameters mixed from different chunks. Every rank must run the same "
+                "modules in the same order (a branch taken on some ranks only breaks that); nothing was "
+                "updated: call optimizer.zero_grad() and run the step again on every rank, or attach with "
+                "zero_stage=2")

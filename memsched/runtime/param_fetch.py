@@ -445,6 +445,8 @@ class ParamFetcher:
         """Backward's end (before the host chunks become host-bound): the reads of the step are over."""
         if self.recording is not None:  # its gradients leave for the host: none is in flight any more
             self.recording.append(Read(None, END, self._sample(), ""))  # type: ignore[arg-type]
+        if self.shards is not None:
+            self.shards.check_order()  # before anything is updated with parameters mixed across ranks
         if self.offloaded and not self.holding:
             self._settle()
 
