@@ -213,3 +213,32 @@ def test_ranks_that_gather_different_chunks_are_refused_before_the_step() -> Non
     for r in run_ranks(_diverging, 2, timeout=120):
         assert r["step"] == 3 and "all-gathered different parameter chunks" in r["error"], r
         assert r["updates"] == 3  # the diverging step was not taken
+
+
+# ---- two forwards before one backward, and the optimizer's state dict: as ZeRO-2, bit for bit -------------
+def _two_forwards(rank: int, world: int, stage: int) -> dict:
+    model = make_model()
+    (x1, y1, _), (x2, y2, _) = data(1)[0][0], data(1)[1][0]
+    out: dict = {}
+    with memsched.attach(model, lr=LR, weight_decay=WD, zero_stage=stage, chunk_numel=400, **SIM) as sched:
+        for step in range(STEPS):
+            first = loss_of(model, rows(x1, rank, world), rows(y1, rank, world))
+            sched.backward(first + loss_of(model, rows(x2, rank, world), rows(y2, rank, world)))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            if step == 1:  # the torch-format state, gathered whole, and loaded back
+                sd = sched.optimizer.state_dict()
+                out["state"] = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+                sched.optimizer.load_state_dict(sd)
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def test_two_forwards_and_an_optimizer_state_round_trip_match_zero_2() -> None:
+    two, three = (run_ranks(_two_forwards, 2, stage, timeout=120) for stage in (2, 3))
+    for r in range(2):
+        for n, want in two[r]["params"].items():
+            assert torch.equal(three[r]["params"][n], want), (r, n)
+        for i, st in two[r]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(three[r]["state"][i][k], v), (r, i, k)

@@ -370,6 +370,8 @@ class ParamFetcher:
         if self.shards is None or torch.is_grad_enabled():  # ZeRO-3: an evaluation is off the schedule
             self._cursor = 0
         self._last = None
+        if self.shards is not None:  # chunks gathered ahead for reads that did not come (a second forward)
+            self._bind_whole()
         self._stack.clear()
         if self.recording is not None and torch.is_grad_enabled():
             self.recording.append(Read(None, "begin", self._sample(), ""))  # type: ignore[arg-type]
@@ -493,11 +495,17 @@ class ParamFetcher:
             if i not in keep:
                 self._evict(self.store.chunks[i])
         if self.shards is not None:  # ZeRO-3: those gathered ahead and kept are whole: their views
+            self._bind_whole()
+        self._last = None
+
+    def _bind_whole(self) -> None:
+        """ZeRO-3: every chunk on the device, gathered ahead or not, is whole and its parameters are its
+        views (between steps and at a forward's begin: the binding check expects them there)."""
+        with torch._C.DisableTorchFunction(), torch.inference_mode(False):
             for i in list(self._lru):
                 c = self.store.chunks[i]
                 self.shards.wait(c)
                 self.store.bind_resident(c)
-        self._last = None
 
     def _push_between(self) -> None:
         """[Note: saved tensors between steps]
