@@ -396,9 +396,9 @@ def test_per_rank_reports_merge_on_rank_0(tmp_path) -> None:
 
 
 # ---- fp16: an overflow on one rank skips the step on every rank -------------------------------------------
-def _fp16_rank(rank: int, world: int) -> dict:
+def _fp16_rank(rank: int, world: int, stage: int) -> dict:
     model = make_model().half()
-    sched = memsched.attach(model, device="cpu", dtype=torch.float16, zero_stage=2, lr=LR)
+    sched = memsched.attach(model, device="cpu", dtype=torch.float16, zero_stage=stage, lr=LR)
     x, y = batches(1, 1)[0][0]
     per = BATCH // world
     xs, ys = x[rank * per : (rank + 1) * per].half(), y[rank * per : (rank + 1) * per].half()
@@ -409,23 +409,24 @@ def _fp16_rank(rank: int, world: int) -> dict:
             if step == 1:
                 sched.clip_grad_norm_(1e30)  # a no-op clip that finishes the gradient reductions
                 if rank == 1:
-                    # ZeRO-2: rank 1 holds only its shard of the reduced gradients: only rank 1 sees this
+                    # ZeRO-2/3: rank 1 holds only its shard of the reduced gradients: only rank 1 sees this
                     with torch.no_grad():
                         sched.store.chunks[0].grad_shard[0] = float("inf")
-            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with sched.gathered_params():  # ZeRO-3: whole parameters between steps
+                before = {n: p.detach().clone() for n, p in model.named_parameters()}
             sched.optimizer.step()
             sched.optimizer.zero_grad()
-            skipped.append(all(torch.equal(before[n], p) for n, p in model.named_parameters()))
-        return {
-            "skipped": skipped,
-            "count": sched.scaler.skipped_steps,
-            "scale": float(sched.scaler.scale),
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        }
+            with sched.gathered_params():
+                skipped.append(all(torch.equal(before[n], p) for n, p in model.named_parameters()))
+        with sched.gathered_params():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return {"skipped": skipped, "count": sched.scaler.skipped_steps, "scale": float(sched.scaler.scale),
+                "params": params}
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere() -> None:
-    res = run_ranks(_fp16_rank, 2, timeout=60)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage: int) -> None:
+    res = run_ranks(_fp16_rank, 2, stage, timeout=60)
     for r in res:
         # step 1 skipped on both ranks; step 0 may overflow at the initial scale, on both alike
         assert r["skipped"][1] and not r["skipped"][2] and r["count"] == sum(r["skipped"])
