@@ -196,3 +196,24 @@ def test_check_plan_refuses_plans_that_cannot_run() -> None:
     lying = dataclasses.replace(good, peak_bytes=1)
     with pytest.raises(ValueError, match="returned peak_bytes=1"):
         check_plan("mine", p, lying)
+
+
+# ---- ZeRO-3: the window of sharded parameter chunks -------------------------------------------------------
+def test_schedule_sharded_keeps_a_chunk_whole_only_around_its_reads() -> None:
+    from policies.schedule import schedule_sharded
+
+    reads = step(6)
+    s = schedule_sharded(reads, 6, prefetch=1)
+    assert s.offloaded == tuple(range(6)) and len(s.targets) == len(s.accesses) == 12
+    for j, a in enumerate(s.accesses):
+        # the chunk read, the one read right before, the one read next: never more
+        assert a.chunk in s.targets[j] and s.accesses[j - 1].chunk in s.targets[j]
+        assert set(s.targets[j]) <= {a.chunk, s.accesses[j - 1].chunk, s.accesses[(j + 1) % 12].chunk}
+    assert s.max_resident == 3 and set(s.keep) == {0, 1}  # between steps: what the next forward reads first
+    # a chunk leaves once read: chunk 0 is gone from the third forward read until backward nears it
+    assert all(0 not in s.targets[j] for j in range(2, 10))
+    with pytest.raises(ValueError, match="beyond the 6 chunks"):
+        schedule_sharded([ChunkAccess(6, FORWARD)], 6)
+    with pytest.raises(ValueError, match="prefetch must be >= 0"):
+        schedule_sharded(reads, 6, prefetch=-1)
+    assert schedule_sharded([], 3).accesses == ()
