@@ -93,10 +93,6 @@ class ParamShards:
         self._order = [(self._order[0] * 1_000_003 + c.index + 1) % _PRIME, self._order[1] + 1]
         self.gathered_bytes += (self.world - 1) * data.numel() * data.element_size() // self.world
 
-    def pending(self, c: Chunk) -> bool:
-        """Whether ``c``'s all-gather was issued and not waited for."""
-        return c.index in self._pending
-
     def wait(self, c: Chunk) -> None:
         """Complete ``c``'s all-gather (if one is in flight): its whole buffer holds every rank's part, and
         its own part's buffer is freed."""
