@@ -44,7 +44,7 @@ from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
-from memsched.distributed.param_shards import ParamShards
+from memsched.distributed.sharded_params import ParamShards
 from memsched.lifecycle import Phase
 from memsched.optim.hybrid_adamw import HybridAdamW
 from memsched.optim.precision import LossScaler
@@ -497,7 +497,7 @@ class Scheduler:
         collective: every rank enters it, at the same point. On leaving, this rank's part of what was written
         is kept in its shard and the chunks the schedule does not keep are sharded again. Nested contexts
         gather once. Outside it, a read of a sharded parameter between steps raises
-        :class:`memsched.distributed.param_shards.ShardedParamError`. A no-op below stage 3 and with one
+        :class:`memsched.distributed.sharded_params.ShardedParamError`. A no-op below stage 3 and with one
         rank. DeepSpeed's ``GatheredParameters`` and FSDP's ``summon_full_params`` do the same.
 
         Raises:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memsched
-from memsched.distributed.param_shards import ShardedParamError
+from memsched.distributed.sharded_params import ShardedParamError
 from tests._dist_utils import run_ranks
 from tests.test_zero_sharded_grads import LR, SIM, WD, Net, _average, data, make_model, rows
 

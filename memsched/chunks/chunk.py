@@ -63,7 +63,7 @@ class Chunk:
         # the device; ``grad`` is then freed): see memsched.chunks.sharded_grad
         self.grad_shard: torch.Tensor | None = None
         # ZeRO-3: this rank's shard of the parameters (``[hi - lo]``, compute dtype, on the device) while
-        # ``data`` is away, all-gathered back for the chunk's reads (memsched.distributed.param_shards)
+        # ``data`` is away, all-gathered back for the chunk's reads (memsched.distributed.sharded_params)
         self.param_shard: torch.Tensor | None = None
         self.grad_generation = 0  # moves at every allocation of ``grad`` (its version restarts then)
         self.lo, self.hi = 0, numel

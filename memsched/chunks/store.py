@@ -619,7 +619,7 @@ class ChunkStore:
 
     def drop_data(self, c: Chunk) -> None:
         """ZeRO-3: ``c``'s compute buffer leaves the device (this rank's shard was kept,
-        :mod:`memsched.distributed.param_shards`); its parameters become absent views (see [Note: absent
+        :mod:`memsched.distributed.sharded_params`); its parameters become absent views (see [Note: absent
         parameters]), while computing and between steps alike. The buffer is freed once nothing else holds
         it (an op still reading it, a saved tensor's token resolved to it)."""
         with torch.no_grad():

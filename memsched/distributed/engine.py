@@ -20,7 +20,7 @@ Stages (ZeRO, arXiv 1910.02054; ``memsched.attach(zero_stage=...)``):
   host-placed chunks, at the step.
 * ``3``: parameters sharded too. Gradients as at stage 2. A chunk's parameters are whole only around their
   reads: all-gathered a few traced accesses ahead of them in forward and backward and sharded again once
-  read (:mod:`memsched.distributed.param_shards`, through the parameter fetcher,
+  read (:mod:`memsched.distributed.sharded_params`, through the parameter fetcher,
   :mod:`memsched.runtime.param_fetch`); the update writes this rank's part in place, whether the chunk is
   whole or not, and the step gathers only the chunks the schedule keeps whole for the next step's first
   reads. Between steps the others are sharded: reading one raises, ``sched.gathered_params()`` makes them
@@ -159,7 +159,7 @@ class ZeroEngine(DataParallel):
     @property
     def shards_params(self) -> bool:
         """Parameters sharded while a step computes, all-gathered for their reads (stage 3:
-        :mod:`memsched.distributed.param_shards`)."""
+        :mod:`memsched.distributed.sharded_params`)."""
         return self.stage >= 3
 
     def gather_grad(self, c: Chunk) -> torch.Tensor:

@@ -198,7 +198,7 @@ class Planner:
 
     @property
     def _sharded_params(self) -> bool:
-        """ZeRO-3: the fetcher's chunks are sharded over the ranks (memsched.distributed.param_shards)."""
+        """ZeRO-3: the fetcher's chunks are sharded over the ranks (memsched.distributed.sharded_params)."""
         return self._params is not None and self._params.shards is not None
 
     def _shard_params(self) -> None:

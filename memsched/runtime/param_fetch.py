@@ -37,7 +37,7 @@ chunks the schedule keeps for the next step stay; the others leave, so nothing i
 step.
 
 [Note: reads of sharded parameters]
-At ZeRO stage 3 the same fetcher runs with :class:`memsched.distributed.param_shards.ParamShards`: a chunk
+At ZeRO stage 3 the same fetcher runs with :class:`memsched.distributed.sharded_params.ParamShards`: a chunk
 away keeps this rank's shard on the device and comes back by an all-gather, on the schedule of
 :func:`policies.schedule.schedule_sharded` (the window of the traced accesses around each read). Nothing is on
 the host to bind the parameters of a chunk away to between steps, so there they stay absent views, and the
@@ -69,7 +69,7 @@ import torch
 from memsched.chunks import Chunk, ChunkStore
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import Streams, TransferStats
-from memsched.distributed.param_shards import ParamShards
+from memsched.distributed.sharded_params import ParamShards
 from memsched.runtime.read_guard import ReadGuard
 from memsched.teardown import weak_method
 from policies.types import BACKWARD, ParamSchedule
@@ -112,8 +112,8 @@ class ParamFetcher:
         transfers: byte counters (fetches count as H2D).
         wait_update: ``f(chunk_index)`` blocking until the CPU update of a chunk is done (``overlap=True``).
         update_ready: ``f(chunk_index) -> bool``: its CPU update is done, without waiting.
-        shards: ZeRO-3 (:class:`memsched.distributed.param_shards.ParamShards`): a chunk away keeps this
-            rank's shard on the device and is all-gathered for its reads; between steps every chunk is whole.
+        shards: ZeRO-3 (:class:`memsched.distributed.sharded_params.ParamShards`): a chunk away keeps only
+            this rank's part and is all-gathered for its reads ([Note: reads of sharded parameters]).
 
     Attributes:
         offloaded: the chunks whose parameters live on the host.
@@ -129,8 +129,8 @@ class ParamFetcher:
                  wait_update: Callable[[int], None], update_ready: Callable[[int], bool], *,
                  shards: ParamShards | None = None) -> None:
         self.model, self.store, self.streams, self.transfers = model, store, streams, transfers
-        # ZeRO-3: chunks away keep this rank's shard on the device and are all-gathered back, instead of
-        # living on the host ([Note: sharded parameters] in memsched.distributed.param_shards)
+        # ZeRO-3: chunks away keep only this rank's part and are all-gathered back, instead of living on the
+        # host ([Note: sharded parameters] in memsched.distributed.sharded_params)
         self.shards = shards
         self._wait_update, self._update_ready = wait_update, update_ready
         self.offloaded: frozenset[int] = frozenset()
@@ -466,14 +466,12 @@ class ParamFetcher:
         self._gather_away()
 
     def _gather_away(self) -> None:
-        assert self.shards is not None
+        """ZeRO-3: every chunk away is all-gathered (issued together, in chunk order) and bound whole."""
         with torch._C.DisableTorchFunction(), torch.inference_mode(False):
-            away = [c for c in self.store.chunks if not self.store.resident(c)]
-            for c in away:
-                self._fetch(c, wait=False)
-            self.shards.wait_all()
-            for c in away:
-                self.store.bind_resident(c)
+            for c in self.store.chunks:
+                if not self.store.resident(c):
+                    self._fetch(c, wait=False)
+        self._bind_whole()
         self._last = None
 
     def unhold(self) -> None:
@@ -501,6 +499,7 @@ class ParamFetcher:
     def _bind_whole(self) -> None:
         """ZeRO-3: every chunk on the device, gathered ahead or not, is whole and its parameters are its
         views (between steps and at a forward's begin: the binding check expects them there)."""
+        assert self.shards is not None
         with torch._C.DisableTorchFunction(), torch.inference_mode(False):
             for i in list(self._lru):
                 c = self.store.chunks[i]

@@ -122,11 +122,6 @@ class ParamShards:
             shard.copy_(c.data[c.lo:c.hi])
         c.param_shard = shard
 
-    def wait_all(self) -> None:
-        """Complete every all-gather in flight."""
-        for i in sorted(self._pending):
-            self.wait(self.store.chunks[i])
-
     def refusal(self, what: str, name: str, index: int) -> ShardedParamError:
         """The error for ``what`` reading parameter ``name`` of chunk ``index`` while it is sharded between
         steps: names the ways to read it."""
