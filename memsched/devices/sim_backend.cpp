@@ -1,0 +1,564 @@
+// The stand-in accelerator as a PyTorch device: PrivateUse1, renamed "sim" from Python
+// (memsched/devices/sim_backend.py). Its memory is ordinary host memory, but tensors on it are
+// torch.device("sim") tensors: mixing them with CPU tensors raises torch's device error, as CUDA does.
+//
+// Parts (the shape of PyTorch's OpenReg example backend, written for memsched):
+//   * a counting device allocator: bytes rounded like CUDA's caching allocator (512 B blocks), a capacity
+//     whose excess raises c10::OutOfMemoryError (torch.OutOfMemoryError in Python), live and peak bytes;
+//   * a pinned host allocator: host memory whose pointers (and views into it) report is_pinned();
+//   * a device guard with one device, streams and events as no-ops (copies are synchronous);
+//   * kernels for allocation, views, resize, copies and scalars, and a boxed fallback that runs every
+//     other op with its CPU kernel on CPU aliases of the same memory (no copy). Outputs the CPU kernel
+//     allocated are adopted as device memory and counted.
+//
+// Only torch's C++ API is used (no pybind, no Python.h), so the build is short; the functions Python calls
+// are operators in the memsched_sim namespace.
+
+#include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace {
+
+constexpr c10::DeviceType kSim = c10::DeviceType::PrivateUse1;
+const c10::Device kSimDevice(kSim, 0);
+
+// ---- byte accounting ------------------------------------------------------------------------------
+// CUDA's caching allocator hands out blocks in multiples of 512 bytes (kMinBlockSize); a zero-byte
+// request takes no block. The stand-in counts the same figure, so its peaks are those CUDA reports as
+// allocated bytes (segments and fragmentation are reserved, not allocated).
+int64_t g_round = 512;
+std::atomic<int64_t> g_capacity{INT64_MAX};
+std::atomic<int64_t> g_host_capacity{INT64_MAX};
+std::mutex g_mu;  // guards the counters below
+int64_t g_live = 0, g_peak = 0, g_allocs = 0;
+int64_t g_pinned_live = 0, g_pinned_peak = 0;
+
+int64_t rounded(int64_t n) {
+  if (n <= 0) return 0;
+  return (n + g_round - 1) / g_round * g_round;
+}
+
+std::string fmt_bytes(int64_t n) {
+  std::ostringstream s;
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  s.setf(std::ios::fixed);
+  s.precision(u == 0 ? 0 : 1);
+  s << v << " " << units[u];
+  return s.str();
+}
+
+// Counts `bytes` (already rounded) more on the device; throws torch's out-of-memory error over capacity.
+void count(int64_t bytes, int64_t requested) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  int64_t cap = g_capacity.load();
+  if (g_live + bytes > cap) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false,
+        "sim out of memory: tried to allocate ", fmt_bytes(requested), " (", requested, " bytes) on the ",
+        "stand-in device sim:0 with ", fmt_bytes(g_live), " (", g_live, " bytes) allocated of a capacity of ",
+        fmt_bytes(cap), " (", cap, " bytes); free ", fmt_bytes(cap - g_live < 0 ? 0 : cap - g_live));
+  }
+  g_live += bytes;
+  ++g_allocs;
+  if (g_live > g_peak) g_peak = g_live;
+}
+
+void uncount(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_live -= bytes;
+}
+
+struct Block {
+  void* ptr;
+  int64_t counted;
+};
+
+void free_block(void* ctx) {
+  auto* b = static_cast<Block*>(ctx);
+  c10::free_cpu(b->ptr);
+  uncount(b->counted);
+  delete b;
+}
+
+struct SimAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    int64_t counted = rounded(static_cast<int64_t>(n));
+    count(counted, static_cast<int64_t>(n));
+    void* p = nullptr;
+    try {
+      p = c10::alloc_cpu(n == 0 ? 1 : n);
+    } catch (...) {
+      uncount(counted);
+      throw;
+    }
+    return {p, new Block{p, counted}, &free_block, kSimDevice};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+SimAllocator g_alloc;
+
+// Memory a CPU kernel allocated, now owned by a device tensor: counted from adoption to release.
+struct Adopted {
+  c10::Storage cpu;
+  int64_t counted;
+};
+void free_adopted(void* ctx) {
+  auto* a = static_cast<Adopted*>(ctx);
+  uncount(a->counted);
+  delete a;
+}
+
+// ---- pinned host memory ----------------------------------------------------------------------------
+std::map<uintptr_t, size_t> g_pinned;  // base -> bytes, guarded by g_mu
+
+void free_pinned(void* ptr) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_pinned.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it != g_pinned.end()) {
+      g_pinned_live -= static_cast<int64_t>(it->second);
+      g_pinned.erase(it);
+    }
+  }
+  c10::free_cpu(ptr);
+}
+
+bool is_pinned_ptr(const void* data) {
+  auto p = reinterpret_cast<uintptr_t>(data);
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_pinned.upper_bound(p);
+  if (it == g_pinned.begin()) return false;
+  --it;
+  return p < it->first + (it->second == 0 ? 1 : it->second);
+}
+
+// Pinned bytes are exact (no power-of-two rounding, unlike torch's CachingHostAllocator): the stand-in
+// models the host memory memsched plans, which pins its buffers at their size.
+struct PinnedAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) override {
+    void* p = c10::alloc_cpu(n == 0 ? 1 : n);
+    {
+      std::lock_guard<std::mutex> lock(g_mu);
+      int64_t cap = g_host_capacity.load();
+      if (g_pinned_live + static_cast<int64_t>(n) > cap) {
+        int64_t live = g_pinned_live;
+        c10::free_cpu(p);
+        TORCH_CHECK_WITH(OutOfMemoryError, false,
+            "sim host out of memory: tried to pin ", fmt_bytes(n), " (", n, " bytes) with ",
+            fmt_bytes(live), " (", live, " bytes) pinned of the stand-in host's ", fmt_bytes(cap), " (",
+            cap, " bytes)");
+      }
+      g_pinned[reinterpret_cast<uintptr_t>(p)] = n;
+      g_pinned_live += static_cast<int64_t>(n);
+      if (g_pinned_live > g_pinned_peak) g_pinned_peak = g_pinned_live;
+    }
+    return {p, p, &free_pinned, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+};
+PinnedAllocator g_pinned_alloc;
+
+// ---- device guard: one device, streams and events are no-ops ---------------------------------------
+struct SimGuard final : c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kSim; }
+  c10::Device exchangeDevice(c10::Device) const override { return kSimDevice; }
+  c10::Device getDevice() const override { return kSimDevice; }
+  void setDevice(c10::Device d) const override {
+    TORCH_CHECK(d.index() <= 0, "the stand-in has one device, sim:0; got ", d);
+  }
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, kSimDevice);
+  }
+  c10::Stream getDefaultStream(c10::Device) const override {
+    return c10::Stream(c10::Stream::DEFAULT, kSimDevice);
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device, bool) const override {
+    return c10::Stream(c10::Stream::DEFAULT, kSimDevice);
+  }
+  c10::Stream getNewStream(c10::Device, int) const override {
+    return c10::Stream(c10::Stream::DEFAULT, kSimDevice);
+  }
+  c10::Stream exchangeStream(c10::Stream) const noexcept override {
+    return c10::Stream(c10::Stream::DEFAULT, kSimDevice);
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void*, void*, const c10::DeviceIndex) const override { return 0.0; }
+};
+C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuard);
+
+// ---- hooks: pinned memory, generator, context -------------------------------------------------------
+struct SimHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  bool isPinnedPtr(const void* data) const override { return is_pinned_ptr(data); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_alloc; }
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
+    // Random ops run on the CPU's generator (the fallback runs CPU kernels), so torch.manual_seed
+    // seeds the stand-in as it seeds the CPU.
+    return at::detail::getDefaultCPUGenerator();
+  }
+  at::Device getDeviceFromPtr(void*) const override { return kSimDevice; }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override;
+};
+
+// ---- CPU aliases of device tensors ------------------------------------------------------------------
+void noop_delete(void*) {}
+
+// A CPU tensor over the same memory as device tensor `t` (same sizes, strides, offset); no copy.
+at::Tensor cpu_alias(const at::Tensor& t) {
+  const c10::Storage& st = t.storage();
+  c10::Storage alias(c10::Storage::use_byte_size_t(), st.nbytes(),
+                     c10::DataPtr(st.mutable_data(), st.mutable_data(), &noop_delete,
+                                  c10::Device(c10::DeviceType::CPU)),
+                     c10::GetDefaultCPUAllocator(), true);  // an out= argument may be resized
+  auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(alias), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                      t.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides());
+  out.unsafeGetTensorImpl()->set_storage_offset(t.storage_offset());
+  return out;
+}
+
+at::Tensor with_geometry(c10::Storage storage, const at::Tensor& like) {
+  auto out = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                      like.dtype());
+  out.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides());
+  out.unsafeGetTensorImpl()->set_storage_offset(like.storage_offset());
+  return out;
+}
+
+// A device tensor owning the memory of CPU tensor `cpu` (an output a CPU kernel allocated); counted.
+at::Tensor adopt(const at::Tensor& cpu) {
+  const c10::Storage& st = cpu.storage();
+  int64_t nbytes = static_cast<int64_t>(st.nbytes());
+  int64_t counted = rounded(nbytes);
+  count(counted, nbytes);
+  auto* a = new Adopted{st, counted};
+  c10::Storage dev(c10::Storage::use_byte_size_t(), st.nbytes(),
+                   c10::DataPtr(st.mutable_data(), a, &free_adopted, kSimDevice), &g_alloc, true);
+  return with_geometry(std::move(dev), cpu);
+}
+
+void SimHooks::resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const {
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+  c10::DataPtr fresh = g_alloc.allocate(newsize);
+  size_t keep = std::min(newsize, impl->nbytes());
+  if (keep > 0) std::memcpy(fresh.get(), impl->data(), keep);
+  impl->set_data_ptr_noswap(std::move(fresh));
+  impl->set_nbytes(newsize);
+}
+
+bool is_sim(const at::Tensor& t) { return t.defined() && t.device().type() == kSim; }
+
+// [Note: the stand-in's device check] CUDA kernels refuse CPU operands, except zero-dim CPU tensors
+// (scalars), with "Expected all tensors to be on the same device". The fallback runs CPU kernels, which
+// would accept them; it refuses them the same way, so code that would fail on a GPU fails here first.
+void check_device(const at::Tensor& t, const c10::OperatorHandle& op) {
+  if (!t.defined() || is_sim(t)) return;
+  if (t.device().is_cpu() && t.dim() == 0) return;
+  TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ",
+              kSimDevice, " and ", t.device(), "! (when checking arguments of ", op.schema().name(),
+              ")");
+}
+
+// ---- the boxed fallback -----------------------------------------------------------------------------
+void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t nargs = schema.arguments().size();
+  const size_t base = stack->size() - nargs;
+  // Original device tensors by the CPU alias storage made for them, to map aliasing outputs back.
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> alias_of;
+  std::vector<c10::IValue> originals(stack->begin() + base, stack->end());
+
+  std::vector<std::pair<at::Tensor, at::Tensor>> tensor_args;  // (device tensor, its alias)
+  auto to_cpu = [&](const at::Tensor& t) -> at::Tensor {
+    if (!is_sim(t)) {
+      check_device(t, op);
+      return t;
+    }
+    at::Tensor a = cpu_alias(t);
+    alias_of.emplace(a.storage().unsafeGetStorageImpl(), t.storage());
+    return a;
+  };
+  for (size_t i = base; i < stack->size(); ++i) {
+    c10::IValue& v = (*stack)[i];
+    if (v.isTensor()) {
+      at::Tensor t = v.toTensor();
+      v = to_cpu(t);
+      if (is_sim(t)) tensor_args.emplace_back(t, v.toTensor());
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) list[j] = to_cpu(list[j]);
+      v = list;
+    } else if (v.isList() && v.toListRef().size() > 0 && !v.isTensorList()) {
+      // Tensor?[] (index, index_put_)
+      auto generic = v.toList();
+      bool any = false;
+      for (size_t j = 0; j < generic.size(); ++j) {
+        c10::IValue e = generic.get(j);
+        if (e.isTensor()) {
+          generic.set(j, to_cpu(e.toTensor()));
+          any = true;
+        }
+      }
+      if (any) v = generic;
+    } else if (v.isDevice() && v.toDevice().type() == kSim) {
+      v = c10::Device(c10::DeviceType::CPU);
+    }
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+
+  // An out= argument the CPU kernel resized: its device tensor takes the new geometry, and new memory.
+  for (auto& [t, a] : tensor_args) {
+    c10::TensorImpl* ti = t.unsafeGetTensorImpl();
+    if (a.storage().data() != t.storage().data() || a.storage().nbytes() != t.storage().nbytes()) {
+      c10::StorageImpl* si = ti->storage().unsafeGetStorageImpl();
+      const size_t n = a.storage().nbytes();
+      c10::DataPtr fresh = g_alloc.allocate(n);
+      if (n > 0) std::memcpy(fresh.get(), a.storage().data(), n);
+      si->set_data_ptr_noswap(std::move(fresh));
+      si->set_nbytes(n);
+    }
+    if (a.sizes() != t.sizes() || a.strides() != t.strides() || a.storage_offset() != t.storage_offset()) {
+      ti->set_sizes_and_strides(a.sizes(), a.strides());
+      ti->set_storage_offset(a.storage_offset());
+    }
+  }
+
+  const auto& returns = schema.returns();
+  const size_t nret = returns.size();
+  const size_t rbase = stack->size() - nret;
+  auto to_sim = [&](const at::Tensor& r) -> at::Tensor {
+    if (!r.defined() || !r.device().is_cpu()) return r;
+    auto it = alias_of.find(r.storage().unsafeGetStorageImpl());
+    if (it != alias_of.end()) return with_geometry(it->second, r);  // a view of a device input
+    return adopt(r);
+  };
+  for (size_t i = 0; i < nret; ++i) {
+    c10::IValue& v = (*stack)[rbase + i];
+    const c10::AliasInfo* info = returns[i].alias_info();
+    if (info != nullptr && info->isWrite()) {
+      // In-place and out= results are the argument itself.
+      for (size_t a = 0; a < nargs; ++a) {
+        const c10::AliasInfo* ai = schema.arguments()[a].alias_info();
+        if (ai != nullptr && ai->isWrite() && ai->beforeSets() == info->beforeSets()) {
+          v = originals[a];
+          break;
+        }
+      }
+      continue;
+    }
+    if (v.isTensor()) {
+      v = to_sim(v.toTensor());
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) list[j] = to_sim(list[j]);
+      v = list;
+    }
+  }
+}
+
+// ---- explicit kernels -------------------------------------------------------------------------------
+at::Tensor sim_empty(c10::IntArrayRef size, std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
+                     std::optional<c10::Device>, std::optional<bool>,
+                     std::optional<c10::MemoryFormat> memory_format) {
+  return at::detail::empty_generic(size, &g_alloc, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor sim_empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
+                             std::optional<at::Layout>, std::optional<c10::Device>, std::optional<bool>) {
+  return at::detail::empty_strided_generic(size, stride, &g_alloc, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
+}
+
+at::Tensor sim_as_strided(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride,
+                          std::optional<int64_t> offset) {
+  return at::native::as_strided_tensorimpl(self, size, stride, offset);
+}
+
+at::Tensor sim_view(const at::Tensor& self, c10::IntArrayRef size) { return at::native::view(self, size); }
+
+at::Tensor sim_reshape_alias(const at::Tensor& self, c10::IntArrayRef size, c10::IntArrayRef stride) {
+  return at::native::_reshape_alias(self, size, stride);
+}
+
+const at::Tensor& sim_resize(const at::Tensor& self, c10::IntArrayRef size,
+                             std::optional<c10::MemoryFormat> memory_format) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  const int64_t needed = (impl->storage_offset() + impl->numel()) * static_cast<int64_t>(self.itemsize());
+  if (impl->numel() > 0 && needed > static_cast<int64_t>(impl->storage().nbytes())) {
+    at::detail::getPrivateUse1Hooks().resizePrivateUse1Bytes(impl->storage(), static_cast<size_t>(needed));
+  }
+  if (memory_format.has_value()) impl->empty_tensor_restride(*memory_format);
+  return self;
+}
+
+at::Tensor sim_copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+  at::Tensor d = is_sim(dst) ? cpu_alias(dst) : dst;
+  at::Tensor s = is_sim(self) ? cpu_alias(self) : self;
+  d.copy_(s);
+  return dst;
+}
+
+at::Tensor sim_copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  sim_resize(dst, self.sizes(), std::nullopt);
+  return sim_copy_from(self, dst, false);
+}
+
+at::Scalar sim_local_scalar_dense(const at::Tensor& self) { return cpu_alias(self).item(); }
+
+at::Tensor& sim_set_storage(at::Tensor& self, c10::Storage source, int64_t offset, c10::IntArrayRef size,
+                            c10::IntArrayRef stride) {
+  c10::TensorImpl* impl = self.unsafeGetTensorImpl();
+  impl->set_storage_keep_dtype(std::move(source));
+  impl->set_sizes_and_strides(size, stride);
+  impl->set_storage_offset(offset);
+  return self;
+}
+
+at::Tensor& sim_set_source_storage(at::Tensor& self, c10::Storage source) {
+  const int64_t n = static_cast<int64_t>(source.nbytes()) / static_cast<int64_t>(self.itemsize());
+  return sim_set_storage(self, std::move(source), 0, {n}, {1});
+}
+
+at::Tensor& sim_set_tensor(at::Tensor& self, const at::Tensor& src) {
+  return sim_set_storage(self, src.storage(), src.storage_offset(), src.sizes(), src.strides());
+}
+
+// ---- what Python calls (memsched_sim::*) ------------------------------------------------------------
+std::vector<int64_t> stats() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return {g_live, g_peak, g_capacity.load(), g_allocs, g_pinned_live, g_pinned_peak, g_host_capacity.load(),
+          g_round};
+}
+void set_capacity(int64_t bytes) {
+  TORCH_CHECK(bytes > 0, "the stand-in's capacity must be > 0 bytes, got ", bytes);
+  g_capacity.store(bytes);
+}
+void set_host_capacity(int64_t bytes) {
+  TORCH_CHECK(bytes > 0, "the stand-in host's capacity must be > 0 bytes, got ", bytes);
+  g_host_capacity.store(bytes);
+}
+void reset_peak() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_peak = g_live;
+  g_pinned_peak = g_pinned_live;
+}
+int64_t counted_bytes(int64_t nbytes) { return rounded(nbytes); }
+
+void route_cpu_kernels_to_fallback();
+bool g_routed = false;
+void use_cpu_numerics() {  // after the aten IMPL block below is registered (explicit kernels skipped)
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_routed) return;
+  route_cpu_kernels_to_fallback();
+  g_routed = true;
+}
+
+// [Note: CPU numerics on the stand-in]
+// An op with both a CPU kernel and a CompositeExplicitAutograd decomposition (native_layer_norm, the
+// fused-attention choice, ...) would run the decomposition on PrivateUse1, not the fallback, and round
+// differently from the CPU. Routing each such op to the fallback too makes the stand-in compute what the
+// CPU computes, bit for bit, so a run on device="sim" can be checked against a plain CPU run.
+std::unique_ptr<torch::Library> g_cpu_numerics;
+
+void route_cpu_kernels_to_fallback() {
+  auto& d = c10::Dispatcher::singleton();
+  g_cpu_numerics = std::make_unique<torch::Library>(torch::Library::IMPL, "aten",
+                                                    c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const c10::OperatorName& name : d.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = d.findOp(name);
+    if (!op.has_value() || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+      continue;
+    }
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+      continue;
+    }
+    std::string full = name.name.substr(6);
+    if (!name.overload_name.empty()) full += "." + name.overload_name;
+    g_cpu_numerics->impl(full.c_str(), torch::CppFunction::makeFromBoxedFunction<&sim_fallback>());
+  }
+}
+
+struct Registrations {
+  Registrations() {
+    c10::SetAllocator(kSim, &g_alloc);
+    at::RegisterPrivateUse1HooksInterface(new SimHooks());
+  }
+};
+Registrations g_registrations;
+
+}  // namespace
+
+TORCH_LIBRARY(memsched_sim, m) {
+  m.def("stats() -> int[]", &stats);
+  m.def("set_capacity(int bytes) -> ()", &set_capacity);
+  m.def("set_host_capacity(int bytes) -> ()", &set_host_capacity);
+  m.def("reset_peak() -> ()", &reset_peak);
+  m.def("counted_bytes(int nbytes) -> int", &counted_bytes);
+  m.def("use_cpu_numerics() -> ()", &use_cpu_numerics);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&sim_fallback>());
+}
+
+// Autocast on the stand-in: ops without an autocast kernel pass through.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", &sim_empty);
+  m.impl("empty_strided", &sim_empty_strided);
+  m.impl("as_strided", &sim_as_strided);
+  m.impl("view", &sim_view);
+  m.impl("_reshape_alias", &sim_reshape_alias);
+  m.impl("resize_", &sim_resize);
+  m.impl("_copy_from", &sim_copy_from);
+  m.impl("_copy_from_and_resize", &sim_copy_from_and_resize);
+  m.impl("_local_scalar_dense", &sim_local_scalar_dense);
+  m.impl("set_.source_Storage", &sim_set_source_storage);
+  m.impl("set_.source_Storage_storage_offset", &sim_set_storage);
+  m.impl("set_.source_Tensor", &sim_set_tensor);
+}

@@ -1,0 +1,197 @@
+"""The stand-in accelerator as a PyTorch device, ``torch.device("sim")``.
+
+A PrivateUse1 backend (``sim_backend.cpp`` beside this file), built with ``torch.utils.cpp_extension.load``
+at first use and cached (about 15 s once per machine and torch version; ~0.02 s after). Its memory is host
+memory, but its tensors are device tensors: ``p.device`` is ``sim:0``, ``p.is_sim`` is true, and an op that
+mixes a device tensor with a CPU tensor (other than a zero-dim scalar) raises torch's
+"Expected all tensors to be on the same device" error, as CUDA does. So code that would fail on a GPU fails
+on a laptop or CI first.
+
+What it models (bytes, always): the device's capacity (an allocation beyond it raises
+``torch.OutOfMemoryError``), allocations rounded like the CUDA caching allocator's blocks (512 B), live and
+peak allocated bytes (:func:`memory_allocated`, :func:`max_memory_allocated`), and pinned host memory
+(``tensor.pin_memory()``, ``torch.empty(..., pin_memory=True)``; ``is_pinned()`` holds for the buffer and
+its views) at its exact size, with an optional host capacity. Streams and events are no-ops: copies are
+synchronous (memsched's copy threads model the link, :mod:`memsched.devices.transfers`). Random ops use the
+CPU's generator, so ``torch.manual_seed`` seeds the stand-in.
+
+The idea follows PyTorch's PrivateUse1 extension point and its OpenReg example backend.
+
+[Note: tied weights and module.to("sim")]
+``nn.Module._apply`` keeps a parameter's identity (``param.data = moved``) only for the device types torch
+lists as compatible (CPU, CUDA, ...); for PrivateUse1 it makes a new Parameter per module, which unties tied
+weights silently. Loading the backend therefore sets
+``torch.__future__.set_swap_module_params_on_conversion(True)``, under which ``_apply`` swaps the moved
+tensor into the same Parameter object (ties kept, and references held elsewhere follow).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import types
+from pathlib import Path
+
+import torch
+
+NAME = "sim"
+_SOURCE = Path(__file__).with_name("sim_backend.cpp")
+_lock = threading.Lock()
+_loaded = False
+
+
+class SimBackendBuildError(RuntimeError):
+    """The stand-in device's C++ backend could not be built (no compiler, no ninja, a build error)."""
+
+
+def _missing_tools() -> list[str]:
+    missing = []
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None and shutil.which("g++") is None:
+        missing.append("a C++ compiler (Debian/Ubuntu: `apt-get install g++`; macOS: `xcode-select --install`)")
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        if shutil.which("ninja") is None:
+            missing.append("ninja (`pip install ninja`)")
+    return missing
+
+
+def load() -> None:
+    """Build (first use) or load the backend and register it as ``torch.device("sim")`` (idempotent,
+    thread-safe).
+
+    Raises:
+        SimBackendBuildError: no C++ compiler or ninja (the message says which command installs it), or the
+            build failed (the compiler's output is in the message).
+        RuntimeError: this process already renamed the PrivateUse1 backend to another name.
+    """
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        current = torch._C._get_privateuse1_backend_name()
+        if current not in ("privateuseone", NAME):
+            raise RuntimeError(f"memsched's stand-in device needs torch's PrivateUse1 backend, which this "
+                               f"process already named {current!r}: one PrivateUse1 backend per process")
+        missing = _missing_tools()
+        if missing:
+            raise SimBackendBuildError(
+                "memsched's stand-in device (device='sim:SIZE') is a small C++ extension built at first use, "
+                "and this machine lacks " + " and ".join(missing))
+        from torch.utils import cpp_extension
+
+        build_dir = Path(cpp_extension._get_build_directory("memsched_sim", verbose=False))
+        try:
+            cpp_extension.load(name="memsched_sim", sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                               is_python_module=False, verbose=False, build_directory=str(build_dir))
+        except (RuntimeError, OSError, ImportError) as e:
+            raise SimBackendBuildError(
+                f"memsched's stand-in device could not be built from {_SOURCE} in {build_dir}: {e}") from e
+        torch.ops.memsched_sim.use_cpu_numerics()
+        if current != NAME:
+            torch.utils.rename_privateuse1_backend(NAME)
+            torch._register_device_module(NAME, _device_module())
+            torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True,
+                                                                for_packed_sequence=False,
+                                                                for_storage=True)
+        # See [Note: tied weights and module.to("sim")]
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        _loaded = True
+
+
+def loaded() -> bool:
+    """Whether :func:`load` has run in this process."""
+    return _loaded
+
+
+# ---- the torch.sim module ------------------------------------------------------------------------------
+def _stats() -> list[int]:
+    return list(torch.ops.memsched_sim.stats())
+
+
+def memory_allocated(device: object = None) -> int:
+    """Bytes allocated on the stand-in now (each allocation rounded up to 512 B, as CUDA's allocator)."""
+    return _stats()[0]
+
+
+def max_memory_allocated(device: object = None) -> int:
+    """Peak of :func:`memory_allocated` since the last :func:`reset_peak_memory_stats`, bytes."""
+    return _stats()[1]
+
+
+def capacity() -> int:
+    """The stand-in's capacity, bytes."""
+    return _stats()[2]
+
+
+def pinned_bytes() -> int:
+    """Pinned host memory live now, bytes (exact sizes)."""
+    return _stats()[4]
+
+
+def max_pinned_bytes() -> int:
+    """Peak of :func:`pinned_bytes` since the last :func:`reset_peak_memory_stats`, bytes."""
+    return _stats()[5]
+
+
+def reset_peak_memory_stats(device: object = None) -> None:
+    """Restart both peaks from the bytes live now."""
+    torch.ops.memsched_sim.reset_peak()
+
+
+def set_capacity(nbytes: int) -> None:
+    """Set the stand-in's capacity, bytes (> 0). Allocations already made stay."""
+    torch.ops.memsched_sim.set_capacity(int(nbytes))
+
+
+def set_host_capacity(nbytes: int) -> None:
+    """Set the stand-in host's pinned-memory capacity, bytes (> 0)."""
+    torch.ops.memsched_sim.set_host_capacity(int(nbytes))
+
+
+def counted_bytes(nbytes: int) -> int:
+    """The bytes an allocation of ``nbytes`` takes on the stand-in (rounded up to 512 B; 0 for 0)."""
+    return int(torch.ops.memsched_sim.counted_bytes(int(nbytes)))
+
+
+def mem_get_info(device: object = None) -> tuple[int, int]:
+    """``(free, total)`` bytes, as ``torch.cuda.mem_get_info``."""
+    s = _stats()
+    return max(0, s[2] - s[0]), s[2]
+
+
+def _device_module() -> types.ModuleType:
+    mod = types.ModuleType("torch.sim", "memsched's stand-in accelerator (memsched.devices.sim_backend)")
+    supported = [torch.float32, torch.float16, torch.bfloat16]
+    fns = {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda device: None,
+        "synchronize": lambda device=None: None,
+        "is_initialized": lambda: True,
+        "_is_in_bad_fork": lambda: False,
+        "_lazy_init": lambda: None,
+        "get_amp_supported_dtype": lambda: supported,
+        # The stand-in's random ops draw from the CPU generator, which torch.manual_seed seeds already.
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: None,
+        "seed": lambda: torch.default_generator.seed(),
+        "seed_all": lambda: None,
+        "initial_seed": lambda: torch.default_generator.initial_seed(),
+        "get_rng_state": lambda device=None: torch.get_rng_state(),
+        "set_rng_state": lambda state, device=None: torch.set_rng_state(state),
+        "memory_allocated": memory_allocated,
+        "max_memory_allocated": max_memory_allocated,
+        "reset_peak_memory_stats": reset_peak_memory_stats,
+        "mem_get_info": mem_get_info,
+    }
+    for k, v in fns.items():
+        setattr(mod, k, v)
+    sys.modules.setdefault("torch.sim", mod)
+    return mod
