@@ -1,4 +1,5 @@
-"""The stand-in as a PyTorch device (memsched.devices.sim_backend): a distinct device with CUDA's device errors,
+"""The stand-in as a PyTorch device (memsched.devices.sim_backend): a distinct device with CUDA's
+device errors,
 a capacity its allocator enforces, pinned host memory, and CPU kernels on the same memory."""
 
 from __future__ import annotations

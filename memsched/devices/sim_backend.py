@@ -50,7 +50,8 @@ def _missing_tools() -> list[str]:
     missing = []
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None and shutil.which("g++") is None:
-        missing.append("a C++ compiler (Debian/Ubuntu: `apt-get install g++`; macOS: `xcode-select --install`)")
+        missing.append("a C++ compiler (Debian/Ubuntu: `apt-get install g++`; macOS: "
+                       "`xcode-select --install`)")
     try:
         import ninja  # noqa: F401
     except ImportError:
