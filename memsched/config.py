@@ -103,9 +103,27 @@ def _check_betas(betas: Any) -> tuple[Any, ...]:
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}") from None
 
 
+def _check_dense_gradients(model: torch.nn.Module, groups: list[dict[str, Any]]) -> None:
+    """Refuse trainable parameters whose module makes sparse gradients (``nn.Embedding(sparse=True)``,
+    ``nn.EmbeddingBag(sparse=True)``), as ``torch.optim.AdamW`` refuses their gradients at its first step.
+
+    Raises:
+        ValueError: names the module and what to use instead.
+    """
+    trainable = {id(p) for g in groups for p in g["params"]}
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and \
+                id(m.weight) in trainable:
+            raise ValueError(
+                f"module {name or type(m).__name__!r} is a {type(m).__name__} with sparse=True: its "
+                "gradients are sparse, and AdamW (torch's and memsched's) does not support sparse "
+                "gradients. Build it with sparse=False, or train it with torch.optim.SparseAdam outside "
+                "memsched (freeze it, or leave it out of params=)")
+
+
 def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
-                device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 3e-4,
-                weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 1e-3,
+                weight_decay: float = 1e-2, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                 params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
                 process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
@@ -124,6 +142,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     compute_dtype = check_dtype(dtype)
     spec = parse_device(device)
     groups = hyperparameter_groups(params, model)
+    _check_dense_gradients(model, groups)
     _check_param_dtypes(model, groups)
     _check_params_in_model(model, groups)
     defaults = {"lr": lr, "betas": _check_betas(betas), "eps": eps, "weight_decay": weight_decay}

@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import policies
 from memsched.chunks import Allocator, ChunkStore, build_layout
 from memsched.chunks.grad_offload import GradOffload
+from memsched.chunks.store import own_storage_for_tied
 from memsched.config import SchedulerConfig, make_config
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
@@ -200,6 +201,7 @@ class Scheduler:
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
         installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
+        installed.add_handle(model.register_state_dict_post_hook(own_storage_for_tied))
         self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
                               self.optimizer.timeline, drain_after_forward=self.dp.world > 1,
                               needed=self.streams.asynchronous or config.overlap, fetcher=self.params)
@@ -553,8 +555,8 @@ class Scheduler:
 
 
 def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
-           device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 3e-4,
-           weight_decay: float = 0.1, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+           device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 1e-3,
+           weight_decay: float = 1e-2, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
            params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
            dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
@@ -569,7 +571,9 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         device: ``None`` (CUDA if present, else the CPU, see :mod:`memsched.scheduler`), ``"cuda"``,
             ``"cuda:1"``, ``"cpu"`` or the stand-in ``"sim:8GiB"``.
         warmup_steps: optimizer steps traced before planning (>= 1).
-        lr, weight_decay, betas, eps: AdamW hyper-parameters (defaults for every group).
+        lr, weight_decay, betas, eps: AdamW hyper-parameters (defaults for every group), defaulting to
+            ``torch.optim.AdamW``'s (``lr=1e-3``, ``weight_decay=1e-2``), so replacing that optimizer with
+            ``attach`` keeps the training the same.
         params: parameters or param-group dicts (per-group ``lr``/``betas``/``eps``/``weight_decay``); default
             all of ``model.parameters()``.
         policy_options: options of the policy (see ``memsched policies``).

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -84,6 +86,8 @@ class ChunkStore:
         # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
         self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
         self._end_task: int | None = None  # the backward whose end is queued (_none_without_grad)
+        self._ready_pending: list[Chunk] = []  # complete chunks not announced yet (_flush_ready)
+        self._flush_task: int | None = None  # the backward whose flush is queued (more ranks, ZeRO-0/1)
         self._n_params = sum(len(g) for g in self.groups)
         for gi, g in enumerate(self.groups):
             for p in g:
@@ -495,10 +499,33 @@ class ChunkStore:
                 if not c.mixed:
                     increment_version(c.master)  # the state changed (memsched.optim.early_update)
             for p in c.params:
+                self._take_hand_set_grad(p, c)
                 p.data = self.host_view("data", p, c)
                 p.grad = self.host_view("grad", p, c) if id(p) in self.host_grads else None
                 self._host_versions[id(p)] = p._version
         self.host_bound.add(c.index)
+
+    def _take_hand_set_grad(self, p: torch.nn.Parameter, c: Chunk) -> None:
+        """A gradient set by hand on ``p`` (``p.grad = g`` after ``torch.autograd.grad``: SAM, PCGrad, MAML)
+        replaces its host gradient, as torch's ``p.grad = g`` replaces the gradient; it is not a view of the
+        chunk's device or host gradients.
+
+        Raises:
+            ValueError: ``g`` is sparse or not shaped like ``p`` (names the shapes); nothing was written.
+        """
+        g = p.grad
+        if g is None or is_sharded(g) or g.data_ptr() == self.host_view("grad", p, c).data_ptr():
+            return
+        if c.grad is not None and g.untyped_storage().data_ptr() == c.grad.untyped_storage().data_ptr():
+            return  # the chunk's own device gradients (offloaded by the store's observers)
+        if g.is_sparse or g.shape != p.shape:
+            raise ValueError(f"a gradient set by hand on a parameter of shape {tuple(p.shape)} in chunk "
+                             f"{c.index} has shape {tuple(g.shape)}{' (sparse)' if g.is_sparse else ''}; "
+                             "expected a dense gradient shaped like the parameter")
+        with torch.no_grad(), self.alloc.host_context():
+            self.host_view("grad", p, c).copy_(g)
+        self.host_grads.add(id(p))
+        self.with_grad.add(id(p))
 
     def refresh_host(self, c: Chunk) -> None:
         """``c``'s host buffers were replaced (an update made during backward was swapped in): host-bound
@@ -765,6 +792,7 @@ class ChunkStore:
         A parameter that gets no gradient keeps ``p.grad is None``, as in torch."""
 
         def hook(_grad: torch.Tensor) -> None:
+            self._flush_ready()
             if not self.lazy_grads:
                 return
             c = self.param_chunk.get(id(p))
@@ -797,6 +825,7 @@ class ChunkStore:
         return hook
 
     def _grad_hook(self, p: torch.nn.Parameter) -> None:
+        self._flush_ready()
         c = self.param_chunk.get(id(p))
         if c is None:
             return
@@ -809,6 +838,24 @@ class ChunkStore:
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         if c.mark_grad_ready(id(p), task):
+            # See [Note: readiness after the user's hooks]
+            self._ready_pending.append(c)
+            if not self.lazy_grads and task != self._flush_task:  # no _backward_end queued to flush it
+                self._flush_task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._flush_ready)
+
+    def _flush_ready(self) -> None:
+        """[Note: readiness after the user's hooks]
+        A chunk whose last gradient just accumulated is complete, but the post-accumulate-grad hooks the
+        user registered on that parameter (after attach's) have not run yet: they must see ``p.grad`` and may
+        change it in place (clamp, log, scale), as with torch. So the chunk is announced complete (offload to
+        the host, reduction, an update during backward) at the next gradient hook of any parameter, or at
+        backward's end, after those hooks ran."""
+        while self._ready_pending:
+            c = self._ready_pending.pop(0)
+            for p in c.params:  # a user hook may have replaced p.grad
+                if p.grad is not None and not is_sharded(p.grad) and id(p) in self.with_grad:
+                    self.rebind_grad(p, c)
             self.on_grads_ready(c)
 
     def _backward_end(self) -> None:
@@ -819,6 +866,7 @@ class ChunkStore:
         the step. Then the observers finish the gradients' offload, and the host chunks become host-bound
         (:meth:`leave_compute`)."""
         self._end_task = None
+        self._flush_ready()
         if len(self.with_grad) < self._n_params:
             for p in self.params():
                 if id(p) not in self.with_grad and p.grad is not None and not is_sharded(p.grad) \
@@ -1080,10 +1128,13 @@ class ChunkStore:
         gradient until backward gives them one (they are then not updated); with one rank the gradient buffers
         are freed and every ``.grad`` is None. Otherwise the buffers that exist are zeroed and the views
         kept."""
+        self._ready_pending.clear()  # of a backward that raised
         self.dp.before_zero_grad()  # pending gradient reductions finish first
         for observer in self._zero_grad_observers:  # pending offloads are dropped
             observer()
         self.in_backward = False
+        if set_to_none and self.lazy_grads and not self.closed:
+            self._release_kept_grads()
         if set_to_none and not self.closed:
             self.with_grad.clear()
             self.host_grads.clear()
@@ -1117,6 +1168,27 @@ class ChunkStore:
                     view = self.grad_view(p, c)
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view
+
+    def _release_kept_grads(self) -> None:
+        """``zero_grad(set_to_none=True)``: a host gradient the user still holds (``g = p.grad``, for a
+        gradient-noise estimate) keeps its values, as in torch, where the next backward makes a new tensor:
+        it gets storage of its own before the next backward writes the chunk's host gradients again. Held is
+        told by the reference count: the only other references are this loop's and the view cache's."""
+        for c in self.chunks:
+            if c.index not in self.host_bound:
+                continue
+            for p in c.params:
+                g = p.grad
+                if g is None or id(p) not in self.host_grads:
+                    continue
+                hit = self._views.get(("grad@host", id(p)))
+                cached = hit is not None and hit[1] is g
+                if sys.getrefcount(g) > _unheld_grad_refs() - (not cached):
+                    with torch.no_grad(), self.alloc.host_context():
+                        g.data = g.detach().clone()
+                    if cached:
+                        del self._views["grad@host", id(p)]
+                del g
 
     def observe_zero_grad(self, observer: Callable[[], None]) -> None:
         """Call ``observer()`` at the start of every :meth:`zero_grad` (gradients in flight are dropped)."""
@@ -1171,6 +1243,42 @@ class ChunkStore:
             self._back_to_device()
         self.closed = True
         self.with_grad.update(id(p) for p in self.params())
+
+
+def own_storage_for_tied(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
+                         _local_metadata: Any) -> None:
+    """A ``state_dict`` post-hook (the root model's, installed by attach): names that share one parameter
+    (tied weights) get one tensor of their own storage, the same object under each name.
+
+    The parameters are views into chunks, so no tied parameter covers its whole storage, and safetensors
+    (``save_model``, Accelerate's and Trainer's default) then refuses to save or load the model (it keeps one
+    name of a shared tensor only when that tensor covers its storage). The copy costs the tied parameters'
+    bytes, on their device, during the save. ``keep_vars=True`` (parameters themselves) is left alone."""
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for k, v in state_dict.items():
+        if not k.startswith(prefix) or not isinstance(v, torch.Tensor) or isinstance(v, torch.nn.Parameter):
+            continue
+        seen.setdefault((v.data_ptr(), v.storage_offset(), tuple(v.shape), v.stride()), []).append(k)
+    for names in seen.values():
+        if len(names) > 1:
+            first = state_dict[names[0]]
+            own = first if first.untyped_storage().nbytes() == first.nbytes else first.clone()
+            for k in names:
+                state_dict[k] = own
+
+
+@functools.cache
+def _unheld_grad_refs() -> int:
+    """The reference count ``sys.getrefcount`` gives for a parameter's ``.grad``, read into a local, when it
+    is a view held by ``.grad`` and a cache entry only (what torch's tensor objects hold varies across
+    versions, so it is measured)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.zeros(8)[:4]
+    cache = {"grad": (None, p.grad)}
+    g = p.grad
+    n = sys.getrefcount(g)
+    del g, cache
+    return n
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -232,7 +232,8 @@ def _train(args: argparse.Namespace, model: torch.nn.Module, corpus: TextCorpus,
     # The prediction says the parameters do not all fit: the warmup traces with them on the host too.
     options = {"warmup_non_model_share": 1.0} if params_on_host and args.policy == "auto" else None
     sched = memsched.attach(model, policy=args.policy, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
-                            device=device, lr=args.lr, overlap=args.overlap, policy_options=options)
+                            device=device, lr=args.lr, weight_decay=0.1, overlap=args.overlap,
+                            policy_options=options)
     tdev = sched.device.torch_device
     tokens = args.batch_size * args.seq_len
     steps: list[dict[str, Any]] = []

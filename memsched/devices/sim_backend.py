@@ -20,9 +20,10 @@ The idea follows PyTorch's PrivateUse1 extension point and its OpenReg example b
 [Note: tied weights and module.to("sim")]
 ``nn.Module._apply`` keeps a parameter's identity (``param.data = moved``) only for the device types torch
 lists as compatible (CPU, CUDA, ...); for PrivateUse1 it makes a new Parameter per module, which unties tied
-weights silently. Loading the backend therefore sets
-``torch.__future__.set_swap_module_params_on_conversion(True)``, under which ``_apply`` swaps the moved
-tensor into the same Parameter object (ties kept, and references held elsewhere follow).
+weights silently. Build the model on the device (``with torch.device("sim"): model = ...``), or set
+``torch.__future__.set_swap_module_params_on_conversion(True)`` before ``model.to("sim")``. Loading the
+backend does not set that flag: it is process-wide, and it makes ``_apply`` fail on parameters that have
+weak references (memsched's own bookkeeping holds some).
 """
 
 from __future__ import annotations
@@ -100,8 +101,6 @@ def load() -> None:
             torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True,
                                                                 for_packed_sequence=False,
                                                                 for_storage=True)
-        # See [Note: tied weights and module.to("sim")]
-        torch.__future__.set_swap_module_params_on_conversion(True)
         _loaded = True
 
 

@@ -524,8 +524,13 @@ class HybridAdamW(torch.optim.Optimizer):
             RuntimeError: called after construction.
         """
         if getattr(self, "store", None) is not None:
-            raise RuntimeError("HybridAdamW cannot take new param groups after attach; pass all groups to "
-                               "memsched.attach(params=[...])")
+            raise RuntimeError(
+                "HybridAdamW cannot take new param groups after attach: the chunks are built once, for the "
+                "parameters given to memsched.attach. For progressive unfreezing, give attach every group "
+                "from the start (frozen parameters included: no chunk and no state until trainable), "
+                "then to unfreeze: state = sched.optimizer.state_dict(); sched.close(); "
+                "p.requires_grad_(True); sched = memsched.attach(model, params=<the same groups>); "
+                "sched.optimizer.load_state_dict(state)")
         super().add_param_group(param_group)
 
 

@@ -156,7 +156,10 @@ def hyperparameter_groups(params: Iterable[Any] | None, model: torch.nn.Module) 
                 kept.append(p)
             else:
                 frozen.append(len(kept) + len(frozen))
-        group = {k: v for k, v in g.items() if k != FROZEN_KEY}
+        # Implementation flags of the optimizer the groups came from (``fused=None``, ``foreach``) are not
+        # memsched's: its own (the fused kernel) go into its state dicts, so a resume in
+        # ``torch.optim.AdamW(fused=True)`` keeps the kernel.
+        group = {k: v for k, v in g.items() if k != FROZEN_KEY and k not in IMPLEMENTATION_KEYS}
         group["params"] = kept
         if frozen:
             group[FROZEN_KEY] = tuple(frozen)

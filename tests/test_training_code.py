@@ -1,0 +1,224 @@
+"""Training code torch accepts, followed exactly (issue 28): hand-set gradients, post-accumulate-grad hooks,
+gradients the user keeps, torch's defaults, the old optimizer's flags, sparse embeddings. Each against
+``torch.optim.AdamW(fused=True)`` bit for bit, with gradients on the host (``cpu``), on the device (``cuda``)
+and half the parameters on the host (``static``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import memsched
+
+MODES = {
+    "grads-on-host": dict(policy="cpu", device="sim:64MiB"),
+    "on-device": dict(policy="cuda", device="sim:64MiB"),
+    "params-on-host": dict(policy="static", device="sim:64MiB", policy_options={"offload_param_frac": 0.5}),
+}
+LR, WD, STEPS = 1e-2, 0.1, 3
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def run_torch(train_step, **adamw) -> list[torch.Tensor]:
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **({"lr": LR, "weight_decay": WD} | adamw))
+    for s in range(STEPS):
+        train_step(model, opt, s)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def run_memsched(train_step, mode: str, **kw) -> list[torch.Tensor]:
+    model = mlp()
+    with memsched.attach(model, chunk_numel=1200, **({"lr": LR, "weight_decay": WD} | MODES[mode] | kw)) as s:
+        for step in range(STEPS):
+            train_step(model, s.optimizer, step)
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert torch.equal(x, y), f"parameter {i} differs by {(x - y).abs().max().item()}"
+
+
+def hand_set_gradients(model, opt, step):
+    """SAM, PCGrad, MAML: gradients from torch.autograd.grad, set by hand, no backward."""
+    x, y = data(step)
+    grads = torch.autograd.grad(nn.functional.mse_loss(model(x), y), list(model.parameters()))
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = g * 0.5
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hand_set_gradients_are_applied(mode):
+    assert_same(run_torch(hand_set_gradients), run_memsched(hand_set_gradients, mode))
+
+
+def replace_one_gradient_after_backward(model, opt, step):
+    x, y = data(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    model[2].weight.grad = torch.full_like(model[2].weight, 0.25)
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_replaced_after_backward(mode):
+    assert_same(run_torch(replace_one_gradient_after_backward),
+                run_memsched(replace_one_gradient_after_backward, mode))
+
+
+def _clamp(p: torch.Tensor) -> None:
+    assert p.grad is not None, "a post-accumulate-grad hook saw p.grad None"
+    p.grad.clamp_(-0.01, 0.01)
+
+
+def clamped_by_hooks(model, opt, step):
+    if not hasattr(model, "hooked"):
+        model.hooked = [p.register_post_accumulate_grad_hook(_clamp) for p in model.parameters()]
+    x, y = data(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_post_accumulate_grad_hooks_see_and_change_every_gradient(mode):
+    assert_same(run_torch(clamped_by_hooks), run_memsched(clamped_by_hooks, mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_kept_gradient_keeps_its_values(mode):
+    """``g = p.grad`` survives ``zero_grad()`` and the next backward unchanged, as in torch (gradient noise,
+    gradient similarity)."""
+    model = mlp()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=1200, **MODES[mode]) as sched:
+        for step in range(STEPS):
+            x, y = data(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            kept = [p.grad for p in model.parameters()]
+            values = [g.clone() for g in kept]
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            nn.functional.mse_loss(model(x * 2), y).backward()
+            for g, v in zip(kept, values, strict=True):
+                assert torch.equal(g, v)
+            fresh = [p.grad.clone() for p in model.parameters()]
+            assert not all(torch.equal(f, v) for f, v in zip(fresh, values, strict=True))
+            sched.optimizer.zero_grad()
+
+
+def plain_steps(model, opt, step):
+    x, y = data(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_defaults_are_torchs():
+    """``attach(model)`` in place of ``AdamW(model.parameters())`` trains the same."""
+    model = mlp()
+    with memsched.attach(model, policy="cpu", device="sim:64MiB") as sched:
+        for step in range(STEPS):
+            plain_steps(model, sched.optimizer, step)
+        mine = [p.detach().clone() for p in model.parameters()]
+        group = sched.optimizer.param_groups[0]
+        assert (group["lr"], group["weight_decay"]) == (1e-3, 1e-2)
+    ref = mlp()
+    opt = torch.optim.AdamW(ref.parameters(), fused=True)
+    for step in range(STEPS):
+        plain_steps(ref, opt, step)
+    assert_same([p.detach() for p in ref.parameters()], mine)
+
+
+@pytest.mark.parametrize("flags", [{"foreach": True}, {"foreach": False}, {}])
+def test_the_old_optimizers_flags_do_not_reach_the_state_dict(flags):
+    """``attach(params=optimizer.param_groups)`` from a foreach (or default) AdamW: the state dict says what
+    memsched runs (fused), so a resume in ``torch.optim.AdamW(fused=True)`` keeps the fused kernel and is
+    exact."""
+    model = mlp()
+    old = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **flags)
+    with memsched.attach(model, params=old.param_groups, policy="cpu", device="sim:64MiB") as sched:
+        for step in range(2):
+            plain_steps(model, sched.optimizer, step)
+        state = sched.optimizer.state_dict()
+        at = [p.detach().clone() for p in model.parameters()]
+    assert state["param_groups"][0]["fused"] is True and state["param_groups"][0]["foreach"] is None
+    resumed = mlp()
+    with torch.no_grad():
+        for p, v in zip(resumed.parameters(), at, strict=True):
+            p.copy_(v)
+    opt = torch.optim.AdamW(resumed.parameters(), lr=LR, weight_decay=WD, fused=True)
+    opt.load_state_dict(state)
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is None
+
+
+@pytest.mark.parametrize("cls", [nn.Embedding, nn.EmbeddingBag])
+def test_sparse_embeddings_are_refused_at_attach(cls):
+    model = nn.Sequential(cls(10, 4, sparse=True), nn.Linear(4, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"module '0' is a .* with sparse=True.*does not support sparse"):
+        memsched.attach(model, policy="cpu", device="sim:64MiB")
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    model[0].weight.requires_grad_(False)  # frozen: no sparse gradient to train
+    with memsched.attach(model, policy="cpu", device="sim:64MiB"):
+        pass
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_safetensors_round_trip_of_tied_weights(mode, tmp_path):
+    """Accelerate and Trainer save state dicts with safetensors' ``save_file`` by default: a tied model after
+    attach saves (tied names share one tensor, which safetensors refuses unless it covers its storage),
+    loads back exactly, and stays tied."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model = Tied()
+    x = torch.randint(0, 10, (4, 5))
+    with memsched.attach(model, lr=LR, weight_decay=WD, **MODES[mode]) as sched:
+        for _ in range(2):
+            model(x).pow(2).mean().backward()
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        path = str(tmp_path / "model.safetensors")
+        state = model.state_dict()
+        assert state["emb.weight"] is state["head.weight"]
+        safetensors_torch.save_file({k: v for k, v in state.items() if k != "head.weight"}, path)
+        saved = {k: v.clone() for k, v in state.items()}
+        with torch.no_grad():
+            model.emb.weight.zero_()
+        loaded = safetensors_torch.load_file(path)
+        model.load_state_dict(loaded, strict=False)  # into the attached model: in place
+        assert model.head.weight is model.emb.weight
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        model(x).pow(2).mean().backward()  # and training goes on
+        sched.optimizer.step()
+    other = Tied()
+    other.load_state_dict(safetensors_torch.load_file(path), strict=False)
+    assert other.head.weight is other.emb.weight
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, saved[k]), k
