@@ -526,8 +526,9 @@ class HybridAdamW(torch.optim.Optimizer):
         if getattr(self, "store", None) is not None:
             raise RuntimeError(
                 "HybridAdamW cannot take new param groups after attach: the chunks are built once, for the "
-                "parameters given to memsched.attach. For progressive unfreezing, give attach every group "
-                "from the start (frozen parameters included: no chunk and no state until trainable), "
+                "parameters given to memsched.attach. For progressive unfreezing, pass every group to "
+                "memsched.attach(params=[...]) from the start (frozen parameters included: no chunk and no "
+                "state until trainable), "
                 "then to unfreeze: state = sched.optimizer.state_dict(); sched.close(); "
                 "p.requires_grad_(True); sched = memsched.attach(model, params=<the same groups>); "
                 "sched.optimizer.load_state_dict(state)")
