@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench``, ``tests`` and 
 import memsched  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from bench.gpu_step_time import gpu_slug  # noqa: E402
+from memsched.devices.spec import parse_device  # noqa: E402
 from memsched.devices.transfers import Streams  # noqa: E402
 from policies.types import HOST  # noqa: E402
 from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt  # noqa: E402
@@ -92,8 +93,9 @@ def host_updated(model: torch.nn.Module, sched: memsched.Scheduler) -> set[int]:
 
 def first_difference(model: torch.nn.Module, ref: Reference) -> str | None:
     for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
-        if not torch.equal(p.detach(), q.detach()):
-            d = (p.detach().float() - q.detach().float()).abs().max().item()
+        p, q = p.detach().cpu(), q.detach().cpu()  # host views between steps and device tensors alike
+        if not torch.equal(p, q):
+            d = (p.float() - q.float()).abs().max().item()
             return f"{name} differs (max abs diff {d:.3g})"
     return None
 
@@ -101,10 +103,10 @@ def first_difference(model: torch.nn.Module, ref: Reference) -> str | None:
 def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int,
              overlap: bool | str = False) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
-    dev = torch.device("cuda") if device == "cuda" else torch.device("cpu")
+    dev = parse_device(device).torch_device  # cuda, or the stand-in sim:0
     model = tiny_gpt().to(dev)
-    ref = Reference(model, dtype, growth_interval=2)
-    batches = [(x.to(dev), y.to(dev)) for x, y in gpt_batches(steps)]
+    ref = Reference(model, dtype, growth_interval=2, device=dev)
+    batches = gpt_batches(steps, device=dev)
     out: dict[str, Any] = {"policy": policy, "dtype": dtype_name, "clip_via": via, "overlap": overlap,
                            "status": "ok"}
     t0 = time.perf_counter()
@@ -138,7 +140,7 @@ def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int,
     state = model.state_dict()
     if diff is None:
         for name, q in zip(state, ref.model.state_dict().values(), strict=True):
-            if not torch.equal(state[name], q):
+            if not torch.equal(state[name].cpu(), q.cpu()):
                 diff = f"state_dict[{name!r}] differs after close()"
                 break
     if diff:

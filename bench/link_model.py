@@ -87,10 +87,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sched = memsched.attach(model, policy="cpu", device=device, overlap=args.overlap)
         runs[name] = {"model": model, "sched": sched, "bandwidth": bw, "device": device}
     vocab = runs["none"]["model"].config.vocab_size
+    on = runs["none"]["sched"].device.torch_device  # every run's device: the stand-in, sim:0
     gen = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(args.warmup + args.blocks * args.block):
-        x = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
+        x = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen).to(on)
         batches.append((x[:, :-1], x[:, 1:]))
 
     def train(run: dict[str, Any], part: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -108,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if run["bandwidth"] is not None:
                 run["overshoot_records"].append(copy_overshoot(run["sched"], run["bandwidth"]))
     base = runs["none"]
-    same = all(torch.equal(p, q) for name, run in runs.items() if name != "none"
+    same = all(torch.equal(p.detach().cpu(), q.detach().cpu()) for name, run in runs.items() if name != "none"
                for p, q in zip(base["model"].parameters(), run["model"].parameters(), strict=True))
 
     def med(rows: list[dict[str, Any]], key: str) -> float:

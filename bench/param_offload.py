@@ -28,6 +28,7 @@ must end bit-identical (placement changes where and when, never what).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 from collections.abc import Sequence
@@ -108,7 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sched = memsched.attach(model, policy="auto", device=device,
                                         policy_options={"warmup_non_model_share": 1.0})
             with sched:
-                train_seconds(sched, batches[:args.warmup], lambda b, m=model: lm_loss(m, *b))
+                on = sched.device.torch_device  # each batch moves to the device at its step, as on a GPU
+
+                def loss(b, m=model, on=on):
+                    return lm_loss(m, *(t.to(on) for t in b))
+
+                train_seconds(sched, batches[:args.warmup], loss)
                 sched.sim.reset_peak()
                 if sched.params is not None:
                     sched.params.take_stats()
@@ -116,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for b in range(args.blocks):
                     part = batches[args.warmup + b * args.block:args.warmup + (b + 1) * args.block]
                     sched.step_timeline.records.clear()
-                    blocks.append(train_seconds(sched, part, lambda b, m=model: lm_loss(m, *b)) / len(part))
+                    blocks.append(train_seconds(sched, part, loss) / len(part))
                     run["rows"] += sched.step_timeline.summaries()[1:]  # the first includes the block start
                     run["fetch_wait_s"] += fetch_waits_s(sched)[1:]
                     if sched.params is not None:
@@ -126,8 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run["round_s"].append(statistics.median(blocks))
                 run.update(device=device, peak=sched.sim.peak_bytes, plan=sched.plan, problem=sched.problem,
                            history=[h.reason for h in sched.plan_history], chunks=len(sched.store.chunks))
-            run["params"] = [p.detach().clone() for p in model.parameters()]
+            run["params"] = [p.detach().cpu().clone() for p in model.parameters()]
             run["n_params"] = count_parameters(model)
+            del model, sched, loss  # off the stand-in before the next run attaches (its scheduler keeps its
+            gc.collect()  # optimizer state on the device until it is dropped)
     params = [run["params"] for run in runs.values()]
     same = all(torch.equal(p, q) for other in params[1:] for p, q in zip(params[0], other, strict=True))
     first = next(iter(runs.values()))

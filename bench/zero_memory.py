@@ -57,7 +57,7 @@ class Model(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.gpt
-        pos = torch.arange(x.shape[1])
+        pos = torch.arange(x.shape[1], device=x.device)
         h = g.wte(x) + g.wpe(pos)
         for i, block in enumerate(g.blocks):
             h = checkpoint(block, h, use_reentrant=False) if i == 0 else block(h)
@@ -90,7 +90,7 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, policy: str,
                     if i == 2:
                         sched.sim.reset_peak()
                     t0 = time.perf_counter()
-                    sched.backward(_loss(model, x))
+                    sched.backward(_loss(model, x.to(sched.device.torch_device)))
                     sched.optimizer.step()
                     sched.optimizer.zero_grad()
                     if i >= 2:
@@ -111,8 +111,11 @@ def _free_port() -> int:
 
 def measure(world: int, stage: int, steps: int, policy: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
+        # not fork: autograd refuses to run in a process forked after a backward on the stand-in (or CUDA)
+        # started its device threads
+        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
         mp.start_processes(_rank, args=(world, _free_port(), stage, steps, policy, out), nprocs=world,
-                           start_method="fork" if "fork" in mp.get_all_start_methods() else "spawn")
+                           start_method=method)
         rows = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]
     if "refused" in rows[0]:
         return {"refused": rows[0]["refused"]}

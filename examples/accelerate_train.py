@@ -10,8 +10,10 @@ equals the same loop with ``torch.optim.AdamW(fused=True)`` bit for bit, in fp32
 ``mixed_precision="bf16"`` (``tests/test_accelerate.py``). One process only; with memsched's own
 ``dtype=torch.float16`` call ``sched.backward`` and ``sched.clip_grad_norm_`` instead (they apply the loss
 scale), and with its ``dtype=torch.bfloat16`` / ``float16`` prepare the optimizer with
-``device_placement=[True, False, True, True]`` (Accelerate's state round-trip would reset the fp32 masters).
-On a machine without a GPU it uses the stand-in device, half of the optimizer state on the host.
+``device_placement=[False, False, True, True]`` (Accelerate's state round-trip would reset the fp32 masters).
+The model is prepared without device placement (memsched placed it; without a GPU Accelerate's device is the
+CPU) and the batches go to the scheduler's device. On a machine without a GPU it uses the stand-in device,
+half of the optimizer state on the host.
 ``main()`` returns the loss of every optimizer step, averaged over its micro-batches.
 """
 
@@ -43,11 +45,15 @@ def main(steps: int = 20, accum: int = 2, max_norm: float = 1.0, mixed_precision
     micro_batches = torch.cat([next(data)[0] for _ in range(steps * accum)])
     loader = torch.utils.data.DataLoader(micro_batches, batch_size=8)
 
-    model, optimizer, loader, lr_schedule = accelerator.prepare(model, sched.optimizer, loader, lr_schedule)
+    # memsched already placed the model (on the GPU, or on the stand-in sim:0 while Accelerate's device is the
+    # CPU): no device placement for it, which would move its parameters out of memsched's chunks
+    model, optimizer, loader, lr_schedule = accelerator.prepare(model, sched.optimizer, loader, lr_schedule,
+                                                                device_placement=[False, True, True, True])
     losses, total = [], 0.0
     with sched:
         model.train()
         for x in loader:
+            x = x.to(sched.device.torch_device)  # the scheduler's device (a no-op where Accelerate put it)
             with accelerator.accumulate(model):
                 loss = model(input_ids=x, labels=x).loss  # the model shifts the labels itself
                 accelerator.backward(loss)  # divides by the accumulation steps

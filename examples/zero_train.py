@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
             sched.clip_grad_norm_(1.0)  # exact over every rank's gradients
             sched.optimizer.step()
             sched.optimizer.zero_grad()
-            mean = loss.detach().clone()
+            mean = loss.detach().clone() if cuda else loss.detach().cpu()  # gloo reduces host tensors
             dist.all_reduce(mean)
             losses.append(mean.item() / dist.get_world_size())
             with sched.gathered_params():  # every rank: at ZeRO-3 the weights are sharded between steps

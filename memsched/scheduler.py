@@ -52,7 +52,6 @@ from memsched.optim.precision import LossScaler
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
 from memsched.planning.planner import Planner, check_host_room
-from memsched.runtime.compile_stance import warn_compiled_on_stand_in
 from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, unfittable_message
 from memsched.runtime.param_fetch import ParamFetcher
 from memsched.runtime.waits import H2DWaits
@@ -153,7 +152,7 @@ class Scheduler:
                                     after_chunk=away if self.warmup_params_on_host else None)
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views, or
             # host views when their parameters are on the host: those stay).
-            if self.device.kind != "sim":
+            if True:
                 model._apply(lambda t: t if t.device == tdev or id(t) in trainable
                              or self.store.in_host_memory(t) else t.to(tdev))
             self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
@@ -223,8 +222,6 @@ class Scheduler:
                 installed.add_handle(h)
         if self.sim is not None:  # an out-of-memory error says why where it fails
             self.sim.explain = weak_method(self._explain_oom)
-        if self.sim is not None:  # compiled code runs eagerly under the stand-in's accounting: say so, once
-            installed.add_handle(warn_compiled_on_stand_in(model, self.sim.capacity_bytes))
         try:
             self.warmup.start()
             if self.params is not None:  # the warmup's reads, for the plan's fetch schedule

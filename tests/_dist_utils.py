@@ -1,7 +1,7 @@
 """Run a function on N local ranks (CPU, gloo) for the ZeRO tests, with a hard time limit.
 
-``run_ranks(fn, world, *args)`` starts ``world`` processes (``fork`` where available and there is no CUDA:
-no re-import of torch, so a launch costs well under a second; ``spawn`` elsewhere), initialises a
+``run_ranks(fn, world, *args)`` starts ``world`` processes (forked from a fork server where available, which
+imported torch once, so a launch costs well under a second; ``spawn`` elsewhere), initialises a
 gloo process group with a short timeout in each, calls ``fn(rank, world, *args)`` and returns the list of the
 ranks' return values (passed back through ``torch.save`` files). A rank that raises fails the call with its
 traceback; a launch that outlives ``timeout`` seconds is killed and raises ``TimeoutError``, so a hung
@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+mp.set_forkserver_preload(["torch", "memsched", "tests._sim_preload"])
 
 
 def free_port() -> int:
@@ -54,10 +56,11 @@ def _entry(
 
 
 def _start_method() -> str:
-    # Not fork where CUDA exists: a backward over (even fake) CUDA tensors starts autograd's device threads
-    # without initialising CUDA, and autograd refuses to run in a process forked after that.
-    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_available():
-        return "fork"
+    # Not fork: a backward over device tensors (the stand-in's, CUDA's, even fake CUDA ones) starts autograd's
+    # device threads, and autograd refuses to run in a process forked after that. A fork server is started
+    # fresh once (torch and memsched imported there) and forks the ranks from itself, so launches stay quick.
+    if "forkserver" in mp.get_all_start_methods():
+        return "forkserver"
     return "spawn"
 
 

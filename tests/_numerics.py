@@ -24,6 +24,33 @@ from torch import nn
 from memsched.models.gpt import GPT, GPTConfig, lm_loss
 
 LR, WD = 1e-2, 0.1
+SIM = torch.device("sim", 0)  # the stand-in device (loaded in tests/conftest.py)
+
+
+def to_dev(obj, device: torch.device | str = SIM):
+    """``obj`` with every tensor in it (tuples and lists too) on ``device``."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_dev(x, device) for x in obj)
+    return obj
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal`` wherever each tensor lives (host views and device tensors alike)."""
+    return torch.equal(a.detach().cpu(), b.detach().cpu())
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """A reference's work beside a scheduler: its allocations on the stand-in are not counted against the
+    capacity, and the warmup tracer (a dispatch mode of this thread) does not see it."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from memsched.devices import sim_backend
+
+    with sim_backend.uncounted(), _disable_current_modes():
+        yield
 
 
 def tiny_gpt(seed: int = 0) -> GPT:
@@ -32,12 +59,13 @@ def tiny_gpt(seed: int = 0) -> GPT:
     return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
 
 
-def gpt_batches(n: int, seed: int = 1, batch: int = 2, seq: int = 16,
+def gpt_batches(n: int, seed: int = 1, batch: int = 2, seq: int = 16, device: torch.device | str = SIM,
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` (inputs, targets) token batches on ``device`` (default the stand-in, where the models train)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        x = torch.randint(0, 256, (batch, seq + 1), generator=g)
+        x = torch.randint(0, 256, (batch, seq + 1), generator=g).to(device)
         out.append((x[:, :-1], x[:, 1:]))
     return out
 
@@ -50,9 +78,17 @@ class Reference:
     """Plain-PyTorch training of a copy of ``model`` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32, *, lr: float = LR,
-                 weight_decay: float = WD, growth_interval: int = 2000) -> None:
+                 weight_decay: float = WD, growth_interval: int = 2000,
+                 device: torch.device | str | None = SIM) -> None:
         self.dtype = dtype
-        self.model = copy.deepcopy(model)
+        self.device = device
+        with uncounted():  # beside the scheduler's data on the stand-in, not counted against its capacity
+            self._init(model, dtype, lr, weight_decay, growth_interval)
+
+    def _init(self, model: nn.Module, dtype: torch.dtype, lr: float, weight_decay: float,
+              growth_interval: int) -> None:
+        device = self.device
+        self.model = copy.deepcopy(model) if device is None else copy.deepcopy(model).to(device)
         params = list(self.model.parameters())
         if dtype == torch.float32:
             self.masters = params
@@ -67,6 +103,7 @@ class Reference:
         self.skipped = 0
         self._on_host: Collection[int] = ()
         self._clip_on_host = False
+        self._clip_devices: list[str | None] | None = None
 
     def sync(self) -> None:
         """The low-precision model takes the masters' values (rounded)."""
@@ -76,7 +113,7 @@ class Reference:
                     p.copy_(m)
 
     def step(self, batch, loss_fn: Callable, clip: float | None, on_host: Collection[int] = (), *,
-             clip_on_host: bool = False) -> None:
+             clip_on_host: bool = False, clip_devices: list[str | None] | None = None) -> None:
         """One training step over ``batch`` (a list: micro-batches whose gradients accumulate, one backward
         each); ``on_host``: indices (in ``model.parameters()`` order) whose AdamW update runs on the CPU
         (where memsched keeps their chunk); ``clip_on_host``: the clip's norm is computed over CPU copies of
@@ -84,8 +121,10 @@ class Reference:
         are on the host)."""
         self._on_host = on_host
         self._clip_on_host = clip_on_host
-        self._step(batch, loss_fn, clip)
-        self.sync()
+        self._clip_devices = clip_devices
+        with uncounted():
+            self._step(batch if self.device is None else to_dev(batch, self.device), loss_fn, clip)
+            self.sync()
 
     @contextlib.contextmanager
     def _update_on_host(self) -> Iterator[None]:
@@ -111,6 +150,15 @@ class Reference:
                 move(m, home)
 
     def _clip(self, params: list[torch.Tensor], clip: float) -> None:
+        if self._clip_devices is not None:
+            # torch's clip_grad_norm_ over memsched's model, whose gradients were on these devices: the
+            # per-tensor norms stacked grouped by device (first-seen device first), as torch groups them
+            # (the same gradients on the same devices: torch groups and orders them itself)
+            placed = [p.grad.to(d) for p, d in zip(params, self._clip_devices, strict=True)
+                      if p.grad is not None and d is not None]
+            total = torch.nn.utils.get_total_norm(placed).to(params[0].device)
+            torch.nn.utils.clip_grads_with_norm_(params, clip, total)
+            return
         if not self._clip_on_host:
             torch.nn.utils.clip_grad_norm_(params, clip)
             return
@@ -161,7 +209,8 @@ def assert_same(model: nn.Module, ref: Reference, what: str = "", optimizer=None
                   for i, ((n, _), m) in enumerate(zip(model.named_parameters(), ref.masters, strict=True))]
     for name, p, q in pairs:
         assert p.dtype == q.dtype, name
-        if not torch.equal(p.detach(), q.detach()):
+        p, q = p.detach().cpu(), q.detach().cpu()  # host views and device tensors alike
+        if not torch.equal(p, q):
             d = (p.detach().float() - q.detach().float()).abs().max().item()
             raise AssertionError(f"{what}: {name} differs from the reference (max diff {d:.3g})")
 

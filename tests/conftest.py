@@ -48,3 +48,36 @@ def no_saved_tensor_hooks_outlive_a_test():
         while torch._C._autograd._top_saved_tensors_default_hooks(False) != top:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         pytest.fail(f"saved-tensor hooks left on the stack: {left}")
+
+
+def pytest_configure(config):
+    """The stand-in device (``device="sim:SIZE"``) is loaded before any test runs a backward: torch's autograd
+    sizes its device threads at the process's first backward."""
+    import gc
+
+    from memsched.devices import sim_backend
+
+    sim_backend.load()
+    # Every attach on the stand-in collects garbage first (an earlier model's tensors on the device count):
+    # the objects of the imported libraries are frozen out of those collections, which keeps each cheap.
+    for name in ("transformers", "accelerate", "memsched.scheduler", "torch._dynamo"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_the_stand_in():
+    """A test that failed (or an expected failure) leaves its frames, and with them its model on the stand-in,
+    in ``sys.last_traceback`` (kept for post-mortem debugging): drop them, so that the next test has the
+    stand-in's whole capacity."""
+    import gc
+    import sys
+
+    held = [name for name in ("last_type", "last_value", "last_traceback", "last_exc") if hasattr(sys, name)]
+    for name in held:
+        delattr(sys, name)
+    if held:
+        gc.collect()

@@ -111,13 +111,15 @@ def test_pinned_host_memory_and_its_views_are_pinned_at_their_exact_size():
     assert sim_backend.pinned_bytes() == before
 
 
-def test_a_model_built_on_the_device_keeps_its_tied_weights():
-    """See [Note: tied weights and module.to("sim")]: built on the device, ties stay."""
-    with torch.device("sim"):
-        m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+def test_module_to_keeps_tied_weights_and_parameter_identity():
+    """See [Note: the stand-in and `p.data = ...`]: moves are in place, as between the CPU and CUDA."""
+    m = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
     m[1].weight = m[0].weight
-    assert m[0].weight is m[1].weight and m[0].weight.device.type == "sim"
-    assert not torch.__future__.get_swap_module_params_on_conversion()  # loading set nothing process-wide
+    held = m[0].weight
+    m.to("sim")
+    assert m[0].weight is m[1].weight is held and held.device.type == "sim"
+    held.data = held.data.cpu()  # and back, in place
+    assert held.device.type == "cpu" and m[1].weight is held
 
 
 def _mlp_steps(device: str, steps: int = 4) -> list[torch.Tensor]:
@@ -154,8 +156,7 @@ def test_hugging_face_gpt2_trains_on_the_device():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    with torch.device("sim"):
-        model = transformers.GPT2LMHeadModel(cfg)
+    model = transformers.GPT2LMHeadModel(cfg).to("sim")
     assert model.device == torch.device("sim", 0)
     assert model.lm_head.weight is model.transformer.wte.weight
     ids = torch.randint(0, 64, (2, 16)).to(model.device)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import memsched
+from tests._numerics import SIM, same, uncounted
 
 LR, WD = 1e-2, 0.1
 STEPS, CUT = 7, 3
@@ -45,7 +46,7 @@ class Net(nn.Module):
 
 def batches(n: int) -> list[tuple[torch.Tensor, bool]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(6, 8, generator=g), i % 2 == 1) for i in range(n)]
+    return [(torch.randn(6, 8, generator=g).to(SIM), i % 2 == 1) for i in range(n)]
 
 
 def loss(model: nn.Module, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
@@ -53,8 +54,9 @@ def loss(model: nn.Module, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
 
 
 def paused(sched: memsched.Scheduler | None) -> contextlib.AbstractContextManager:
-    """Reference work and state-dict copies are not the stand-in device's memory."""
-    return sched.sim.paused() if sched is not None and sched.sim is not None else contextlib.nullcontext()
+    """Reference work and state-dict copies are not the stand-in device's memory (a reference run without a
+    scheduler too: it may live on beside a later one)."""
+    return sched.sim.paused() if sched is not None and sched.sim is not None else uncounted()
 
 
 def state_by_name(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -66,12 +68,12 @@ def assert_same_state(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]
     assert sorted(a) == sorted(b)
     for name, st in b.items():
         for k in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(a[name][k], st[k]), (name, k)
+            assert same(a[name][k], st[k]), (name, k)
 
 
 def assert_same_params(model: nn.Module, ref: nn.Module, what: str) -> None:
     for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        assert torch.equal(p.detach(), q.detach()), (what, n)
+        assert same(p.detach(), q.detach()), (what, n)
 
 
 def in_torch(sd: dict[str, Any], model: Net, params: Any) -> torch.optim.AdamW:
@@ -103,11 +105,12 @@ def test_torch_state_without_entries_loads_and_trains_on(placement, frozen, torc
         return [p for p in m.parameters() if torch_params == "all" or p.requires_grad]
 
     xs = batches(STEPS + 2)
-    ref = Net(frozen)
-    ropt = torch.optim.AdamW(build_params(ref), lr=LR, weight_decay=WD, fused=True)
-    for x, _ in xs[:CUT]:
-        torch_step(ref, ropt, x, False)
-    rsd = ropt.state_dict()
+    with uncounted():  # the reference lives on the stand-in beside the scheduler, not counted
+        ref = Net(frozen).to(SIM)
+        ropt = torch.optim.AdamW(build_params(ref), lr=LR, weight_decay=WD, fused=True)
+        for x, _ in xs[:CUT]:
+            torch_step(ref, ropt, x, False)
+        rsd = ropt.state_dict()
     stateless = {"aux.weight", "aux.bias"} | ({"embed.weight", "embed.bias"} if frozen else set())
     assert {n for n, _ in ref.named_parameters()} - set(state_by_name(ropt, ref)) == stateless  # the premise
 
@@ -131,7 +134,7 @@ def test_torch_state_without_entries_loads_and_trains_on(placement, frozen, torc
             sd = sched.optimizer.state_dict()
             weights = {k: v.clone() for k, v in model.state_dict().items()}
     assert [g["params"] for g in sd["param_groups"]] == [list(range(8))]  # every parameter given, in order
-    back_model = Net(frozen, seed=7)
+    back_model = Net(frozen, seed=7).to(SIM)
     back_model.load_state_dict(weights)
     back = in_torch(sd, back_model, lambda m: m.parameters())
     assert_same_state(state_by_name(back, back_model), state_by_name(ropt, ref))
@@ -163,17 +166,20 @@ class Run:
                                          **PLACEMENTS["static"])
             self.opt = self.sched.optimizer
         else:
+            with uncounted():  # on the stand-in, as the scheduler's model, beside it and not counted
+                model.to(SIM)
             self.opt = torch.optim.AdamW(groups(model), lr=LR, weight_decay=WD, fused=True)
         self.lr = torch.optim.lr_scheduler.OneCycleLR(self.opt, max_lr=MAX_LR, total_steps=STEPS)
 
     def step(self, x: torch.Tensor, use_aux: bool) -> None:
-        if self.sched is not None:
-            self.sched.backward(loss(self.model, x, use_aux))
-        else:
-            loss(self.model, x, use_aux).backward()
-        self.opt.step()
-        self.lr.step()
-        self.opt.zero_grad()
+        with paused(None) if self.sched is None else contextlib.nullcontext():
+            if self.sched is not None:
+                self.sched.backward(loss(self.model, x, use_aux))
+            else:
+                loss(self.model, x, use_aux).backward()
+            self.opt.step()
+            self.lr.step()
+            self.opt.zero_grad()
 
     def save(self) -> tuple[dict[str, Any], ...]:
         with paused(self.sched):

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import memsched
+from tests._numerics import SIM, same
 
 
 class ConvNet(nn.Module):
@@ -60,7 +61,7 @@ def test_a_failed_attach_leaves_the_parameters_free():
 ])
 def test_a_parameter_converted_after_attach_is_refused_at_the_next_step(change, match):
     model = ConvNet()
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(2, 3, 8, 8).to(SIM)
     with memsched.attach(model, device="sim:64MiB") as sched:
         step(sched, model, x)
         with torch.no_grad(), sched.sim.paused():
@@ -72,10 +73,10 @@ def test_a_parameter_converted_after_attach_is_refused_at_the_next_step(change, 
         with sched.sim.paused():  # refused before any write
             after = sched.optimizer.state_dict()
             for n, p in model.named_parameters():
-                assert torch.equal(p.detach().float(), before[n].float()), n
+                assert same(p.detach().float(), before[n].float()), n
         for i, st in state["state"].items():
             for k, v in st.items():
-                assert torch.equal(v, after["state"][i][k])
+                assert same(v, after["state"][i][k])
 
 
 @pytest.mark.parametrize("convert, dtype", [
@@ -89,7 +90,7 @@ def test_a_dtype_conversion_after_attach_is_refused_at_the_next_forward(convert,
     """Converting the model's dtype after attach is refused by memsched at the next forward, naming memsched
     and the fix, before autograd fails with torch's ``grad_dtype`` error; close() and re-attach then works."""
     model = ConvNet()
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(2, 3, 8, 8).to(SIM if device.startswith("sim") else "cpu")
     with memsched.attach(model, device=device) as sched:
         for _ in range(steps_before):
             step(sched, model, x)
@@ -122,7 +123,7 @@ def test_the_model_can_be_copied_and_saved_during_warmup_and_the_copy_is_not_hoo
     import pickle
 
     model = ConvNet()
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(2, 3, 8, 8).to(SIM)
     with memsched.attach(model, device="sim:64MiB", warmup_steps=2) as sched:
         step(sched, model, x)  # inside warmup: the tracer's hooks are on the model
         ema = copy.deepcopy(model)  # the usual EMA copy
@@ -137,14 +138,14 @@ def test_the_model_can_be_copied_and_saved_during_warmup_and_the_copy_is_not_hoo
         step(sched, model, x)
         assert sched.plan is not None
         for (n, p), q in zip(model.named_parameters(), ema.parameters(), strict=True):
-            assert not torch.equal(p.detach(), q.detach()), n  # the original trained on, the copy did not
+            assert not same(p.detach(), q.detach()), n  # the original trained on, the copy did not
 
 
 def test_training_on_another_thread_is_refused():
     import threading
 
     model = ConvNet()
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(2, 3, 8, 8).to(SIM)
     errors = []
     with memsched.attach(model, device="sim:64MiB") as sched:
         sched.backward(model(x).pow(2).mean())
@@ -181,7 +182,7 @@ def test_checkpoints_on_the_stand_in_are_host_memory_and_errors_are_ordinary(tmp
     import memsched.checkpoint as ckpt
 
     model = ConvNet()
-    x = torch.randn(2, 3, 8, 8)
+    x = torch.randn(2, 3, 8, 8).to(SIM)
     with memsched.attach(model, device="sim:1MiB") as sched:  # the state alone would not fit twice
         step(sched, model, x)
         ckpt.save(sched, tmp_path / "c")

@@ -21,6 +21,7 @@ from memsched.chunks import (
 from memsched.chunks.layout import _greedy_waste
 from memsched.planning.problem import build_problem
 from policies.types import DEVICE, HOST
+from tests._numerics import same
 
 
 def brute_force_best(groups: list[list[int]], min_chunks: int) -> int:
@@ -114,7 +115,7 @@ def test_parameters_become_views_tied_once_frozen_untouched():
     assert m.head.weight is m.emb.weight
     assert m.frozen.weight.data_ptr() == frozen_ptr and m.frozen.weight.grad is None
     for n, p in m.named_parameters():
-        assert torch.equal(p, before[n]), n
+        assert same(p, before[n]), n
         if p.requires_grad:
             c = store.param_chunk[id(p)]
             base = c.data.data_ptr()
@@ -186,10 +187,10 @@ def test_moves_are_bit_exact_round_trips():
     snap = [t.clone() for t in (c.master, c.exp_avg, c.exp_avg_sq, c.steps)]
     assert c.move_to(DEVICE, store.alloc) == 3 * 80 * 4
     assert c.master is None and c.host_grad is None
-    assert torch.equal(c.data, snap[0]) and torch.equal(c.exp_avg, snap[1]) and torch.equal(c.steps, snap[3])
+    assert same(c.data, snap[0]) and same(c.exp_avg, snap[1]) and same(c.steps, snap[3])
     c.move_to(HOST, store.alloc)
     for a, b in zip((c.master, c.exp_avg, c.exp_avg_sq, c.steps), snap, strict=True):
-        assert torch.equal(a, b)
+        assert same(a, b)
     with pytest.raises(ValueError, match="placement must be"):
         c.move_to("gpu", store.alloc)
 
@@ -218,7 +219,7 @@ def test_repack_moves_state_with_parameters():
     after = per_param()
     for k, vals in before.items():
         for a, b in zip(vals, after[k], strict=True):
-            assert torch.equal(a, b)
+            assert same(a, b)
     assert all(torch.all(c.steps == 5) for c in store.chunks)
     assert not store.repack(order)  # same layout again: nothing to do
 

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 
 import memsched
 from memsched.models.gpt import lm_loss
-from tests._numerics import LR, WD, gpt_batches, tiny_gpt
+from tests._numerics import LR, WD, gpt_batches, same, tiny_gpt
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch < 2.6: no stance")
 BACKEND = "aot_eager"
@@ -55,7 +55,7 @@ def delta(before: dict[str, int]) -> dict[str, int]:
 
 def assert_same(model: nn.Module, ref: nn.Module, what: str) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        assert torch.equal(p, q), f"{what}: {name} differs from the reference"
+        assert same(p, q), f"{what}: {name} differs from the reference"
 
 
 class Pair:
@@ -167,7 +167,7 @@ def test_alternating_sequence_lengths_compile_a_bounded_number_of_graphs(dynamic
     automatic dynamic (``None``) once more when the second length marks the dimension dynamic; then
     nothing."""
     pair = Pair(tiny_gpt(), lambda m: compiled(m, dynamic=dynamic), gpt_loss)
-    long, short = gpt_batches(8, seq=16), gpt_batches(8, seed=2, seq=9)
+    long, short = gpt_batches(8, seq=16, device="cpu"), gpt_batches(8, seed=2, seq=9, device="cpu")
     with pair.sched:
         for i in range(8):
             pair.step([(long if i % 2 == 0 else short)[i]])
@@ -197,7 +197,7 @@ def test_gradient_accumulation_under_compile(zero):
 # ---- 4. evaluation between steps --------------------------------------------------------------------------
 def test_evaluation_between_steps():
     pair = Pair(tiny_gpt(), compiled, gpt_loss)
-    batches, probe = gpt_batches(5), gpt_batches(1, seed=9)[0][0]
+    batches, probe = gpt_batches(5, device="cpu"), gpt_batches(1, seed=9, device="cpu")[0][0]
     with pair.sched:
         for i, b in enumerate(batches):
             pair.step([b])
@@ -207,7 +207,7 @@ def test_evaluation_between_steps():
                 before = counts()
                 out = pair.call(probe)
                 evals = delta(before)
-                assert torch.equal(out, pair.ref_call(probe))
+                assert same(out, pair.ref_call(probe))
             pair.model.train()
             pair.ref.train()
             if i >= 2:  # the eval graph exists: evaluation compiles nothing more
@@ -236,7 +236,7 @@ def test_compiled_submodule(order):
     ``_orig_mod``; memsched keys nothing on names that matters here)."""
     pair = Pair(tiny_gpt(), compile_first_block, gpt_loss, order=order)
     with pair.sched:
-        for b in gpt_batches(4):
+        for b in gpt_batches(4, device="cpu"):
             pair.step([b])
         pair.check_steady()
 
@@ -245,7 +245,7 @@ def test_compiled_loss_function():
     """The loss function is compiled; the model (called inside it) is not compiled by itself."""
     pair = Pair(tiny_gpt(), lambda m: m, gpt_loss, compile_loss=True)
     with pair.sched:
-        for b in gpt_batches(4):
+        for b in gpt_batches(4, device="cpu"):
             pair.step([b])
         pair.check_steady()
         assert pair.sched.step_timeline.summaries()[-1]["phases_s"]["compiled"] > 0
@@ -261,7 +261,7 @@ def test_overlap_on_cpu(how):
     else:
         pair = Pair(tiny_gpt(), lambda m: m, gpt_loss, compile_loss=True, overlap=True)
     with pair.sched:
-        for b in gpt_batches(5):
+        for b in gpt_batches(5, device="cpu"):
             pair.step([b])
         pair.check_steady(breaks=5)
         assert pair.deltas[1]["breaks"] >= 1
@@ -332,7 +332,7 @@ def test_compiled_code_in_an_eager_forward_waits_for_the_update_in_flight(how):
             out = call(x)
             sched.synchronize()
             with torch.compiler.set_stance("force_eager"):
-                assert torch.equal(out, model(x)), "the compiled forward read parameters before their update"
+                assert same(out, model(x)), "the compiled forward read parameters before their update"
         assert counts() == steady  # the eager waits broke graphs when they compiled, not again
 
 

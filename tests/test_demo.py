@@ -10,6 +10,7 @@ import torch
 
 from memsched.cli import demo
 from memsched.cli.main import main
+from tests._numerics import SIM
 from tracer.timeline import MemoryTimeline
 
 SMALL = ["--size", "tiny", "--batch-size", "8", "--seq-len", "64"]
@@ -50,7 +51,7 @@ def test_stand_in_holds_only_part_of_the_parameters() -> None:
 
     chosen = demo.stand_in("tiny", 8, 64)
     assert chosen.capacity_bytes % demo.STAND_IN_GRANULE == 0 and chosen.params_on_host
-    pred = trace_step(gpt_workload("tiny", 8, 64), fake=True, device="cpu")
+    pred = trace_step(gpt_workload("tiny", 8, 64), fake=True, device=SIM)  # as stand_in traces it
     cp = plan_for_capacity(pred, chosen.capacity_bytes)
     problem = cp.problem
     # the parameters and gradients do not fit beside the peak of non-model data

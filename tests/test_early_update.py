@@ -18,7 +18,7 @@ import torch
 import memsched
 from memsched.chunks import Chunk
 from policies.types import HOST
-from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
+from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, same, tiny_gpt
 from tests.test_overlap import CLIP, PLACEMENTS, GroupedReference, grouped_parity_run, paused, two_groups
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -135,7 +135,7 @@ def test_reads_between_backward_and_step_see_the_state_before_the_step(slow_earl
         sd = sched.optimizer.state_dict()
         with paused(sched):
             for i, m in enumerate(ref.opt.param_groups[0]["params"]):
-                assert torch.equal(sd["state"][i]["exp_avg"], ref.opt.state[m]["exp_avg"]), i
+                assert same(sd["state"][i]["exp_avg"], ref.opt.state[m]["exp_avg"]), i
         sched.optimizer.load_state_dict(sd)  # writes every chunk's state: nothing made before may commit
         sched.optimizer.step()
         sched.optimizer.zero_grad()

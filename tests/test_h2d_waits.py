@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import memsched
-from tests._numerics import gpt_batches, gpt_loss, tiny_gpt
+from tests._numerics import gpt_batches, gpt_loss, tiny_gpt, to_dev
 
 
 class ReadsOutside(nn.Module):
@@ -93,7 +93,7 @@ def test_every_read_of_a_host_chunk_is_waited_for(case, warmup_done):
     else:
         torch.manual_seed(0)
         model, loss_fn = ReadsOutside(), reads_outside_loss
-        batches = [(torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8))) for _ in range(2)]
+        batches = [to_dev((torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8)))) for _ in range(2)]
     numel = 8192 if case == "gpt" else 800
     with memsched.attach(model, policy="cpu", device="sim:64MiB", chunk_numel=numel) as sched:
         if warmup_done:

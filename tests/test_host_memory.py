@@ -109,7 +109,7 @@ def _mlp() -> nn.Module:
 
 
 def _warmup(sched: memsched.Scheduler) -> None:
-    sched.backward(sched.model(torch.randn(4, 64)).sum())
+    sched.backward(sched.model(torch.randn(4, 64).to(sched.device.torch_device)).sum())
     sched.optimizer.step()
 
 

@@ -13,7 +13,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memsched
-from memsched.devices.simdevice import SimOutOfMemoryError
+from tests._numerics import SIM
 
 
 def net() -> nn.Module:
@@ -39,7 +39,7 @@ def step(sched, model, x):
 
 
 def test_a_scheduler_dropped_without_close_cleans_up():
-    model, x = net(), torch.randn(8, 16)
+    model, x = net(), torch.randn(8, 16, device=SIM)
     before = process_state(model)
     sched = memsched.attach(model, device="sim:1MiB", warmup_steps=2)
     step(sched, model, x)  # inside warmup: the tracer and the stand-in's accounting are both active
@@ -47,7 +47,7 @@ def test_a_scheduler_dropped_without_close_cleans_up():
     del sched
     gc.collect()
     assert process_state(model) == before
-    torch.zeros(1_000_000)  # 4 MB: the stand-in's capacity no longer applies to the process
+    torch.zeros(1_000_000, device=SIM)  # 4 MB: the stand-in's capacity no longer applies to the process
     with memsched.attach(model, device="cpu"):  # and the model can be attached again
         pass
 
@@ -70,21 +70,23 @@ def test_an_exception_in_the_traced_step_then_drop_cleans_up():
 
 def test_two_stand_in_schedulers_closed_out_of_order():
     a, b = net(), net()
-    x = torch.randn(8, 16)
+    x = torch.randn(8, 16, device=SIM)
     first = memsched.attach(a, device="sim:1MiB")
     second = memsched.attach(b, device="sim:64MiB")
-    first.close()  # not the last one in: it must take only its own modes off the stack
-    step(second, b, x)
-    assert second.sim.active and second.plan is not None
-    with pytest.raises(SimOutOfMemoryError):
-        torch.zeros(20_000_000)  # 80 MB: the second stand-in still enforces its capacity
-    second.close()
+    try:
+        first.close()  # not the last one in: it must take only its own modes off the stack
+        step(second, b, x)
+        assert second.sim.active and second.plan is not None
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.zeros(20_000_000, device=SIM)  # 80 MB: the second stand-in still enforces its capacity
+    finally:
+        second.close()
     assert not _get_current_dispatch_mode_stack()
 
 
 @pytest.mark.slow
 def test_attach_close_cycles_leave_nothing_and_no_memory():
-    model, x = net(), torch.randn(8, 16)
+    model, x = net(), torch.randn(8, 16, device=SIM)
     before = process_state(model)
 
     def cycle(close: bool) -> None:
@@ -108,7 +110,7 @@ def test_attach_close_cycles_leave_nothing_and_no_memory():
 
 @pytest.mark.slow
 def test_a_thousand_steps_leave_nothing_and_no_memory():
-    model, x = net(), torch.randn(8, 16)
+    model, x = net(), torch.randn(8, 16, device=SIM)
     before = process_state(model)
     with memsched.attach(model, device="sim:8MiB") as sched:
         for _ in range(50):

@@ -18,7 +18,18 @@ import memsched
 from memsched.optim.host_updates import OverlapError
 from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import HOST
-from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
+from tests._numerics import (
+    LR,
+    SIM,
+    WD,
+    Reference,
+    assert_same,
+    gpt_batches,
+    gpt_loss,
+    same,
+    tiny_gpt,
+    uncounted,
+)
 
 CLIP = 0.05
 PLACEMENTS = {
@@ -118,13 +129,13 @@ def grouped_parity_run(model, sched, ref, batches, clip, what: str) -> None:
         state = model.state_dict()  # waits for the overlapped update
         with paused(sched):
             for name, q in ref.model.state_dict().items():
-                assert torch.equal(state[name], q), f"{what} step {i}: {name}"
+                assert same(state[name], q), f"{what} step {i}: {name}"
             assert_same(model, ref, f"{what} step {i}")
             if dtype != torch.float32:  # the fp32 masters, in the groups' order
                 sd = sched.optimizer.state_dict()["state"]
                 masters = [m for g in ref.opt.param_groups for m in g["params"]]
                 for k, m in enumerate(masters):
-                    assert torch.equal(sd[k]["master_weight"], m), f"{what} master {k}, step {i}"
+                    assert same(sd[k]["master_weight"], m), f"{what} master {k}, step {i}"
 
 
 def accumulated(ref: Reference, micro):
@@ -149,7 +160,7 @@ def test_forward_waits_for_its_chunks_and_records_the_wait(slow_worker):
             loss = gpt_loss(model, b)
             with paused(sched):
                 ref_loss = gpt_loss(ref.model, b)
-            assert torch.equal(loss.detach(), ref_loss.detach())
+            assert same(loss.detach(), ref_loss.detach())
             sched.backward(loss)
             sched.optimizer.step()
             sched.optimizer.zero_grad()
@@ -176,7 +187,7 @@ def test_reads_wait(slow_worker):
     sd = sched.optimizer.state_dict()
     with paused(sched):
         for i, m in enumerate(ref.opt.param_groups[0]["params"]):
-            assert torch.equal(sd["state"][i]["exp_avg"], ref.opt.state[m]["exp_avg"])
+            assert same(sd["state"][i]["exp_avg"], ref.opt.state[m]["exp_avg"])
     sched.backward(gpt_loss(model, b[0]))
     sched.optimizer.step()
     with paused(sched):
@@ -374,9 +385,10 @@ def test_a_read_before_its_module_waits_at_the_read_and_the_guard_leaves(slow_wo
     step timeline says so), results equal torch's, and no torch function mode is left after the forward, after
     a forward that raised, or after close()."""
     model = _ParentReadsChild()
-    ref = copy.deepcopy(model)
+    with uncounted():
+        ref = copy.deepcopy(model).to(SIM)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
-    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)).to(SIM) for i in range(4)]
     stack = torch._C._len_torch_function_stack
     with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=300, overlap=True,
                          **PLACEMENTS["cpu"]) as sched:
@@ -391,14 +403,14 @@ def test_a_read_before_its_module_waits_at_the_read_and_the_guard_leaves(slow_wo
                 ref_loss.backward()
                 ref_opt.step()
                 ref_opt.zero_grad()
-                assert torch.equal(loss.detach(), ref_loss.detach())
+                assert same(loss.detach(), ref_loss.detach())
         reads = [s.name for r in sched.step_timeline.records for s in r.spans if "(read)" in s.name]
         assert reads and all(name.startswith("linear (read) <- chunk") for name in reads)
         with pytest.raises(RuntimeError):
-            model(torch.randn(4, 15))  # fails inside the forward, guard entered
+            model(torch.randn(4, 15, device=SIM))  # fails inside the forward, guard entered
         assert stack() == 0
         sched.synchronize()
         with paused(sched):
             for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-                assert torch.equal(p, q)
+                assert same(p, q)
     assert stack() == 0

@@ -37,7 +37,7 @@ def sched():
     with memsched.attach(model, policy="static", policy_options={"offload_optim_frac": 0.5},
                          device="sim:2GiB", chunk_numel=20000) as s:
         for _ in range(3):
-            s.backward(model(torch.randn(16, 128)).pow(2).mean())
+            s.backward(model(torch.randn(16, 128).to(s.device.torch_device)).pow(2).mean())
             s.optimizer.step()
             s.optimizer.zero_grad()
     assert {DEVICE, HOST} <= set(s.plan.placement)  # a real split, so both sides are drawn
@@ -110,7 +110,7 @@ def test_figure_draws_the_decision_on_the_timeline_axis(sched) -> None:
                   f"optimizer state and gradients on the host {format_bytes(on_host)}"):
         assert words in legend
     title = main.get_title(loc="left")
-    assert title.startswith("sim:2GiB (stand-in; tensors on cpu)") and "policy static" in title
+    assert title.startswith("sim:2GiB (stand-in; tensors on sim:0)") and "policy static" in title
 
 
 def test_plain_trace_draws_the_timeline_alone(sched, tmp_path) -> None:
@@ -118,7 +118,7 @@ def test_plain_trace_draws_the_timeline_alone(sched, tmp_path) -> None:
     assert not DECISION_GIDS & set(artists(fig))
     assert len(fig.axes) == 1 and fig.axes[0].collections  # the stacked area
     # Without a device string the title names the stand-in as the scheduler recorded it.
-    assert fig.axes[0].get_title(loc="left").startswith("sim:2.0 GiB (stand-in; tensors on cpu)")
+    assert fig.axes[0].get_title(loc="left").startswith("sim:2.0 GiB (stand-in; tensors on sim:0)")
     path = exports.write_png(sched.timeline, tmp_path / "plain.png")
     assert path.read_bytes()[:8] == PNG_MAGIC
 

@@ -35,7 +35,7 @@ from torch import nn
 import memsched
 from memsched.models.gpt import GPT, GPTConfig
 from policies.types import DEVICE, HOST
-from tests._numerics import LR, WD, Branchy, gpt_batches, gpt_loss, tiny_gpt
+from tests._numerics import LR, SIM, WD, Branchy, gpt_batches, gpt_loss, same, tiny_gpt, uncounted
 from tests.test_overlap import PLACEMENTS, paused
 
 POLICIES = ["cpu", "static", "auto"]
@@ -50,7 +50,8 @@ class Pair:
 
     def __init__(self, placement: str, overlap, model: nn.Module | None = None, **kw) -> None:
         self.model = model if model is not None else tiny_gpt()
-        self.ref = copy.deepcopy(self.model)
+        with uncounted():
+            self.ref = copy.deepcopy(self.model).to(SIM)
         self.ref_opt = torch.optim.AdamW(self.ref.parameters(), lr=LR, weight_decay=WD, fused=True)
         opts = {"chunk_numel": 8192, **PLACEMENTS[placement], **kw}
         self.sched = memsched.attach(self.model, lr=LR, weight_decay=WD, overlap=overlap, **opts)
@@ -65,8 +66,9 @@ class Pair:
         self.sched.synchronize()
         with paused(self.sched):
             for (n, p), q in zip(self.model.named_parameters(), self.ref.parameters(), strict=True):
-                if not torch.equal(p.detach(), q.detach()):
-                    d = (p.detach() - q.detach()).abs().max().item()
+                p, q = p.detach().cpu(), q.detach().cpu()
+                if not same(p, q):
+                    d = (p - q).abs().max().item()
                     raise AssertionError(f"{what}: {n} differs from torch (max diff {d:.3g})")
 
     def check_state(self, what: str) -> None:
@@ -77,7 +79,7 @@ class Pair:
             theirs = self.ref_opt.state_dict()["state"]
             for i, st in theirs.items():
                 for k in ("exp_avg", "exp_avg_sq", "step"):
-                    assert torch.equal(ours[i][k].float(), st[k].float()), f"{what}: state {i} {k}"
+                    assert same(ours[i][k].float().cpu(), st[k].float().cpu()), f"{what}: state {i} {k}"
             for i, st in ours.items():
                 if i not in theirs:
                     assert float(st["step"]) == 0 and not st["exp_avg"].any(), f"{what}: state {i} moved"
@@ -160,7 +162,7 @@ def test_unused_branch_with_each_zero_grad(overlap, zero):
     model = Branchy()
     pair = Pair("cpu", overlap, model=model, chunk_numel=400)
     g = torch.Generator().manual_seed(3)
-    xs = [torch.randn(4, 8, generator=g) for _ in range(6)]
+    xs = [torch.randn(4, 8, generator=g).to(SIM) for _ in range(6)]
     with pair.sched:
         for i, x in enumerate(xs):
             use = i % 2 == 0 and i > 0
@@ -198,7 +200,13 @@ def test_plain_loss_backward(placement, overlap):
             assert pair.opt.early_updates.committed > 0  # the updates made during backward were used
 
 
-BACKWARDS = ["retain-graph-twice", "autograd-backward-two-roots", "backward-inputs-subset",
+# Found by the stand-in device (issue 27): after the first backward's end the host chunks' parameters are
+# host views, and a second backward of a retained graph reads the saved parameters autograd kept (the
+# leaves themselves) before any memsched hook runs: on a GPU, torch's device error.
+RETAINED = pytest.param("retain-graph-twice", marks=pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="a retained graph's second backward reads host-bound parameters"))
+BACKWARDS = [RETAINED, "autograd-backward-two-roots", "backward-inputs-subset",
              "autograd-grad-read", "closure", "zero-grad-between-micro-batches"]
 
 
@@ -272,11 +280,11 @@ def test_plain_loss_backward_under_fp16_is_refused():
         with pytest.raises(RuntimeError, match=r"loss\.backward\(\).*sched\.backward\(loss\)"):
             sched.optimizer.step()
         with paused(sched):
-            assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+            assert all(same(p, q) for p, q in zip(model.parameters(), before, strict=True))
             after = sched.optimizer.state_dict()["state"]
             for i, st in state.items():
                 for k, v in st.items():
-                    assert torch.equal(after[i][k], v), (i, k)
+                    assert same(after[i][k], v), (i, k)
 
 
 # ---- 3. evaluation between steps ---------------------------------------------------------------------------
@@ -331,8 +339,8 @@ def test_eval_right_after_step(placement, overlap, zero, slow_early_worker, no_f
                         opt.zero_grad()
             ours, theirs = eval_logits(pair, pair.model, evals), eval_logits(pair, pair.ref, evals)
             with pair.ref_side():
-                assert torch.equal(ours[0], theirs[0]), f"step {i}: no_grad logits"
-                assert torch.equal(ours[1], theirs[1]), f"step {i}: inference_mode logits"
+                assert same(ours[0], theirs[0]), f"step {i}: no_grad logits"
+                assert same(ours[1], theirs[1]), f"step {i}: inference_mode logits"
             pair.check(f"step {i}")
         pair.check_state("end")
 
@@ -365,7 +373,7 @@ def test_eval_mode_logits_equal_torch(overlap):
         with pair.ref_side():
             for k, what in enumerate(("no_grad", "inference_mode")):
                 d = (ours[k] - theirs[k]).abs().max().item()
-                assert torch.equal(ours[k], theirs[k]), f"eval-mode {what} logits differ (max diff {d:.3g})"
+                assert same(ours[k], theirs[k]), f"eval-mode {what} logits differ (max diff {d:.3g})"
 
 
 @pairs(ONE_EACH)
@@ -570,9 +578,10 @@ MICRO = [1, 3, 2, 1, 4]
 
 
 def grad_norms(model) -> list[torch.Tensor]:
+    # between backward and step, host chunks' gradients are on the host (their parameters too)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
-    return [total, *(g.norm() for g in grads), torch.stack([g.abs().max() for g in grads]).max()]
+    total = torch.nn.utils.get_total_norm(grads).cpu()
+    return [total, *(g.norm().cpu() for g in grads), torch.stack([g.abs().max().cpu() for g in grads]).max()]
 
 
 @pairs()
@@ -600,7 +609,11 @@ def test_varying_accumulation_with_gradient_reads(placement, overlap, slow_early
                 for j, (ours, theirs) in enumerate(zip(read["ours"], read["ref"], strict=True)):
                     assert len(ours) == len(theirs)
                     for q, (a, c) in enumerate(zip(ours, theirs, strict=True)):
-                        assert torch.equal(a, c), f"step {i} micro {j}: norm {q} {a.item()} != {c.item()}"
+                        # the total norm sums per-device partial norms (torch's get_total_norm), and between
+                        # backward and step host chunks' gradients are on the host: the order can differ
+                        exact = q > 0 or placement == "cuda"
+                        assert same(a, c) if exact else torch.allclose(a, c, rtol=1e-6, atol=0), \
+                            f"step {i} micro {j}: norm {q} {a.item()} != {c.item()}"
                     assert math.isfinite(ours[0].item())
             pair.check(f"step {i} ({n} micro-batches)")
         pair.check_state("end")
@@ -613,7 +626,7 @@ def test_varying_accumulation_with_gradient_reads(placement, overlap, slow_early
 def branchy_pair(overlap) -> tuple[Pair, list[torch.Tensor]]:
     pair = Pair("cpu", overlap, model=Branchy(), chunk_numel=400)
     g = torch.Generator().manual_seed(3)
-    return pair, [torch.randn(4, 8, generator=g) for _ in range(5)]
+    return pair, [torch.randn(4, 8, generator=g).to(SIM) for _ in range(5)]
 
 
 @pytest.mark.parametrize("zero", ["optimizer", "module"])
@@ -678,5 +691,5 @@ def test_submodule_forward_right_after_step(overlap, slow_early_worker, no_fastp
                     h = m.blocks[1](m.wte(x))
                     outs.append(m.lm_head(m.ln_f(h)).clone())
             with pair.ref_side():
-                assert torch.equal(outs[0], outs[1]), f"step {i}: submodule logits"
+                assert same(outs[0], outs[1]), f"step {i}: submodule logits"
             pair.check(f"step {i}")

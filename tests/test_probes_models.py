@@ -37,7 +37,7 @@ import memsched
 from memsched.optim.early_update import EarlyUpdates
 from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import DEVICE, HOST
-from tests._numerics import LR, WD, Branchy
+from tests._numerics import LR, SIM, WD, Branchy, same, to_dev, uncounted
 from tests.test_overlap import paused
 
 D = 32  # width of every probe model
@@ -71,6 +71,18 @@ def slow_worker(monkeypatch):
     return delays
 
 
+# Found by the stand-in device (issue 27): with parameters offloaded (``auto`` here), a parameter read outside
+# the root's forward (a loss term, submodules called directly) is a host view: on a GPU, torch's device error.
+OUTSIDE_FORWARD = pytest.mark.xfail(
+    strict=True, raises=RuntimeError,
+    reason="offloaded parameters read outside the root's forward are host views")
+
+
+def offloaded_reads_outside(policy: str):
+    """``policy`` as a parameter, marked when it offloads parameters (see OUTSIDE_FORWARD)."""
+    return pytest.param(policy, marks=OUTSIDE_FORWARD) if policy == "auto" else policy
+
+
 def placement(policy: str, auto_capacity: str) -> dict:
     if policy == "cpu":
         return dict(policy="cpu", device="sim:64MiB")
@@ -101,9 +113,10 @@ def run_parity(make_model: Callable[[], nn.Module], policy: str, overlap, *,
     Returns the set of chunk placements after warmup."""
     torch.manual_seed(0)
     model = make_model()
-    ref = copy.deepcopy(model)
+    with uncounted():
+        ref = copy.deepcopy(model).to(SIM)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
-    data = batches(steps)
+    data = to_dev(batches(steps))
     what = f"{policy} overlap={overlap}"
     sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=chunk_numel, overlap=overlap,
                             **placement(policy, auto_capacity))
@@ -124,7 +137,7 @@ def run_parity(make_model: Callable[[], nn.Module], policy: str, overlap, *,
                 ref_loss.backward()
                 ref_opt.step()
                 ref_opt.zero_grad()
-                assert torch.equal(loss.detach(), ref_loss.detach()), f"{what}: loss of step {i}"
+                assert same(loss.detach(), ref_loss.detach()), f"{what}: loss of step {i}"
             if overlap is False or i % 2 == 1:
                 sched.synchronize()
                 with paused(sched):
@@ -143,11 +156,12 @@ def run_parity(make_model: Callable[[], nn.Module], policy: str, overlap, *,
 
 def assert_params_same(model: nn.Module, ref: nn.Module, what: str) -> None:
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        if not torch.equal(p.detach(), q.detach()):
-            d = (p.detach() - q.detach()).abs().max().item()
+        p, q = p.detach().cpu(), q.detach().cpu()
+        if not same(p, q):
+            d = (p - q).abs().max().item()
             raise AssertionError(f"{what}: {name} differs from the reference (max diff {d:.3g})")
     for (name, b), c in zip(model.named_buffers(), ref.buffers(), strict=True):
-        assert torch.equal(b, c), f"{what}: buffer {name} differs from the reference"
+        assert same(b.cpu(), c.cpu()), f"{what}: buffer {name} differs from the reference"
 
 
 both = pytest.mark.parametrize("overlap", OVERLAPS, ids=["serial", "overlap", "backward"])
@@ -327,7 +341,7 @@ def loss_reading_before_forward(model, batch):
 
 
 @both
-@policies
+@pytest.mark.parametrize("policy", [offloaded_reads_outside(p) for p in POLICIES])
 def test_parameters_read_only_in_the_loss_after_the_forward(policy, overlap, slow_worker):
     """``loss + model.extra.pow(2).sum()``: the parameters are read after the model's forward (whose root
     pre-hook waited for their chunks)."""
@@ -335,7 +349,7 @@ def test_parameters_read_only_in_the_loss_after_the_forward(policy, overlap, slo
 
 
 @both
-@policies
+@pytest.mark.parametrize("policy", [offloaded_reads_outside(p) for p in POLICIES])
 def test_parameters_read_only_in_the_loss_before_the_forward(policy, overlap, slow_worker):
     """The same penalty computed before ``model(x)`` in the loss function: the first read of ``extra`` and
     ``aux.weight`` in the step happens before any module forward, outside what memsched.runtime.read_guard
@@ -447,7 +461,7 @@ class Normed(nn.Module):
 def test_buffers_updated_in_forward(policy, overlap, slow_worker):
     """Parameters bit-exact, and the running statistics and power-iteration vectors equal too (they depend on
     the parameters read)."""
-    run_parity(Normed, policy, overlap, auto_capacity="77KiB")
+    run_parity(Normed, policy, overlap, auto_capacity="84KiB")
 
 
 class TwoPart(nn.Module):
@@ -466,7 +480,7 @@ def loss_without_root(model, batch):
 
 
 @both
-@policies
+@pytest.mark.parametrize("policy", [offloaded_reads_outside(p) for p in POLICIES])
 def test_root_module_never_called(policy, overlap, slow_worker):
     run_parity(TwoPart, policy, overlap, loss_fn=loss_without_root, auto_capacity="89KiB")
 

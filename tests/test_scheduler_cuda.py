@@ -15,6 +15,7 @@ from torch import nn
 import memsched
 from memsched.devices.spec import parse_device
 from policies.types import DEVICE, HOST
+from tests._numerics import same
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -94,7 +95,7 @@ def test_pinned_host_buffers_streams_and_events():
         sched.optimizer.step()
         assert sched.transfers.last_d2h_bytes == 2 * numel * 4
         for c in host:
-            assert torch.equal(c.host_grad, c.grad.cpu())  # the clipped gradients reached the host
+            assert same(c.host_grad, c.grad.cpu())  # the clipped gradients reached the host
         # Without a write after backward, the copy made during backward is the one used.
         sched.optimizer.zero_grad()
         sched.backward(m(x).pow(2).mean())
@@ -116,7 +117,7 @@ def test_bf16_on_cuda_keeps_fp32_masters():
         sched.synchronize()
         for c in sched.store.chunks:
             assert c.data.dtype == torch.bfloat16 and c.master.dtype == torch.float32
-            assert torch.equal(c.data[: c.numel].float(), c.master.to(c.data.device).bfloat16().float())
+            assert same(c.data[: c.numel].float(), c.master.to(c.data.device).bfloat16().float())
     assert losses[-1] < losses[0]
 
 
@@ -126,7 +127,7 @@ def test_overlap_on_cuda_bit_exact(dtype, overlap):
     """overlap=True on a GPU: host chunks updated by the worker thread (CPU kernel), H2D on the side stream
     after the step's backward; each parameter equals torch's fused AdamW run where memsched runs it.
     overlap="backward": the updates start during backward from the early D2H copies and are committed."""
-    from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, tiny_gpt
+    from tests._numerics import LR, WD, Reference, gpt_batches, gpt_loss, same, tiny_gpt
 
     model = tiny_gpt().cuda()
     ref = Reference(model, dtype)
@@ -142,7 +143,7 @@ def test_overlap_on_cuda_bit_exact(dtype, overlap):
             ref.step(b, gpt_loss, None, on_host=on_host)
         sched.synchronize()
         for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
-            assert torch.equal(p, q), name
+            assert same(p, q), name
         assert {c.placement for c in sched.store.chunks} == {"device", "host"}
         assert len(sched.step_timeline.records) == 5
         if overlap == "backward":
@@ -167,7 +168,7 @@ def test_torch_zero_grad_in_place_right_after_an_overlapped_step():
             ref.step(b, gpt_loss, None, on_host=set(range(len(list(model.parameters())))))
         sched.synchronize()
         for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
-            assert torch.equal(p, q), name
+            assert same(p, q), name
 
 
 @pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch < 2.6: no stance")
@@ -198,5 +199,5 @@ def test_compiled_on_cuda_bit_exact_with_one_graph_break(overlap):
         sched.synchronize()
         breaks = dict(counters["graph_break"])
     for (name, p), q in zip(model.named_parameters(), ref.model.parameters(), strict=True):
-        assert torch.equal(p, q), name
+        assert same(p, q), name
     assert sum(breaks.values()) == 1 and any("disable" in k for k in breaks), breaks

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import memsched
+from tests._numerics import SIM, same
 
 MODES = {
     "grads-on-host": dict(policy="cpu", device="sim:64MiB"),
@@ -25,12 +26,13 @@ def mlp() -> nn.Module:
 
 
 def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch on the stand-in device, where the model trains (the reference too)."""
     g = torch.Generator().manual_seed(step)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    return torch.randn(8, 16, generator=g).to(SIM), torch.randn(8, 4, generator=g).to(SIM)
 
 
 def run_torch(train_step, **adamw) -> list[torch.Tensor]:
-    model = mlp()
+    model = mlp().to(SIM)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **({"lr": LR, "weight_decay": WD} | adamw))
     for s in range(STEPS):
         train_step(model, opt, s)
@@ -48,7 +50,8 @@ def run_memsched(train_step, mode: str, **kw) -> list[torch.Tensor]:
 def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert torch.equal(x, y), f"parameter {i} differs by {(x - y).abs().max().item()}"
+        x, y = x.cpu(), y.cpu()
+        assert same(x, y), f"parameter {i} differs by {(x - y).abs().max().item()}"
 
 
 def hand_set_gradients(model, opt, step):
@@ -69,7 +72,7 @@ def test_hand_set_gradients_are_applied(mode):
 def replace_one_gradient_after_backward(model, opt, step):
     x, y = data(step)
     nn.functional.mse_loss(model(x), y).backward()
-    model[2].weight.grad = torch.full_like(model[2].weight, 0.25)
+    model[2].weight.grad = torch.full_like(model[2].weight, 0.25)  # on the parameter's device
     opt.step()
     opt.zero_grad()
 
@@ -114,9 +117,9 @@ def test_a_kept_gradient_keeps_its_values(mode):
             sched.optimizer.zero_grad()
             nn.functional.mse_loss(model(x * 2), y).backward()
             for g, v in zip(kept, values, strict=True):
-                assert torch.equal(g, v)
-            fresh = [p.grad.clone() for p in model.parameters()]
-            assert not all(torch.equal(f, v) for f, v in zip(fresh, values, strict=True))
+                assert same(g.cpu(), v.cpu())
+            fresh = [p.grad.cpu() for p in model.parameters()]
+            assert not all(same(f, v.cpu()) for f, v in zip(fresh, values, strict=True))
             sched.optimizer.zero_grad()
 
 
@@ -136,7 +139,7 @@ def test_defaults_are_torchs():
         mine = [p.detach().clone() for p in model.parameters()]
         group = sched.optimizer.param_groups[0]
         assert (group["lr"], group["weight_decay"]) == (1e-3, 1e-2)
-    ref = mlp()
+    ref = mlp().to(SIM)
     opt = torch.optim.AdamW(ref.parameters(), fused=True)
     for step in range(STEPS):
         plain_steps(ref, opt, step)
@@ -171,7 +174,7 @@ def test_sparse_embeddings_are_refused_at_attach(cls):
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"module '0' is a .* with sparse=True.*does not support sparse"):
         memsched.attach(model, policy="cpu", device="sim:64MiB")
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(same(a, b) for a, b in zip(before, model.parameters(), strict=True))
     model[0].weight.requires_grad_(False)  # frozen: no sparse gradient to train
     with memsched.attach(model, policy="cpu", device="sim:64MiB"):
         pass
@@ -197,7 +200,7 @@ def test_safetensors_round_trip_of_tied_weights(mode, tmp_path):
     loads back exactly, and stays tied."""
     safetensors_torch = pytest.importorskip("safetensors.torch")
     model = Tied()
-    x = torch.randint(0, 10, (4, 5))
+    x = torch.randint(0, 10, (4, 5)).to(SIM)
     with memsched.attach(model, lr=LR, weight_decay=WD, **MODES[mode]) as sched:
         for _ in range(2):
             model(x).pow(2).mean().backward()
@@ -214,11 +217,11 @@ def test_safetensors_round_trip_of_tied_weights(mode, tmp_path):
         model.load_state_dict(loaded, strict=False)  # into the attached model: in place
         assert model.head.weight is model.emb.weight
         for k, v in model.state_dict().items():
-            assert torch.equal(v, saved[k]), k
+            assert same(v.cpu(), saved[k].cpu()), k
         model(x).pow(2).mean().backward()  # and training goes on
         sched.optimizer.step()
     other = Tied()
     other.load_state_dict(safetensors_torch.load_file(path), strict=False)
     assert other.head.weight is other.emb.weight
     for k, v in other.state_dict().items():
-        assert torch.equal(v, saved[k]), k
+        assert same(v.cpu(), saved[k].cpu()), k

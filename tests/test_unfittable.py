@@ -12,11 +12,12 @@ import memsched
 from memsched.models import build_gpt
 from memsched.models.gpt import lm_loss
 from policies.types import HOST
+from tests._numerics import SIM, same
 
 
 def batch(b: int, s: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 256, (b, s + 1), generator=g)
+    x = torch.randint(0, 256, (b, s + 1), generator=g).to(SIM)
     return x[:, :-1], x[:, 1:]
 
 
@@ -40,7 +41,7 @@ def test_an_input_too_large_for_the_device_says_everything_is_already_on_the_hos
         assert "Reduce the batch size or the sequence length" in text
         del info  # its traceback holds the failed forward's activations
         sched.optimizer.zero_grad()
-        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))  # nothing lost
+        assert all(same(p, q) for p, q in zip(model.parameters(), before, strict=True))  # nothing lost
         sched.backward(lm_loss(model, *batch(2, 32, 9)))  # a batch that fits still trains
         sched.optimizer.step()
 

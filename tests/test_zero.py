@@ -24,6 +24,7 @@ from memsched.distributed import (
     shard_state_numel,
 )
 from tests._dist_utils import run_ranks
+from tests._numerics import same, to_dev
 
 STEPS = 3
 LR, WD = 1e-2, 0.1
@@ -87,7 +88,8 @@ def _train_rank(rank: int, world: int, cfg: dict) -> dict:
         per = BATCH // world
         for micro in batches(STEPS, accum):
             for k, (x, y) in enumerate(micro):
-                xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+                dev = sched.device.torch_device
+                xs, ys = x[rank * per : (rank + 1) * per].to(dev), y[rank * per : (rank + 1) * per].to(dev)
                 ctx = sched.no_sync() if k < accum - 1 else _null()
                 with ctx:
                     sched.backward(torch.nn.functional.mse_loss(model(xs), ys) / accum)
@@ -129,6 +131,7 @@ def _run_configs(rank: int, world: int, cfgs: list[dict]) -> list[dict]:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.cpu(), b.cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
@@ -155,7 +158,7 @@ def _check(results: list[list[dict]], cfgs: list[dict], world: int) -> None:
                 got = res["params"][name]
                 assert _rel(got, ref) < 1e-6, (cfg, r, name, _rel(got, ref))
                 # every rank holds the same parameters, bit for bit, after the fetch
-                assert torch.equal(got, per_rank[0]["params"][name]), (cfg, r, name)
+                assert same(got, per_rank[0]["params"][name]), (cfg, r, name)
             for i, st in ref_sd["state"].items():
                 for k in ("exp_avg", "exp_avg_sq"):
                     assert _rel(res["state"][i][k], st[k]) < 1e-5, (cfg, r, i, k)
@@ -341,7 +344,7 @@ def _train_single(**kw: object) -> dict[str, torch.Tensor]:
     with memsched.attach(model, device="sim:64MiB", lr=LR, weight_decay=WD, **kw) as sched:
         assert sched.zero is None
         for micro in batches(STEPS, 1):
-            x, y = micro[0]
+            x, y = to_dev(micro[0], sched.device.torch_device)
             sched.backward(torch.nn.functional.mse_loss(model(x), y))
             sched.optimizer.step()
             sched.optimizer.zero_grad()
@@ -352,7 +355,7 @@ def test_world_size_one_is_exactly_single_process() -> None:
     plain = _train_single()
     for stage, fetch in [(2, "all_reduce"), (0, "all_gather")]:
         got = _train_single(zero_stage=stage, fetch=fetch)
-        assert all(torch.equal(got[n], plain[n]) for n in plain)
+        assert all(same(got[n], plain[n]) for n in plain)
 
 
 # ---- per-rank reports --------------------------------------------------------------------------------------
@@ -367,7 +370,7 @@ def _report_rank(rank: int, world: int, path: str) -> dict | None:
 
     model = make_model()
     with memsched.attach(model, device="sim:64MiB", zero_stage=1, **{"policy": "static"}) as sched:
-        x, y = batches(1, 1)[0][0]
+        x, y = to_dev(batches(1, 1)[0][0], sched.device.torch_device)
         for _ in range(2):
             sched.backward(torch.nn.functional.mse_loss(model(x), y))
             sched.optimizer.step()
@@ -417,7 +420,7 @@ def _fp16_rank(rank: int, world: int, stage: int) -> dict:
             sched.optimizer.step()
             sched.optimizer.zero_grad()
             with sched.gathered_params():
-                skipped.append(all(torch.equal(before[n], p) for n, p in model.named_parameters()))
+                skipped.append(all(same(before[n], p) for n, p in model.named_parameters()))
         with sched.gathered_params():
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
         return {"skipped": skipped, "count": sched.scaler.skipped_steps, "scale": float(sched.scaler.scale),
@@ -431,7 +434,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage: int) -> None
         # step 1 skipped on both ranks; step 0 may overflow at the initial scale, on both alike
         assert r["skipped"][1] and not r["skipped"][2] and r["count"] == sum(r["skipped"])
     assert res[0]["skipped"] == res[1]["skipped"] and res[0]["scale"] == res[1]["scale"]
-    assert all(torch.equal(res[0]["params"][n], res[1]["params"][n]) for n in res[0]["params"])
+    assert all(same(res[0]["params"][n], res[1]["params"][n]) for n in res[0]["params"])
 
 
 # ---- where chunks are built -----------------------------------------------------------------------------
@@ -464,4 +467,4 @@ def test_stage_params_packs_cpu_chunks_into_one_flat_buffer() -> None:
     first = [params[s.index] for s in layout.chunks[0]]
     assert len(first) > 1 and len({p.untyped_storage().data_ptr() for p in first}) == 1
     assert stats["moved_bytes"] == sum(p.numel() * 4 for p in first)
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(same(p, before[n]) for n, p in model.named_parameters())

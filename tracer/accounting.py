@@ -8,7 +8,9 @@ It works for CPU, CUDA and ``FakeTensorMode`` tensors (also fake ``cuda`` tensor
 which is what lets memsched plan before running. The idea of tracking storages from the dispatcher follows
 ``torch.distributed._tools.mem_tracker.MemTracker``; the categories follow PatrickStar (arXiv 2108.05818).
 
-Semantics (all sizes are storage bytes, ``UntypedStorage.nbytes()``, without allocator rounding):
+Semantics (all sizes are storage bytes, ``UntypedStorage.nbytes()``; on a device other than the CPU rounded
+up to the 512 B blocks CUDA's caching allocator hands out, which memsched's stand-in device counts too, so a
+traced peak is the allocated bytes the device would report):
 
 * A storage is *new* when an op outputs it and it was not seen before. Ops whose every output aliases an
   input (views, in-place and ``out=`` ops) create nothing, except that ``resize_``-like and ``out=`` ops are
@@ -25,7 +27,8 @@ Semantics (all sizes are storage bytes, ``UntypedStorage.nbytes()``, without all
 
 Not seen: scratch memory a kernel allocates and frees inside one op, ``UntypedStorage.resize_`` called from
 Python (it bypasses the dispatcher), tensors made outside the dispatcher (``torch.from_numpy``) unless
-classified, and the caching allocator's rounding (the tracer's ``cuda`` backend reports that side).
+classified, and the caching allocator's segments and fragmentation (the tracer's ``cuda`` backend reports
+that side).
 """
 
 from __future__ import annotations
@@ -62,6 +65,17 @@ def _in_autograd() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
     task = graph_task_id()
     return task is not None and task != -1
+
+
+BLOCK_BYTES = 512  # CUDA's caching allocator's smallest block (kMinBlockSize); the stand-in rounds the same
+
+
+def block_bytes(nbytes: int, host: bool) -> int:
+    """Bytes a storage of ``nbytes`` takes: as they are on the host, rounded up to :data:`BLOCK_BYTES` on a
+    device (0 stays 0)."""
+    if host or nbytes <= 0:
+        return max(0, nbytes)
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
 
 class StorageAccountant(TorchDispatchMode):
@@ -177,7 +191,7 @@ class StorageAccountant(TorchDispatchMode):
             return 0
         entry = self._live.get(id(st))
         if entry is None:
-            nbytes = st.nbytes()
+            nbytes = block_bytes(st.nbytes(), tensor.is_cpu)
             if nbytes == 0:
                 return 0
             dev = self._names.get(tensor.device) or self._name(tensor.device)
@@ -238,7 +252,7 @@ class StorageAccountant(TorchDispatchMode):
         key = id(st)
         if key in self._live:
             return
-        nbytes = st.nbytes()
+        nbytes = st.nbytes() if t.is_cpu else block_bytes(st.nbytes(), False)
         if not nbytes:
             return
         cat = self._cat
@@ -298,7 +312,7 @@ class StorageAccountant(TorchDispatchMode):
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor):
                 st = a.untyped_storage()
-                before[id(st)] = st.nbytes()
+                before[id(st)] = block_bytes(st.nbytes(), a.is_cpu)
         out = func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for t in outs:
@@ -306,7 +320,7 @@ class StorageAccountant(TorchDispatchMode):
                 continue
             st = t.untyped_storage()
             key = id(st)
-            nbytes = st.nbytes()
+            nbytes = block_bytes(st.nbytes(), t.is_cpu)
             entry = self._live.get(key)
             if entry is None:
                 if nbytes > before.get(key, 0):

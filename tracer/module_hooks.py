@@ -133,8 +133,9 @@ class ModuleHooks:
         if not self.active or _in_autograd():
             return None
         if self._depth == 0 and not self._in_backward_pass:
-            # A new outermost forward: hooks of older graphs need no removal by us any more.
-            self._grad_handles.clear()
+            # A new outermost forward: hooks of older graphs go (a hook on a leaf input, such as a
+            # parametrization's original parameter, would otherwise stay on that tensor for good)
+            self._drop_grad_handles()
         self._depth += 1
         calls = self._calls
         call = _Call(name, calls[-1] if calls else None)
@@ -221,9 +222,14 @@ class ModuleHooks:
         for call in reversed(list(self._open)):
             self._close(call)
         self._in_backward_pass = False
-        # Graphs of finished passes are gone; keep only handles that may still matter.
-        self._grad_handles.clear()
+        # Hooks of finished passes go (see _fw_pre)
+        self._drop_grad_handles()
         self._listener.backward_end()
+
+    def _drop_grad_handles(self) -> None:
+        for h in self._grad_handles:
+            h.remove()
+        self._grad_handles.clear()
 
 
 def _on_grads(tensors: list[torch.Tensor], fn: Any, mode: str) -> Any:

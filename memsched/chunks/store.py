@@ -85,7 +85,7 @@ class ChunkStore:
         # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
         # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
         self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
-        self._end_task: int | None = None  # the backward whose end is queued (_none_without_grad)
+        self._open_tasks: set[int | None] = set()  # backward passes whose end is queued (_backward_end)
         self._ready_pending: list[Chunk] = []  # complete chunks not announced yet (_flush_ready)
         self._flush_task: int | None = None  # the backward whose flush is queued (more ranks, ZeRO-0/1)
         self._n_params = sum(len(g) for g in self.groups)
@@ -483,8 +483,10 @@ class ChunkStore:
         their ``.grad`` are views into the chunk's host buffers (``param_host``, ``grad_host``): torch's
         ``clip_grad_norm_(model.parameters())``, ``model.state_dict()``, ``torch.save`` and anything else
         between steps see every gradient and the current values, and torch requires a gradient on its
-        parameter's device. The next forward binds them to the device again (:meth:`enter_compute`), where
-        writes made to the host views meanwhile are taken in. FSDP2's ``CPUOffloadPolicy`` keeps its sharded
+        parameter's device. ``zero_grad(set_to_none=True)`` (no gradient left) or the next forward binds
+        them to the device again (:meth:`enter_compute`), where writes made to the host views meanwhile are
+        taken in; parameters whose values live on the host only (parameter offload) stay host views until
+        the forward that fetches them. FSDP2's ``CPUOffloadPolicy`` keeps its sharded
         parameters and their gradients on the host between steps in the same way."""
         with torch.no_grad():
             if c.data is not None and c.index not in self.host_bound and any(
@@ -546,25 +548,31 @@ class ChunkStore:
         for c in self.chunks:
             if c.index not in self.host_bound or (self.closed and c.data is None):
                 continue
-            written = False
-            with torch.no_grad():
-                for p in c.params:
-                    g = p.grad
-                    if g is None:
-                        if id(p) in self.host_grads:  # dropped by the user
-                            self.host_grads.discard(id(p))
-                            self.with_grad.discard(id(p))
-                    elif g.data_ptr() != self.host_view("grad", p, c).data_ptr():  # set by hand
-                        with self.alloc.host_context():
-                            self.host_view("grad", p, c).copy_(g)
-                        self.host_grads.add(id(p))
-                        self.with_grad.add(id(p))
-                        p.grad = self.host_view("grad", p, c)
-                    written |= p._version != self._host_versions.get(id(p), p._version)
-                if written:
-                    self._take_host_writes(c)
-            self._bind_compute(c)
-            self.host_bound.discard(c.index)
+            self._leave_host(c)
+
+    def _leave_host(self, c: Chunk) -> None:
+        """``c`` stops being host-bound: its parameters become their device views (absent views when its
+        buffer is away); host gradients stay where they are, one dropped by the user is dropped, one set by
+        hand is taken in, and writes to the host views reach the master and the device copy first."""
+        written = False
+        with torch.no_grad():
+            for p in c.params:
+                g = p.grad
+                if g is None:
+                    if id(p) in self.host_grads:  # dropped by the user
+                        self.host_grads.discard(id(p))
+                        self.with_grad.discard(id(p))
+                elif g.data_ptr() != self.host_view("grad", p, c).data_ptr():  # set by hand
+                    with self.alloc.host_context():
+                        self.host_view("grad", p, c).copy_(g)
+                    self.host_grads.add(id(p))
+                    self.with_grad.add(id(p))
+                    p.grad = self.host_view("grad", p, c)
+                written |= p._version != self._host_versions.get(id(p), p._version)
+            if written:
+                self._take_host_writes(c)
+        self._bind_compute(c)
+        self.host_bound.discard(c.index)
 
     def _bind_compute(self, c: Chunk) -> None:
         """``c``'s parameters while computing: their chunk views when its buffer is on the device, else a
@@ -833,10 +841,11 @@ class ChunkStore:
         self.with_grad.add(id(p))
         self.grad_events += 1
         task = graph_task_id()
-        if task != self._end_task and self.lazy_grads:
-            self._end_task = task
+        if self.lazy_grads and task not in self._open_tasks:
+            self._open_tasks.add(task)
             self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+            end = functools.partial(self._backward_end, task)
+            torch.autograd.Variable._execution_engine.queue_callback(end)
         if c.mark_grad_ready(id(p), task):
             # See [Note: readiness after the user's hooks]
             self._ready_pending.append(c)
@@ -858,15 +867,24 @@ class ChunkStore:
                     self.rebind_grad(p, c)
             self.on_grads_ready(c)
 
-    def _backward_end(self) -> None:
+    def _backward_end(self, task: int | None = None) -> None:
         """At the end of a backward (one rank): a parameter of a device chunk that has no gradient (none since
         ``zero_grad``) gets ``p.grad = None``, as in torch, instead of its zeroed chunk view: code that tests
         for None (fill missing gradients with zeros, skip unused parameters) then behaves as with
         ``torch.optim.AdamW``. The view comes back before the next forward (:meth:`bind_dropped_grads`) or at
         the step. Then the observers finish the gradients' offload, and the host chunks become host-bound
-        (:meth:`leave_compute`)."""
-        self._end_task = None
+        (:meth:`leave_compute`).
+
+        A backward nested in another (``torch.utils.checkpoint(use_reentrant=True)`` runs one per block inside
+        the outer backward) announces its complete chunks and lets the observers finish their offload, but
+        the parameters stay bound to the device until the outermost backward ends, since the outer one
+        recomputes more blocks that read them."""
+        self._open_tasks.discard(task)
         self._flush_ready()
+        if self._open_tasks:  # nested: the offloads it began finish, the parameters stay on the device
+            for observer in self._backward_end_observers:
+                observer()
+            return
         if len(self.with_grad) < self._n_params:
             for p in self.params():
                 if id(p) not in self.with_grad and p.grad is not None and not is_sharded(p.grad) \
@@ -1129,6 +1147,7 @@ class ChunkStore:
         are freed and every ``.grad`` is None. Otherwise the buffers that exist are zeroed and the views
         kept."""
         self._ready_pending.clear()  # of a backward that raised
+        self._open_tasks.clear()
         self.dp.before_zero_grad()  # pending gradient reductions finish first
         for observer in self._zero_grad_observers:  # pending offloads are dropped
             observer()
@@ -1145,6 +1164,10 @@ class ChunkStore:
                 c.grad_shard = None
                 for p in c.params:
                     p.grad = None
+                # See [Note: host binding]: with no gradient left on the host, parameters whose values are on
+                # the device read as device tensors again, as they would on plain torch
+                if c.index in self.host_bound and c.data is not None and not self.computing:
+                    self._leave_host(c)
             return
         with torch.no_grad():
             for c in self.chunks:

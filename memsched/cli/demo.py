@@ -83,11 +83,16 @@ def stand_in(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: 
     Raises:
         ValueError: unknown size, bad batch/sequence, or a ratio outside [0, 1].
     """
+    from memsched.devices import sim_backend
     from memsched.planning.capacity import plan_for_capacity, verdict
     from memsched.planning.prediction import gpt_workload, trace_step
 
     gpu_margin_mem_ratio = check_ratio(gpu_margin_mem_ratio)
-    prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True, device="cpu")
+    # traced on the stand-in itself (fake tensors: nothing allocated), whose kernels, and so activations,
+    # differ from the CPU's (its attention, for one, keeps more)
+    sim_backend.load()
+    prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True,
+                            device=torch.device(sim_backend.NAME, 0))
 
     def status(capacity: float) -> str:
         cp = plan_for_capacity(prediction, int(capacity), gpu_margin_mem_ratio=gpu_margin_mem_ratio,

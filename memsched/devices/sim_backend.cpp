@@ -24,6 +24,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -47,7 +48,20 @@ std::atomic<int64_t> g_capacity{INT64_MAX};
 std::atomic<int64_t> g_host_capacity{INT64_MAX};
 std::mutex g_mu;  // guards the counters below
 int64_t g_live = 0, g_peak = 0, g_allocs = 0;
+// Bytes of the live ones that are model data coming and going within a step (memsched's fetched
+// parameters), and the peak of live minus those: the peak of what stays.
+int64_t g_moving = 0, g_peak_fixed = 0;
 int64_t g_pinned_live = 0, g_pinned_peak = 0;
+
+// Allocations made inside begin_uncounted()/end_uncounted() are not counted (a reference computation kept
+// beside a scheduler's data on the stand-in). The mark is thread-local debug info, which autograd carries to
+// the device thread that runs the stand-in's backward, so a backward started inside is not counted either.
+struct UncountedMark final : c10::DebugInfoBase {};
+thread_local std::vector<std::unique_ptr<c10::DebugInfoGuard>> g_uncounted_guards;
+
+bool uncounted_now() {
+  return c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::TEST_INFO_2) != nullptr;
+}
 
 int64_t rounded(int64_t n) {
   if (n <= 0) return 0;
@@ -71,6 +85,7 @@ std::string fmt_bytes(int64_t n) {
 
 // Counts `bytes` (already rounded) more on the device; throws torch's out-of-memory error over capacity.
 void count(int64_t bytes, int64_t requested) {
+  if (bytes == 0) return;
   std::lock_guard<std::mutex> lock(g_mu);
   int64_t cap = g_capacity.load();
   if (g_live + bytes > cap) {
@@ -82,9 +97,11 @@ void count(int64_t bytes, int64_t requested) {
   g_live += bytes;
   ++g_allocs;
   if (g_live > g_peak) g_peak = g_live;
+  if (g_live - g_moving > g_peak_fixed) g_peak_fixed = g_live - g_moving;
 }
 
 void uncount(int64_t bytes) {
+  if (bytes == 0) return;
   std::lock_guard<std::mutex> lock(g_mu);
   g_live -= bytes;
 }
@@ -103,7 +120,7 @@ void free_block(void* ctx) {
 
 struct SimAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
-    int64_t counted = rounded(static_cast<int64_t>(n));
+    int64_t counted = uncounted_now() ? 0 : rounded(static_cast<int64_t>(n));
     count(counted, static_cast<int64_t>(n));
     void* p = nullptr;
     try {
@@ -267,7 +284,7 @@ at::Tensor with_geometry(c10::Storage storage, const at::Tensor& like) {
 at::Tensor adopt(const at::Tensor& cpu) {
   const c10::Storage& st = cpu.storage();
   int64_t nbytes = static_cast<int64_t>(st.nbytes());
-  int64_t counted = rounded(nbytes);
+  int64_t counted = uncounted_now() ? 0 : rounded(nbytes);
   count(counted, nbytes);
   auto* a = new Adopted{st, counted};
   c10::Storage dev(c10::Storage::use_byte_size_t(), st.nbytes(),
@@ -395,6 +412,22 @@ void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 }
 
+// Convolutions run the CPU's, without oneDNN: autograd runs the stand-in's backward on a device thread of its
+// own, and oneDNN's thread pool started from there aborts the process at exit ("terminate called without
+// an active exception"). The flag is the process's, set around the call.
+void sim_conv_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto& ctx = at::globalContext();
+  const bool was = ctx.userEnabledMkldnn();
+  ctx.setUserEnabledMkldnn(false);
+  try {
+    sim_fallback(op, stack);
+  } catch (...) {
+    ctx.setUserEnabledMkldnn(was);
+    throw;
+  }
+  ctx.setUserEnabledMkldnn(was);
+}
+
 // ---- explicit kernels -------------------------------------------------------------------------------
 at::Tensor sim_empty(c10::IntArrayRef size, std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
                      std::optional<c10::Device>, std::optional<bool>,
@@ -464,11 +497,36 @@ at::Tensor& sim_set_tensor(at::Tensor& self, const at::Tensor& src) {
   return sim_set_storage(self, src.storage(), src.storage_offset(), src.sizes(), src.strides());
 }
 
+// [Note: the stand-in and `p.data = ...`]
+// torch lets `var.data = tensor` (and nn.Module._apply's in-place move) swap storage between dense CPU and
+// dense CUDA tensors, but lists only its own backends as compatible; PrivateUse1 answers through this op.
+// The stand-in answers as CUDA does: dense CPU and dense stand-in tensors are compatible, so a parameter
+// can move between host and device in place (memsched binds parameters this way, as on CUDA) and
+// module.to("sim") keeps tied weights tied.
+bool sim_compatible(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    return t.layout() == c10::kStrided && (t.device().is_cpu() || t.device().type() == kSim);
+  };
+  if (dense(self) && dense(from)) return true;
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set());
+}
+
 // ---- what Python calls (memsched_sim::*) ------------------------------------------------------------
 std::vector<int64_t> stats() {
   std::lock_guard<std::mutex> lock(g_mu);
   return {g_live, g_peak, g_capacity.load(), g_allocs, g_pinned_live, g_pinned_peak, g_host_capacity.load(),
-          g_round};
+          g_round, g_moving, g_peak_fixed};
+}
+void begin_uncounted() {
+  g_uncounted_guards.push_back(std::make_unique<c10::DebugInfoGuard>(c10::DebugInfoKind::TEST_INFO_2,
+                                                                      std::make_shared<UncountedMark>()));
+}
+void end_uncounted() {
+  if (!g_uncounted_guards.empty()) g_uncounted_guards.pop_back();
+}
+void move(int64_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_moving += bytes;
 }
 void set_capacity(int64_t bytes) {
   TORCH_CHECK(bytes > 0, "the stand-in's capacity must be > 0 bytes, got ", bytes);
@@ -481,6 +539,7 @@ void set_host_capacity(int64_t bytes) {
 void reset_peak() {
   std::lock_guard<std::mutex> lock(g_mu);
   g_peak = g_live;
+  g_peak_fixed = g_live - g_moving;
   g_pinned_peak = g_pinned_live;
 }
 int64_t counted_bytes(int64_t nbytes) { return rounded(nbytes); }
@@ -537,6 +596,9 @@ TORCH_LIBRARY(memsched_sim, m) {
   m.def("set_capacity(int bytes) -> ()", &set_capacity);
   m.def("set_host_capacity(int bytes) -> ()", &set_host_capacity);
   m.def("reset_peak() -> ()", &reset_peak);
+  m.def("move(int bytes) -> ()", &move);
+  m.def("begin_uncounted() -> ()", &begin_uncounted);
+  m.def("end_uncounted() -> ()", &end_uncounted);
   m.def("counted_bytes(int nbytes) -> int", &counted_bytes);
   m.def("use_cpu_numerics() -> ()", &use_cpu_numerics);
 }
@@ -549,6 +611,9 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  // Convolutions dispatch to convolution_overrideable on PrivateUse1 (no kernel): the CPU's instead.
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&sim_conv_fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&sim_conv_fallback>());
   m.impl("empty.memory_format", &sim_empty);
   m.impl("empty_strided", &sim_empty_strided);
   m.impl("as_strided", &sim_as_strided);
@@ -561,4 +626,5 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", &sim_set_source_storage);
   m.impl("set_.source_Storage_storage_offset", &sim_set_storage);
   m.impl("set_.source_Tensor", &sim_set_tensor);
+  m.impl("_has_compatible_shallow_copy_type", &sim_compatible);
 }

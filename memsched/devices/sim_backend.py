@@ -17,22 +17,19 @@ CPU's generator, so ``torch.manual_seed`` seeds the stand-in.
 
 The idea follows PyTorch's PrivateUse1 extension point and its OpenReg example backend.
 
-[Note: tied weights and module.to("sim")]
-``nn.Module._apply`` keeps a parameter's identity (``param.data = moved``) only for the device types torch
-lists as compatible (CPU, CUDA, ...); for PrivateUse1 it makes a new Parameter per module, which unties tied
-weights silently. Build the model on the device (``with torch.device("sim"): model = ...``), or set
-``torch.__future__.set_swap_module_params_on_conversion(True)`` before ``model.to("sim")``. Loading the
-backend does not set that flag: it is process-wide, and it makes ``_apply`` fail on parameters that have
-weak references (memsched's own bookkeeping holds some).
+Tensors move between host and device in place (``p.data = host_tensor``, ``module.to("sim")``), as between
+the CPU and CUDA: see [Note: the stand-in and `p.data = ...`] in the C++ source.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import threading
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +38,7 @@ NAME = "sim"
 _SOURCE = Path(__file__).with_name("sim_backend.cpp")
 _lock = threading.Lock()
 _loaded = False
+_autograd_ok = False  # a backward on the stand-in ran (see _check_autograd_threads)
 
 
 class SimBackendBuildError(RuntimeError):
@@ -61,9 +59,12 @@ def _missing_tools() -> list[str]:
     return missing
 
 
-def load() -> None:
+def load(*, check_autograd: bool = True) -> None:
     """Build (first use) or load the backend and register it as ``torch.device("sim")`` (idempotent,
-    thread-safe).
+    thread-safe). ``check_autograd``: run one backward on the device to check that autograd can (it sizes
+    its device threads at the process's first backward); ``False`` in a process that forks workers which
+    use autograd (a fork server), since autograd refuses to run in a process forked after its threads
+    started.
 
     Raises:
         SimBackendBuildError: no C++ compiler or ninja (the message says which command installs it), or the
@@ -72,6 +73,8 @@ def load() -> None:
     """
     global _loaded
     if _loaded:
+        if check_autograd:
+            _check_autograd_threads()
         return
     with _lock:
         if _loaded:
@@ -102,6 +105,32 @@ def load() -> None:
                                                                 for_packed_sequence=False,
                                                                 for_storage=True)
         _loaded = True
+    if check_autograd:
+        _check_autograd_threads()
+
+
+def _check_autograd_threads() -> None:
+    """Autograd sizes its device threads once, at the process's first backward: a backend registered after
+    that cannot run backward (torch fails with an internal assert). Say so, with the fix.
+
+    Raises:
+        RuntimeError: a backward ran in this process before the stand-in was loaded.
+    """
+    global _autograd_ok
+    if _autograd_ok:
+        return
+    x = torch.ones(1, device=NAME, requires_grad=True)
+    try:
+        (x * 2).sum().backward()
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        raise RuntimeError(
+            "memsched's stand-in device (device='sim:SIZE') was loaded after this process ran its first "
+            "backward, and torch's autograd sizes its device threads at the first backward. Load it first: "
+            "call memsched.devices.sim_backend.load() (or memsched.attach with a sim device) before any "
+            "backward in the process") from None
+    _autograd_ok = True
 
 
 def loaded() -> bool:
@@ -139,6 +168,33 @@ def max_pinned_bytes() -> int:
     return _stats()[5]
 
 
+def moving_bytes() -> int:
+    """Live bytes marked as model data that comes and goes within a step (:func:`move`)."""
+    return _stats()[8]
+
+
+def max_fixed_bytes() -> int:
+    """Peak of :func:`memory_allocated` minus :func:`moving_bytes` since the last reset, bytes."""
+    return _stats()[9]
+
+
+def move(nbytes: int) -> None:
+    """``nbytes`` more (negative: fewer) of the live bytes come and go within a step (fetched parameters):
+    :func:`max_fixed_bytes` leaves them out. Call before the buffer is allocated and after it is dropped."""
+    torch.ops.memsched_sim.move(int(nbytes))
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Device allocations made on this thread inside are not counted against the capacity or in the peaks
+    (re-entrant): for a reference computation kept beside a scheduler's data on the stand-in."""
+    torch.ops.memsched_sim.begin_uncounted()
+    try:
+        yield
+    finally:
+        torch.ops.memsched_sim.end_uncounted()
+
+
 def reset_peak_memory_stats(device: object = None) -> None:
     """Restart both peaks from the bytes live now."""
     torch.ops.memsched_sim.reset_peak()
@@ -163,6 +219,22 @@ def mem_get_info(device: object = None) -> tuple[int, int]:
     """``(free, total)`` bytes, as ``torch.cuda.mem_get_info``."""
     s = _stats()
     return max(0, s[2] - s[0]), s[2]
+
+
+class _Stream:
+    """The stand-in's one stream: work on it is done when it returns."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _Stream()
 
 
 def _device_module() -> types.ModuleType:
@@ -190,6 +262,11 @@ def _device_module() -> types.ModuleType:
         "max_memory_allocated": max_memory_allocated,
         "reset_peak_memory_stats": reset_peak_memory_stats,
         "mem_get_info": mem_get_info,
+        # One synchronous stream (torch.distributed.checkpoint asks the accelerator's module for these).
+        "current_stream": lambda device=None: _STREAM,
+        "default_stream": lambda device=None: _STREAM,
+        "stream": lambda stream=None: contextlib.nullcontext(stream),
+        "device": lambda device=None: contextlib.nullcontext(),  # one device: nothing to switch
     }
     for k, v in fns.items():
         setattr(mod, k, v)

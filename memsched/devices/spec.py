@@ -40,11 +40,11 @@ class DeviceSpec:
 
     Attributes:
         kind: ``"cuda"``, ``"cpu"`` or ``"sim"``.
-        torch_device: where the tensors live (``cpu`` for ``sim``).
+        torch_device: where the tensors live (``sim:0``: the stand-in, :mod:`memsched.devices.sim_backend`).
         capacity_bytes: memory usable by this process, bytes (CUDA: :func:`usable_bytes` at attach, without
             the CUDA context and other processes, capped by the per-process memory fraction when one is set;
             cpu: the machine's memory; sim: the given size).
-        name: the device name in traces (``"cuda:0"``, ``"cpu"``, ``"sim"``).
+        name: the device name in traces (``"cuda:0"``, ``"cpu"``, ``"sim:0"``).
         host_capacity_bytes: the stand-in machine's host memory (``sim:SIZE,host=SIZE``), bytes; ``None``
             elsewhere (the real machine's memory is read when planning, :mod:`memsched.devices.host_memory`).
         link_bytes_per_s: the stand-in's modelled host link (``sim:SIZE,link=25GBps``), bytes per second;
@@ -155,7 +155,10 @@ def _parse_sim(device: str, spec: str) -> DeviceSpec:
             link = parse_bandwidth(options["link"])
         except ValueError as e:
             raise ValueError(f"bad device {device!r}: the host link (link=BANDWIDTH): {e}") from None
-    return DeviceSpec("sim", torch.device("cpu"), cap, "sim", host, link)
+    from memsched.devices import sim_backend
+
+    sim_backend.load()
+    return DeviceSpec("sim", torch.device(sim_backend.NAME, 0), cap, "sim:0", host, link)
 
 
 def parse_device(device: str | torch.device | None) -> DeviceSpec:

@@ -246,7 +246,9 @@ class LinkModel:
             t0 = time.perf_counter()
             for ev in pending:
                 ev._done.wait()
-            if threading.get_ident() == self.owner:
+            # the training thread's waits, and those of a backward it runs (on a device, autograd runs it
+            # on a device thread of its own): the training is stalled either way
+            if threading.get_ident() == self.owner or torch._C._current_graph_task_id() != -1:
                 kinds = "+".join(sorted({ev.kind for ev in pending}))
                 copies = f"{kinds} copy" if len(pending) == 1 else f"{len(pending)} {kinds} copies"
                 name = f"{what} ({copies})" if what else f"wait <- {copies}"

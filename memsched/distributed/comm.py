@@ -110,8 +110,10 @@ class Comm:
         self, t: torch.Tensor, *, op: Any = None, what: str = "all_reduce", async_op: bool = False
     ) -> Any:
         """In-place all-reduce (default SUM) of ``t``; returns the work when ``async_op``."""
+        (s,), back = self._stage((t,), (t,))
         with self.guard(what):
-            return dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            work = dist.all_reduce(s, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return self._landed(work, back, async_op)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, *, what: str = "reduce_scatter", async_op: bool = False
@@ -122,16 +124,17 @@ class Comm:
         (twice the traffic, same result); the work is then already complete and ``None`` is returned.
         """
         if self.reduce_scatter_supported:
+            (so, si), back = self._stage((out, inp), (out,))
             try:
                 with self.guard(what):
-                    return self._reduce_scatter(out, inp, group=self.group, async_op=async_op)
+                    work = self._reduce_scatter(so, si, group=self.group, async_op=async_op)
+                return self._landed(work, back, async_op)
             except ZeroCommError as e:
                 if not _unsupported(e.__cause__):
                     raise
                 self.reduce_scatter_supported = False
         k = out.numel()
-        with self.guard(what + " (all_reduce fallback)"):
-            dist.all_reduce(inp, group=self.group)
+        self.all_reduce(inp, what=what + " (all_reduce fallback)")
         out.copy_(inp[self.rank * k : (self.rank + 1) * k])
         return None
 
@@ -144,9 +147,11 @@ class Comm:
         reduce-scatter)."""
         if not self.all_to_all_supported:
             raise NotImplementedError("all_to_all_single is not supported by this backend")
+        (so, si), back = self._stage((out, inp), (out,))
         try:
             with self.guard(what):
-                return dist.all_to_all_single(out, inp, group=self.group, async_op=async_op)
+                work = dist.all_to_all_single(so, si, group=self.group, async_op=async_op)
+            return self._landed(work, back, async_op)
         except ZeroCommError as e:
             if not _unsupported(e.__cause__):
                 raise
@@ -168,16 +173,47 @@ class Comm:
             and inp.data_ptr() < out.data_ptr() + out.numel() * out.element_size()
         ):
             inp = inp.clone()
+        (so, si), back = self._stage((out, inp), (out,))
         if self.all_gather_supported:
             try:
                 with self.guard(what):
-                    return self._all_gather(out, inp, group=self.group, async_op=async_op)
+                    work = self._all_gather(so, si, group=self.group, async_op=async_op)
+                return self._landed(work, back, async_op)
             except ZeroCommError as e:
                 if not _unsupported(e.__cause__):
                     raise
                 self.all_gather_supported = False
         with self.guard(what + " (list fallback)"):
-            return dist.all_gather(list(out.chunk(self.world)), inp, group=self.group, async_op=async_op)
+            work = dist.all_gather(list(so.chunk(self.world)), si, group=self.group, async_op=async_op)
+        return self._landed(work, back, async_op)
+
+    # ---- staging through the backend's device ------------------------------------------------------------
+    def _stage(self, tensors: Sequence[torch.Tensor], written: Sequence[torch.Tensor],
+               ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The tensors a collective takes, on the backend's device: gloo takes CPU tensors only, so a device
+        tensor that is not CUDA (the stand-in's, ``sim``) goes through a host copy. Returns the tensors to
+        pass and ``(original, staged)`` of the ``written`` ones, copied back when the collective is done."""
+        staged, back = [], []
+        for t in tensors:
+            if t.device.type == self.device.type or (self.nccl or t.device.type == "cuda"):
+                staged.append(t)
+                continue
+            s = t.detach().to(self.device)
+            staged.append(s)
+            if any(t is w for w in written):
+                back.append((t, s))
+        return staged, back
+
+    @staticmethod
+    def _landed(work: Any, back: list[tuple[torch.Tensor, torch.Tensor]], async_op: bool) -> Any:
+        """``work``, with the staged results copied back when it completes (at once when not async)."""
+        if not back:
+            return work
+        if not async_op:
+            for t, s in back:
+                t.copy_(s)
+            return work
+        return _StagedWork(work, back)
 
     def all_gather_shard_to(self, part: torch.Tensor, numel: int, *, what: str) -> torch.Tensor:
         """Every rank's ``part`` (its shard) gathered into one new CPU tensor of ``numel`` elements (``part``
@@ -241,6 +277,23 @@ class Comm:
                 dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
                 dist.barrier(group=self.group)
+
+
+class _StagedWork:
+    """An async collective over host copies of device tensors: waiting copies the results back."""
+
+    def __init__(self, work: Any, back: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._work, self._back = work, back
+
+    def wait(self) -> bool:
+        self._work.wait()
+        back, self._back = self._back, []
+        for t, s in back:
+            t.copy_(s)
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._back or (self._work.is_completed() and self.wait())
 
 
 def _backend_device(nccl: bool, device: torch.device | None) -> torch.device:

@@ -70,8 +70,10 @@ def fp32_grad(g: torch.Tensor, out: torch.Tensor | None, inv_scale: torch.Tensor
         out = g.float() if g.dtype != torch.float32 else g
     elif out is not g:
         out.copy_(g)
+    # a host chunk's gradients are on the host and the scale and coefficients on the device: torch refuses a
+    # device scalar in a host op (a CPU scalar in a device op is fine), so they come to the gradients' side
     if inv_scale is not None:
-        out.mul_(inv_scale)
+        out.mul_(inv_scale if inv_scale.device == out.device else inv_scale.to(out.device))
     for k in coefs:
-        out.mul_(k)
+        out.mul_(k if k.device == out.device else k.to(out.device))
     return out

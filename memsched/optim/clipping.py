@@ -95,7 +95,7 @@ class Clipper:
         if self._store.shards_grads:
             return self._clip_sharded(params, max_norm, norm_type)
         if self._scaler is None:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return self._clip_in_order(params, max_norm, norm_type)
         inv = self._scaler.inv_scale(self._store.alloc.device)
         by_chunk: dict[int, list[torch.nn.Parameter]] = {}
         for p in params:
@@ -106,6 +106,31 @@ class Clipper:
             norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
         total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
         self.pending.append(clip_coefficient(total, max_norm))
+        return total
+
+    @staticmethod
+    def _clip_in_order(params: Sequence[torch.nn.Parameter], max_norm: float,
+                       norm_type: float) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` as it runs with every gradient on one device, wherever they are now.
+        torch stacks the per-tensor norms grouped by device, and between backward and step the host chunks'
+        gradients are on the host: the total's summation order, so its last bit, would depend on the
+        placement. Here the per-tensor norms (torch's kernels, per device) are stacked in the parameters'
+        order, and each device's gradients are scaled by the same coefficient, as torch scales them."""
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad:
+            return torch.tensor(0.0)
+        by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for k, p in enumerate(with_grad):
+            by_device.setdefault((p.grad.device, p.grad.dtype), []).append(k)
+        norms: list[torch.Tensor | None] = [None] * len(with_grad)
+        for ks in by_device.values():
+            for k, n in zip(ks, total_norm([with_grad[k].grad for k in ks], norm_type, per_tensor=True),
+                            strict=True):
+                norms[k] = n
+        total = total_norm(norms, norm_type, of_norms=True)  # type: ignore[arg-type]
+        coef = clip_coefficient(total, max_norm)
+        for (dev, _), ks in by_device.items():
+            torch._foreach_mul_([with_grad[k].grad for k in ks], coef.to(dev))
         return total
 
     def _clip_sharded(self, params: Sequence[torch.nn.Parameter], max_norm: float,

@@ -799,6 +799,8 @@ class ParamFetcher:
                 "parameters live on the host)")
         if saved.values is not None:  # its host values when saved (nothing writes them before the step)
             return saved.values
+        if not self.store.computing:  # a backward with no forward since the last one ended (retain_graph)
+            self.store.enter_compute()
         c = self.store.param_chunk[id(p)]
         if self.recording is not None:
             self._read_params([p], "backward")

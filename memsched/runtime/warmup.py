@@ -51,10 +51,8 @@ class WarmupTrace:
         from tracer import MemoryTracer
 
         self._eager.start()
-        dev = "cpu" if self._device.is_sim else self._device.name
         try:
-            tracer = MemoryTracer(self._model, optimizer=self._optimizer, device=dev,
-                                  ignore=self._host_memory if self._device.is_sim else None)
+            tracer = MemoryTracer(self._model, optimizer=self._optimizer, device=self._device.name)
             tracer.__enter__()
         except BaseException:
             self._eager.stop()
@@ -69,7 +67,7 @@ class WarmupTrace:
             if tracer is not None:
                 tracer.__exit__(None, None, None)
                 self.timeline = tracer.timeline
-                if self._device.is_sim:  # say in reports that the traced CPU memory is the stand-in's
+                if self._device.is_sim:  # say in reports that the traced device is the stand-in
                     self.timeline.meta["stand_in"] = (
                         f"sim:{policies.format_bytes(self._device.capacity_bytes)}")
         finally:
