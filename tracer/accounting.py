@@ -33,6 +33,7 @@ that side).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -187,7 +188,7 @@ class StorageAccountant(TorchDispatchMode):
             raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
         cat = _category_index(category)
         st = tensor.untyped_storage()
-        if not _holds_memory(st):  # a wrapper subclass (DTensor, a sharded gradient): its parts are tracked
+        if not _holds_memory(tensor, st):  # a wrapper subclass (DTensor, a sharded gradient): parts tracked
             return 0
         entry = self._live.get(id(st))
         if entry is None:
@@ -363,10 +364,21 @@ def _category_index(category: Category | str) -> int:
         raise ValueError(f"unknown category {category!r}: expected one of {allowed}") from None
 
 
-def _holds_memory(st: torch.UntypedStorage) -> bool:
-    """Whether ``st`` is real memory: a wrapper tensor subclass has a storage object that holds nothing."""
+def _holds_memory(tensor: torch.Tensor, st: torch.UntypedStorage) -> bool:
+    """Whether ``tensor``'s storage ``st`` is real memory: a wrapper tensor subclass has a storage object that
+    holds nothing (reading its data pointer raises). A fake tensor's storage stands for memory, and its data
+    pointer is not read: torch deprecates that and will make it an error."""
+    if isinstance(tensor, _fake_tensor_type()):
+        return True
     try:
         st.data_ptr()
     except RuntimeError:
         return False
     return True
+
+
+@functools.cache
+def _fake_tensor_type() -> type:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
