@@ -152,9 +152,8 @@ class Scheduler:
                                     after_chunk=away if self.warmup_params_on_host else None)
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views, or
             # host views when their parameters are on the host: those stay).
-            if True:
-                model._apply(lambda t: t if t.device == tdev or id(t) in trainable
-                             or self.store.in_host_memory(t) else t.to(tdev))
+            model._apply(lambda t: t if t.device == tdev or id(t) in trainable
+                         or self.store.in_host_memory(t) else t.to(tdev))
             self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
             self.dp.shard(self.store)  # each chunk's own shard
             if initial == HOST and alloc.pin and not self.warmup_params_on_host:  # before pinning
@@ -195,7 +194,7 @@ class Scheduler:
                 self.params.on_move = self.sim.move
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates, params=self.params)
-        self.warmup = WarmupTrace(model, self.optimizer, self.device, host_memory=self.store.in_host_memory)
+        self.warmup = WarmupTrace(model, self.optimizer, self.device)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.

@@ -238,7 +238,7 @@ class MemoryTracer:
             "model": type(self.model).__name__,
             "optimizer": type(self.optimizer).__name__ if self.optimizer is not None else None,
             "optimizer_discovery": "given" if self.optimizer is not None else "global hooks",
-            "bytes": "storage bytes (UntypedStorage.nbytes), no allocator rounding",
+            "bytes": "storage bytes (UntypedStorage.nbytes), rounded up to 512 B blocks off the CPU",
             "rank": 0,
             "world_size": 1,
         }

@@ -5,7 +5,6 @@ arXiv 2108.05818 section 5; ColossalAI Gemini's warmup phase)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,21 +21,18 @@ class WarmupTrace:
     Args:
         model: the model traced.
         optimizer: the optimizer whose steps delimit the traced steps.
-        device: the compute device; the stand-in's tensors are CPU tensors, so there the CPU is traced.
-        host_memory: ``f(tensor) -> bool``: the tensor lives in host memory (between steps parameters and
-            gradients of host chunks are host views); on the stand-in the tracer must not count them.
+        device: the compute device (the stand-in's is ``sim:0``, a device of its own: host tensors are not
+            on it).
 
     Attributes:
         tracer: the live :class:`tracer.MemoryTracer` during warmup, else ``None``.
         timeline: the :class:`tracer.MemoryTimeline` once the trace stopped, else ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: DeviceSpec,
-                 host_memory: Callable[[torch.Tensor], bool] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: DeviceSpec) -> None:
         self._model = model
         self._optimizer = optimizer
         self._device = device
-        self._host_memory = host_memory  # tensors in host memory (the stand-in cannot tell them apart)
         # torch.compile: eager while tracing (memsched.runtime.compile_stance)
         self._eager = EagerDuringWarmup()
         self.tracer: Any = None
