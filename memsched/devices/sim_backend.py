@@ -1,7 +1,7 @@
 """The stand-in accelerator as a PyTorch device, ``torch.device("sim")``.
 
 A PrivateUse1 backend (``sim_backend.cpp`` beside this file), built with ``torch.utils.cpp_extension.load``
-at first use and cached (about 15 s once per machine and torch version; ~0.02 s after). Its memory is host
+at first use and cached (once per machine and torch version). Its memory is host
 memory, but its tensors are device tensors: ``p.device`` is ``sim:0``, ``p.is_sim`` is true, and an op that
 mixes a device tensor with a CPU tensor (other than a zero-dim scalar) raises torch's
 "Expected all tensors to be on the same device" error, as CUDA does. So code that would fail on a GPU fails
