@@ -316,6 +316,13 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
         if cuda:
             out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
             out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+            from memsched.devices.pinned import registered_bytes
+
+            # memsched's pinned host memory (cudaHostRegister, exact pages), against the plan's host_bytes
+            out["pinned_host_bytes"], out["max_pinned_host_bytes"] = registered_bytes()
+        import resource
+
+        out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         if "sched" in extra:
             out["plan"] = _jsonable(getattr(extra["sched"], "plan", None))
             out["transfers"] = _jsonable(getattr(extra["sched"], "transfers", None))

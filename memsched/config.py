@@ -28,6 +28,7 @@ from memsched.optim.early_update import check_overlap
 from memsched.optim.hyperparams import check_hyperparameters, hyperparameter_groups
 from memsched.optim.precision import check_dtype
 from policies.types import check_ratio
+from policies.units import parse_bytes
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class SchedulerConfig:
     overlap: bool = False
     replan: str = "auto"
     early_update: bool = False  # overlap="backward" (memsched.optim.early_update)
+    host_memory_bytes: int | None = None  # host_memory= at attach: the host budget's own limit, bytes
 
 
 def _check_warmup(n: Any) -> int:
@@ -128,7 +130,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
                 process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
                 chunk_build: str = "auto", overlap: bool | str = False,
-                replan: str = "auto") -> SchedulerConfig:
+                replan: str = "auto", host_memory: int | str | None = None) -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
 
     Raises:
@@ -160,5 +162,13 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     overlap, early_update = check_overlap(overlap)
     if replan not in ("auto", "off"):
         raise ValueError(f"replan must be 'auto' or 'off', got {replan!r}")
+    host_bytes = None
+    if host_memory is not None:
+        try:
+            host_bytes = parse_bytes(host_memory)
+        except ValueError as e:
+            raise ValueError(f"host_memory must be bytes (an int) or a size such as '64GiB': {e}") from None
+        if host_bytes <= 0:
+            raise ValueError(f"host_memory must be > 0 bytes, got {host_memory!r}")
     return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel,
-                           overlap, replan, early_update)
+                           overlap, replan, early_update, host_bytes)

@@ -104,6 +104,12 @@ class Scheduler:
         try:
             self._build(model, config, groups)
         except BaseException:
+            # A refused attach leaves nothing installed: hooks on the parameters would keep the chunks (and
+            # their device memory) alive with the model. The parameters keep their values, in the chunks.
+            installed = getattr(self, "_installed", None)
+            if installed is not None:
+                installed.track(store=getattr(self, "store", None))
+                installed.remove()
             release([p for g in groups for p in g["params"]])
             raise
 
@@ -556,7 +562,8 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
            dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-           chunk_build: str = "auto", overlap: bool | str = False, replan: str = "auto") -> Scheduler:
+           chunk_build: str = "auto", overlap: bool | str = False, replan: str = "auto",
+           host_memory: int | str | None = None) -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -597,6 +604,9 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             errors, re-planned before the forward that needs it (:mod:`memsched.planning.elastic`; the changes
             are in ``sched.plan_history``); ``"off"``: the warmup plan stays. Nothing to plan on
             ``device="cpu"``.
+        host_memory: the host memory memsched's pinned chunks may take, bytes or a size (``"64GiB"``); the
+            plan's host budget is the smallest of this, the memory available to the process and the
+            stand-in's ``host=`` (:mod:`memsched.devices.host_memory`). ``None``: no limit of its own.
 
     Returns:
         the :class:`Scheduler`; train with ``sched.backward(loss); sched.optimizer.step();
@@ -618,4 +628,4 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, params=params,
         policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage,
         process_group=process_group, fetch=fetch, dist_timeout=dist_timeout, chunk_build=chunk_build,
-        overlap=overlap, replan=replan))
+        overlap=overlap, replan=replan, host_memory=host_memory))

@@ -143,6 +143,10 @@ def _check_param_plan(name: str, problem: PlacementProblem, plan: PlacementPlan)
                          f"gives {peak} (build plans with policies.make_plan)")
 
 
+#: How a plan refused for host memory starts (``memsched plan``'s verdict reads it).
+HOST_SHORT = "does not fit host memory"
+
+
 def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> None:
     """Post-conditions every plan must meet, whoever wrote the policy."""
     n = len(problem.chunks)
@@ -174,7 +178,7 @@ def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> Non
         # Exact byte counts next to the rounded ones: the user compares them with free / ulimit output.
         source = f" ({problem.host_capacity_source})" if problem.host_capacity_source else ""
         raise PlacementError(
-            f"placement policy {name!r} needs {format_bytes(host)} of pinned host memory for "
+            f"{HOST_SHORT}: placement policy {name!r} needs {format_bytes(host)} of pinned host memory for "
             f"{plan.placement.count(HOST)} chunks ({host:,} bytes), but only {format_bytes(cap)} "
             f"({cap:,} bytes) is available{source}; short by {host - cap:,} bytes. Keep more chunks on "
             "the device (policy 'auto', a larger gpu_margin_mem_ratio) or free host memory"

@@ -9,6 +9,7 @@ import pytest
 
 from memsched.optim.early_update import EarlyUpdates
 from memsched.optim.hybrid_adamw import HybridAdamW
+from tests._devices import TARGETS, Target, make_target
 
 
 @pytest.fixture
@@ -33,6 +34,13 @@ def slow_early_worker(monkeypatch):
     monkeypatch.setattr(HybridAdamW, "_update_host", slowed_host)
     monkeypatch.setattr(EarlyUpdates, "_run", slowed_early)
     return calls
+
+
+@pytest.fixture(params=TARGETS)
+def target(request) -> Target:
+    """The device a device-path test body runs on: ``sim`` (the stand-in) everywhere, ``cuda`` where a GPU
+    exists (marked ``cuda``). See ``tests/_devices.py``."""
+    return make_target(request.param)
 
 
 @pytest.fixture(autouse=True)

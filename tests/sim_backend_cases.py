@@ -100,14 +100,20 @@ def test_out_arguments_are_resized_on_the_device():
     assert out.cpu().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
 
 
-def test_pinned_host_memory_and_its_views_are_pinned_at_their_exact_size():
+def test_pinned_host_memory_and_its_views_are_pinned_in_whole_pages():
+    import mmap
+
+    page = mmap.PAGESIZE  # as cudaHostRegister pins (memsched.devices.pinned), not torch's power of two
     before = sim_backend.pinned_bytes()
     p = torch.empty(1000).pin_memory()
     assert p.is_pinned() and p[10:20].is_pinned() and not torch.empty(10).is_pinned()
-    assert sim_backend.pinned_bytes() == before + 4000
-    q = torch.empty(1001, pin_memory=True)
-    assert q.is_pinned() and sim_backend.pinned_bytes() == before + 4000 + 4004
-    del p, q
+    assert sim_backend.pinned_bytes() == before + page
+    q = torch.empty(3 * page // 4 + 1, pin_memory=True)  # 3 pages and 4 bytes: 4 pages, not 4 x 2 pages
+    assert q.is_pinned() and sim_backend.pinned_bytes() == before + page + 4 * page
+    big = torch.empty(2**20 + 1, dtype=torch.uint8, pin_memory=True)  # a mapping of its own (>= 1 MiB)
+    assert big.is_pinned() and big[2**20:].is_pinned()
+    assert sim_backend.pinned_bytes() == before + 5 * page + 2**20 + page
+    del p, q, big
     assert sim_backend.pinned_bytes() == before
 
 

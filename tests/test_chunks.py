@@ -257,6 +257,8 @@ def test_build_problem_on_meta_matches_the_real_chunks():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
+    import mmap
+
     from memsched.chunks import pinned_bytes
     from memsched.planning.problem import build_problem
     from policies.types import HOST
@@ -269,8 +271,10 @@ def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
     assert len(storages) == 1  # master, moments, step, host gradient, staging: one (pinned) allocation
     cb = chunk_bytes(80, compute_dtype=dtype, n_params=len(c.params))
     assert c.state_tensors()[0].untyped_storage().nbytes() == cb.host_state_bytes == c.state_nbytes()
-    assert pinned_bytes(cb.host_state_bytes) == 1 << (cb.host_state_bytes - 1).bit_length()
-    assert pinned_bytes(1024) == 1024 and pinned_bytes(1025) == 2048
+    page = mmap.PAGESIZE  # pinned in whole pages (memsched.devices.pinned), not a power of two
+    assert pinned_bytes(cb.host_state_bytes) == -(-cb.host_state_bytes // page) * page
+    assert pinned_bytes(page) == page and pinned_bytes(page + 1) == 2 * page
+    assert pinned_bytes(3 * page + 1) == 4 * page and pinned_bytes(5 * page + 1) == 6 * page
     assert pinned_bytes(1025, pinned=False) == 1025
     problem, _ = build_problem(m, 0, 2**30, chunk_numel=80, compute_dtype=dtype, pinned=True)
     assert problem.chunks[0].host_bytes == pinned_bytes(cb.host_state_bytes)

@@ -207,6 +207,26 @@ def test_verdicts_for_four_capacities(tiny_prediction) -> None:
         verdict(plan_for_capacity(tiny_prediction, capacity, policy_names=["auto"]), "nope")
 
 
+def test_a_plan_over_the_host_budget_says_so(tiny_prediction) -> None:
+    """The host is the limit: the device holds the step with offload, but the host budget cannot hold the
+    offloaded state. The verdict says "does not fit host memory" with both numbers; a budget that holds it
+    gives the plan."""
+    probe = plan_for_capacity(tiny_prediction, 2**30).problem
+    base = probe.peak_non_model_bytes + probe.resident_model_bytes + probe.host_grad_working_bytes
+    capacity = base + 2**20  # room for the step, none for the optimizer state: every chunk on the host
+    free = plan_for_capacity(tiny_prediction, capacity)
+    host = verdict(free, "cpu")["host_bytes"]
+    assert verdict(free, "cpu")["status"] == "offload" and host > 0
+    short = plan_for_capacity(tiny_prediction, capacity, host_capacity_bytes=host - 1,
+                              host_capacity_source="--host-memory")
+    v = verdict(short, "cpu")
+    assert v["status"] == "does_not_fit_host" and v["status"] in VERDICTS
+    assert v["message"].startswith("does not fit host memory") and f"({host:,} bytes)" in v["message"]
+    assert f"({host - 1:,} bytes) is available (--host-memory); short by 1 bytes" in v["message"]
+    exact = plan_for_capacity(tiny_prediction, capacity, host_capacity_bytes=host)
+    assert verdict(exact, "cpu")["status"] == "offload"
+
+
 # ---- the command line --------------------------------------------------------------------------------------
 def _plan_json(capsys, *argv: str) -> dict:
     assert main(["plan", *argv, "--json"]) == 0

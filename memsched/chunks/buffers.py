@@ -1,5 +1,5 @@
-"""Where chunk tensors come from: the compute device, and host memory (pinned when CUDA is present), one
-allocation (an arena) per chunk's optimizer state."""
+"""Where chunk tensors come from: the compute device, and host memory (pinned for CUDA and the stand-in, at
+its size: :mod:`memsched.devices.pinned`), one allocation (an arena) per chunk's optimizer state."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from memsched.chunks.sizing import dtype_bytes
+from memsched.devices.pinned import can_pin, pin_empty, pinned_bytes
 from policies.types import DEVICE
+
+__all__ = ["Allocator", "pinned_bytes"]
 
 
 class Allocator:
-    """Where chunk tensors come from: the compute device, and host memory (pinned when CUDA is present).
+    """Where chunk tensors come from: the compute device, and host memory (pinned for CUDA and the stand-in).
 
     ``host_context`` wraps host allocations (the stand-in device pauses its accounting there, so host-placed
     buffers are not counted as device memory).
@@ -22,8 +25,7 @@ class Allocator:
     def __init__(self, device: torch.device, *, pin: bool | None = None,
                  host_context: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self.device = device
-        # Pinning needs a CUDA runtime; CPU-only torch cannot pin, so skip it cleanly.
-        self.pin = (device.type == "cuda" and torch.cuda.is_available()) if pin is None else pin
+        self.pin = can_pin(device) if pin is None else pin
         self.host_context = host_context or contextlib.nullcontext
 
     def device_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -33,8 +35,12 @@ class Allocator:
         return torch.empty(numel, dtype=dtype, device=self.device)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` in host memory, pinned at its size (:mod:`memsched.devices.pinned`)
+        when :attr:`pin`."""
         with self.host_context():
-            return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin)
+            if not self.pin:
+                return torch.empty(numel, dtype=dtype, device="cpu")
+            return pin_empty(numel * dtype_bytes(dtype), self.device).view(dtype)
 
     def host_zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = self.host_empty(numel, dtype)
@@ -50,9 +56,8 @@ class Allocator:
         """One allocation holding several flat tensors (``(name, dtype, numel)``; a numel of 0 gives a 0-d
         scalar of one element), returned as views by name.
 
-        One allocation per chunk, not one per tensor: PyTorch's pinned-memory cache rounds every allocation up
-        to a power of two, so four or five separate pinned tensors per chunk could cost up to twice the bytes
-        the plan counts (:func:`pinned_bytes` gives the rounded size of the one arena).
+        One allocation per chunk, not one per tensor: pinned memory is pinned in whole pages
+        (:func:`memsched.devices.pinned.pinned_bytes` gives the size of the one arena).
         """
         sizes = [max(n, 1) * dtype_bytes(dt) for _, dt, n in parts]
         total = sum(sizes)
@@ -60,7 +65,7 @@ class Allocator:
             raw = torch.empty(total, dtype=torch.uint8, device=self.device)
         else:
             with self.host_context():
-                raw = torch.empty(total, dtype=torch.uint8, device="cpu", pin_memory=self.pin)
+                raw = pin_empty(total, self.device) if self.pin else torch.empty(total, dtype=torch.uint8)
         out, off = {}, 0
         with self.context(placement):
             for (name, dt, n), size in zip(parts, sizes, strict=True):
@@ -69,11 +74,3 @@ class Allocator:
                 out[name] = v.reshape(()) if n == 0 else v
                 off += size
         return out
-
-
-def pinned_bytes(nbytes: int, *, pinned: bool = True) -> int:
-    """Host bytes an allocation of ``nbytes`` really takes: PyTorch's caching host allocator rounds pinned
-    allocations up to the next power of two (unpinned ones are taken as they are), bytes."""
-    if not pinned or nbytes <= 0:
-        return max(0, nbytes)
-    return 1 << (nbytes - 1).bit_length()

@@ -140,10 +140,13 @@ class Chunk:
     # -- placement: whole-chunk copies; everything new is allocated before anything is swapped --------------
     def init_state(self, placement: str, alloc: Allocator, *, master: torch.Tensor | None = None,
                    exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None,
-                   steps: torch.Tensor | Sequence[float] | None = None) -> None:
+                   steps: torch.Tensor | Sequence[float] | None = None,
+                   pieces: Sequence[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> None:
         """Allocate the optimizer state at ``placement`` (``DEVICE``/``HOST``); zeros unless given (fp32
         ``[hi-lo]``; ``steps``: one step count per parameter, ``[len(params)]``). Under mixed precision the
-        master starts from the full-precision parameter values."""
+        master starts from the full-precision parameter values. ``pieces``: ``(offset, master, exp_avg,
+        exp_avg_sq)`` slices (fp32, any device) copied into the new state at ``offset`` after the rest, so a
+        caller assembling the state from parts needs no whole-chunk temporaries."""
         new = self._alloc_state(placement, alloc)
         if master is None and self.initial_master is not None:
             master = self.initial_master[self.lo:self.hi]
@@ -166,6 +169,12 @@ class Chunk:
                 new["steps"].zero_()
             else:
                 new["steps"].copy_(torch.as_tensor(steps, dtype=torch.float32))
+            dst_master = new["master"] if new["master"] is not None else self.param_part()
+            for off, m, ea, eas in pieces:
+                n = m.numel()
+                dst_master[off:off + n].copy_(m)
+                new["exp_avg"][off:off + n].copy_(ea)
+                new["exp_avg_sq"][off:off + n].copy_(eas)
         self._install(placement, new)
         self.spare = None
 

@@ -256,7 +256,10 @@ class ChunkStore:
                 grad = c.grad_host if host_bound else c.grad
                 lo = c.lo if host_bound else 0
                 tensors = (data, grad, c.master_view(), c.exp_avg, c.exp_avg_sq)
-                flat = [t.to("cpu", copy=True) if t is not None else None for t in tensors]
+                # Host tensors are staged by reference: the old chunks' host memory is the staging (no second
+                # copy); each old buffer is freed once every new chunk holding its values is built
+                # (_restage). Device tensors go to the host, so re-packing needs no old device memory.
+                flat = [t if t is None or t.device.type == "cpu" else t.to("cpu", copy=True) for t in tensors]
                 for p, (off, n) in zip(c.params, c.ranges, strict=True):
                     # a parameter with no gradient keeps none (``p.grad`` is None, not a zeroed view)
                     no_grad = flat[1] is None or (self.lazy_grads and p.grad is None)
@@ -274,6 +277,7 @@ class ChunkStore:
             self._place_staged_grads(c, staged)
             if after_chunk is not None:
                 after_chunk(store, c)
+            self._restage(c, staged)
 
         try:
             self._build(layout, new_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads,
@@ -289,6 +293,26 @@ class ChunkStore:
             raise
         self.rebind_hosts()
         return True
+
+    def _restage(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
+        """Re-packing, one rank: the values of ``c``'s parameters now live in ``c``; their staged entries
+        point there (values, gradients, master, moments), so the old buffers they came from are freed as soon
+        as no entry needs them, and the process holds one packing plus the chunk being built, not two.
+        Should a later chunk fail, the old packing is rebuilt from these entries as from any other."""
+        values = c.data if c.data is not None else c.param_host  # the host copy once sent away
+        if c.lo != 0 or c.hi != c.numel or values is None:
+            return
+        master = c.master_view() if c.master is not None or c.data is not None else values
+        for p, (off, n) in zip(c.params, c.ranges, strict=True):
+            old = staged[id(p)]
+            grad = old[1]
+            if grad is not None:
+                if c.grad is not None and p.grad is not None:
+                    grad = c.grad[off:off + n]
+                elif c.grad_host is not None and id(p) in self.host_grads:
+                    grad = c.grad_host[off:off + n]
+            staged[id(p)] = (values[off:off + n], grad, master[off:off + n], c.exp_avg[off:off + n],
+                             c.exp_avg_sq[off:off + n])
 
     def _place_staged_grads(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """One rank, re-packing: each staged gradient of ``c`` goes where its chunk keeps gradients (a host
@@ -327,8 +351,12 @@ class ChunkStore:
                   params: Iterable[torch.nn.Parameter]) -> None:
         for p in params:
             data, grad = staged[id(p)][:2]
+            p.grad = None
             p.data = self.slot(data, 0, p)
-            p.grad = self.slot(grad, 0, p) if grad is not None else None
+            # A re-staged entry (_restage) may keep the values on the device and the gradient on the host:
+            # the rebuild reads the gradient from ``staged``, so the parameter goes without one meanwhile.
+            if grad is not None and grad.device == data.device:
+                p.grad = self.slot(grad, 0, p)
 
     def stride_of(self, p: torch.nn.Parameter) -> tuple[int, ...]:
         """The strides of ``p``'s views (its memory format; see [Note: memory formats])."""
@@ -419,15 +447,10 @@ class ChunkStore:
         with torch.no_grad():
             sides = {side[id(p)] for p in c.params}
             where = DEVICE if sides == {DEVICE} else HOST
-            with self.alloc.host_context():
-                master, exp_avg, exp_avg_sq = (torch.zeros(c.numel) for _ in range(3))  # fp32
-                for p, (off, n) in zip(c.params, c.ranges, strict=True):
-                    _, _, m, ea, eas = staged[id(p)]
-                    master[off:off + n].copy_(m)
-                    exp_avg[off:off + n].copy_(ea)
-                    exp_avg_sq[off:off + n].copy_(eas)
-            c.init_state(where, self.alloc, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                         steps=[steps[id(p)] for p in c.params])
+            pieces = [(off, *staged[id(p)][2:]) for p, (off, _n) in zip(c.params, c.ranges, strict=True)]
+            # the padding's state is zeros, as in a new chunk; the master of the padding is not read
+            c.init_state(where, self.alloc, master=None, steps=[steps[id(p)] for p in c.params],
+                         pieces=pieces)
         self.note_placements()
 
     # -- where the parameters point: the device while computing, the host between steps ---------------------
@@ -739,6 +762,10 @@ class ChunkStore:
         if placement != HOST:
             self._grads_to_device(c)  # while its host gradients still exist
         moved = c.move_to(placement, self.alloc)
+        # The cached host views would keep the old host buffers (pinned memory) alive after the move.
+        for p in c.params:
+            self._views.pop(("data@host", id(p)), None)
+            self._views.pop(("grad@host", id(p)), None)
         self.note_placements()
         if self.offloads(c):
             self._grads_to_host(c)

@@ -132,23 +132,37 @@ def evaluate(model: torch.nn.Module, tokens: torch.Tensor, batch_size: int, seq_
     return total / n_batches
 
 
-def _choose_device(args: argparse.Namespace) -> tuple[str, bool]:
-    """The device string for attach, and whether the warmup should trace with the parameters on the host
-    (the auto-sized stand-in's prediction says they do not all fit); validates ``--device`` (ValueError
-    naming it and the allowed forms)."""
+def _choose_device(args: argparse.Namespace) -> tuple[str, bool, int | None]:
+    """The device string for attach, whether the warmup should trace with the parameters on the host (the
+    auto-sized device's prediction says they do not all fit), and the cap put on the GPU (bytes; ``None``:
+    none). Validates ``--device`` (ValueError naming it and the allowed forms).
+
+    Without ``--device`` on a CUDA machine the GPU is capped at the size the stand-in would get
+    (:func:`stand_in`, ``torch.cuda.set_per_process_memory_fraction``): on a whole 80 GB GPU the demo model
+    fits with room to spare and the report would show none of the plan's work. ``--device cuda`` uses the
+    whole GPU."""
     text = args.device
+    if text is None and torch.cuda.is_available():
+        chosen = stand_in(args.size, args.batch_size, args.seq_len,
+                          gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        dev = torch.device("cuda", torch.cuda.current_device())
+        total = torch.cuda.get_device_properties(dev).total_memory
+        if chosen.capacity_bytes < total:
+            torch.cuda.set_per_process_memory_fraction(chosen.capacity_bytes / total, dev)
+            return "cuda", chosen.params_on_host, chosen.capacity_bytes
+        return "cuda", False, None
     if text is None:
-        text = "cuda" if torch.cuda.is_available() else "sim"
+        text = "sim"
     if text.strip().lower() == "sim":
         chosen = stand_in(args.size, args.batch_size, args.seq_len,
                           gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
-        return f"sim:{chosen.capacity_bytes}", chosen.params_on_host
+        return f"sim:{chosen.capacity_bytes}", chosen.params_on_host, None
     try:
         parse_device(text)
     except ValueError as e:
         raise ValueError(f"{e} (allowed: {DEVICE_FORMS}, or 'sim' to size the stand-in "
                          "automatically)") from None
-    return text, False
+    return text, False, None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -164,7 +178,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {str(out)!r} exists and is not a folder")
 
     console = make_console(stderr=args.json)  # under --json stdout carries the JSON document alone
-    device, params_on_host = _choose_device(args)
+    device, params_on_host, gpu_cap = _choose_device(args)
+    try:
+        return _run(args, console, out, device, params_on_host, gpu_cap)
+    finally:
+        if gpu_cap is not None:  # the cap is the demo's, not the process's
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _run(args: argparse.Namespace, console: Console, out: Path, device: str, params_on_host: bool,
+         gpu_cap: int | None) -> int:
     corpus = load_stdlib_corpus()
     torch.manual_seed(args.seed)
     model = build_gpt(args.size)
@@ -172,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"[bold]memsched demo[/bold]: GPT [cyan]{args.size}[/cyan] ({n_params:,} parameters), "
                   f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes of the Python standard "
                   f"library ({corpus.files} files), policy [cyan]{args.policy}[/cyan], device "
-                  f"[cyan]{_device_label(device)}[/cyan]")
+                  f"[cyan]{_device_label(device, gpu_cap)}[/cyan]")
     val_before = evaluate(model, corpus.val, args.batch_size, args.seq_len, torch.device("cpu"),
                           seed=args.seed)
 
@@ -226,9 +249,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_label(device: str) -> str:
+def _device_label(device: str, gpu_cap: int | None = None) -> str:
     if device.startswith("sim:"):
         return f"stand-in sim:{format_bytes(int(device[4:]))}" if device[4:].isdigit() else device
+    if gpu_cap is not None:
+        name = torch.cuda.get_device_name()
+        return (f"{device} ({name}) capped at {format_bytes(gpu_cap)}, sized as the stand-in would be so "
+                f"that the plan has work to do (--device cuda: the whole GPU)")
     return device
 
 

@@ -238,6 +238,7 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
             "for the device size, and a verdict: fits / fits only with offload / fits only with parameters "
             "on the host / does not fit; with --model, the largest preset that fits.", 79),
         epilog="examples: memsched plan --model 1.3b --batch-size 8 --seq-len 1024 --capacity 24GiB\n"
+               "          memsched plan --model 2.7b --batch-size 1 --capacity 13GiB --host-memory 128GiB\n"
                "          memsched plan --model 1.3b --seq-len 512,1024,2048 --gpu a100-40gb\n"
                "          memsched plan --model 1.3b --world-size 4 --gpu a100-40gb\n"
                "          memsched plan examples/trace_target.py:build --gpu a100-40gb --json",
@@ -261,6 +262,9 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     cap.add_argument("--gpu", metavar="NAME", help=f"a named GPU: {', '.join(gpu_names())}")
     p.add_argument("--gpu-margin-mem-ratio", type=ratio, default=0.8, metavar="R",
                    help="share of the GPU margin policies may fill, in [0, 1] (default 0.8)")
+    p.add_argument("--host-memory", type=capacity_size, default=None, metavar="SIZE",
+                   help="host memory the pinned chunks may take on the training machine, e.g. 128GiB "
+                        "(default: the memory available here, cgroup limits included)")
     p.add_argument("--policy", default="auto", help="policy the verdict uses (default auto)")
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="also predict one rank's device peak at each ZeRO stage with N >= 2 data-parallel "

@@ -23,6 +23,7 @@ from rich.table import Table
 import policies
 from memsched.cli import parsers
 from memsched.devices.gpus import get_gpu, gpu_names
+from memsched.devices.host_memory import available_bytes
 from memsched.models import config_for, sizes
 from memsched.planning.capacity import (  # noqa: F401 (re-exported for the command's users)
     SCHEMA,
@@ -71,6 +72,16 @@ def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
                      f"({', '.join(gpu_names())})")
 
 
+def _host_budget(args: argparse.Namespace) -> tuple[int, str]:
+    """The pinned host memory the plans may take: ``--host-memory``, else what this machine has available
+    (:func:`memsched.devices.host_memory.available_bytes`, cgroup limits included), bytes, and its source."""
+    if args.host_memory is not None:
+        return args.host_memory, f"--host-memory {format_bytes(args.host_memory)}"
+    free = available_bytes()
+    return free, (f"available host memory here, {format_bytes(free)} (give --host-memory for the training "
+                  "machine)")
+
+
 def run(args: argparse.Namespace) -> int:
     # ---- validate everything before the (possibly long) trace ----------------------------------------------
     if (args.target is None) == (args.model is None):
@@ -82,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--world-size must be at least 2 (one rank is the plan without it), got "
                          f"{args.world_size}")
     capacity, gpu = _capacity(args)
+    host = _host_budget(args)
     dtype = DTYPES[args.dtype] if args.dtype else None
     over: str | None = None  # the swept key when several sizes are given
     if args.model is not None:
@@ -114,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
                 if not args.json and console.is_terminal else contextlib.nullcontext():
             prediction = trace_step(build, dtype=dtype or (torch.float32 if args.model else None),
                                     attention=args.attention)
-        cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+        cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
+                                  host_capacity_bytes=host[0], host_capacity_source=host[1])
         result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)
         if args.world_size is not None:
             result["ranks"] = per_rank_dict(prediction, capacity, args.world_size, policy=args.policy,
@@ -127,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             with console.status("finding the largest preset that fits ...") \
                     if not args.json and console.is_terminal else contextlib.nullcontext():
                 result["largest_preset"] = _largest_preset(args, what["batch_size"], what["seq_len"], dtype,
-                                                           capacity, {args.model: entries[0][2]})
+                                                           capacity, {args.model: entries[0][2]}, host)
         if args.json:
             print(json.dumps(result, indent=2))
         else:
@@ -142,9 +155,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _largest_preset(args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype | None, capacity: int,
-                    known: dict[str, CapacityPlan]) -> dict[str, Any]:
-    """The largest GPT preset that fits ``capacity`` at this batch and sequence length
-    (:func:`memsched.planning.capacity.largest_preset`; presets whose block size is shorter are left out)."""
+                    known: dict[str, CapacityPlan], host: tuple[int, str]) -> dict[str, Any]:
+    """The largest GPT preset that fits ``capacity`` and the host budget ``host`` (bytes, source) at this
+    batch and sequence length (:func:`memsched.planning.capacity.largest_preset`; presets whose block size is
+    shorter are left out)."""
     presets = [name for name in sizes() if config_for(name).block_size >= seq]
 
     def plan_of(name: str) -> CapacityPlan:
@@ -152,7 +166,8 @@ def _largest_preset(args: argparse.Namespace, batch: int, seq: int, dtype: torch
             prediction = trace_step(gpt_workload(name, batch, seq), dtype=dtype or torch.float32,
                                     attention=args.attention)
             known[name] = plan_for_capacity(prediction, capacity,
-                                            gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
+                                            gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
+                                            host_capacity_bytes=host[0], host_capacity_source=host[1])
         return known[name]
 
     return {"batch_size": batch, "seq_len": seq, "policy": args.policy,
@@ -204,8 +219,11 @@ def render(result: dict[str, Any], console: Console) -> None:
     console.print(data)
 
     cap = fb(result["capacity_bytes"]) + (f" ({result['gpu']})" if result["gpu"] else "")
+    host = result["host_capacity_bytes"]
     plans = Table(title=f"Plans for {cap}: GPU margin {fb(result['margin_bytes'])}, "
-                        f"gpu_margin_mem_ratio {result['gpu_margin_mem_ratio']:g}", title_justify="left")
+                        f"gpu_margin_mem_ratio {result['gpu_margin_mem_ratio']:g}; host budget "
+                        f"{fb(host) if host is not None else 'none'} ({result['host_capacity_source']})",
+                  title_justify="left")
     for col in ("policy", "chunks on device", "device bytes", "chunks on host", "pinned host bytes",
                 "params on host", "peak"):
         plans.add_column(col, justify="left" if col == "policy" else "right")
@@ -247,7 +265,7 @@ def render(result: dict[str, Any], console: Console) -> None:
 
 
 _STYLES = {"fits": "bold green", "offload": "bold yellow", "offload_params": "bold yellow",
-           "does_not_fit": "bold red"}
+           "does_not_fit": "bold red", "does_not_fit_host": "bold red"}
 
 
 def render_ranks(ranks: dict[str, Any], peak_non_model_bytes: int, console: Console) -> None:

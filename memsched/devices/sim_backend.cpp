@@ -24,6 +24,8 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/library.h>
 
@@ -106,14 +108,36 @@ void uncount(int64_t bytes) {
   g_live -= bytes;
 }
 
+// Large buffers (device and pinned) are mapped pages of their own, given back to the OS when freed, as GPU
+// memory and registered host memory are: the process's RSS then shows live stand-in memory, not what the C
+// heap kept after the warmup's buffers were freed.
+constexpr size_t kMapAbove = size_t{1} << 20;
+
+void* host_alloc(size_t n) {
+  if (n < kMapAbove) return c10::alloc_cpu(n == 0 ? 1 : n);
+  void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "sim: could not map ", fmt_bytes(static_cast<int64_t>(n)),
+                   " (", n, " bytes) of host memory");
+  return p;
+}
+
+void host_free(void* p, size_t n) {
+  if (n < kMapAbove) {
+    c10::free_cpu(p);
+  } else {
+    munmap(p, n);
+  }
+}
+
 struct Block {
   void* ptr;
+  size_t n;
   int64_t counted;
 };
 
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
-  c10::free_cpu(b->ptr);
+  host_free(b->ptr, b->n);
   uncount(b->counted);
   delete b;
 }
@@ -124,12 +148,12 @@ struct SimAllocator final : c10::Allocator {
     count(counted, static_cast<int64_t>(n));
     void* p = nullptr;
     try {
-      p = c10::alloc_cpu(n == 0 ? 1 : n);
+      p = host_alloc(n);
     } catch (...) {
       uncount(counted);
       throw;
     }
-    return {p, new Block{p, counted}, &free_block, kSimDevice};
+    return {p, new Block{p, n, counted}, &free_block, kSimDevice};
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -150,18 +174,27 @@ void free_adopted(void* ctx) {
 }
 
 // ---- pinned host memory ----------------------------------------------------------------------------
-std::map<uintptr_t, size_t> g_pinned;  // base -> bytes, guarded by g_mu
+std::map<uintptr_t, std::pair<size_t, size_t>> g_pinned;  // base -> (bytes, counted bytes), guarded by g_mu
+
+// Pinned memory is counted in whole pages, as cudaHostRegister pins it (memsched/devices/pinned.py).
+int64_t page_rounded(size_t n) {
+  static const int64_t page = sysconf(_SC_PAGESIZE);
+  int64_t b = static_cast<int64_t>(n == 0 ? 1 : n);
+  return (b + page - 1) / page * page;
+}
 
 void free_pinned(void* ptr) {
+  size_t n = 0;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_pinned.find(reinterpret_cast<uintptr_t>(ptr));
     if (it != g_pinned.end()) {
-      g_pinned_live -= static_cast<int64_t>(it->second);
+      n = it->second.first;
+      g_pinned_live -= static_cast<int64_t>(it->second.second);
       g_pinned.erase(it);
     }
   }
-  c10::free_cpu(ptr);
+  host_free(ptr, n);
 }
 
 bool is_pinned_ptr(const void* data) {
@@ -170,27 +203,28 @@ bool is_pinned_ptr(const void* data) {
   auto it = g_pinned.upper_bound(p);
   if (it == g_pinned.begin()) return false;
   --it;
-  return p < it->first + (it->second == 0 ? 1 : it->second);
+  return p < it->first + (it->second.first == 0 ? 1 : it->second.first);
 }
 
-// Pinned bytes are exact (no power-of-two rounding, unlike torch's CachingHostAllocator): the stand-in
-// models the host memory memsched plans, which pins its buffers at their size.
+// Pinned bytes are exact up to the page (no power-of-two rounding, unlike torch's CachingHostAllocator):
+// the stand-in models the host memory memsched pins (memsched/devices/pinned.py).
 struct PinnedAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
-    void* p = c10::alloc_cpu(n == 0 ? 1 : n);
+    void* p = host_alloc(n);
     {
       std::lock_guard<std::mutex> lock(g_mu);
       int64_t cap = g_host_capacity.load();
-      if (g_pinned_live + static_cast<int64_t>(n) > cap) {
+      int64_t counted = page_rounded(n);
+      if (g_pinned_live + counted > cap) {
         int64_t live = g_pinned_live;
-        c10::free_cpu(p);
+        host_free(p, n);
         TORCH_CHECK_WITH(OutOfMemoryError, false,
             "sim host out of memory: tried to pin ", fmt_bytes(n), " (", n, " bytes) with ",
             fmt_bytes(live), " (", live, " bytes) pinned of the stand-in host's ", fmt_bytes(cap), " (",
             cap, " bytes)");
       }
-      g_pinned[reinterpret_cast<uintptr_t>(p)] = n;
-      g_pinned_live += static_cast<int64_t>(n);
+      g_pinned[reinterpret_cast<uintptr_t>(p)] = {n, static_cast<size_t>(counted)};
+      g_pinned_live += counted;
       if (g_pinned_live > g_pinned_peak) g_pinned_peak = g_pinned_live;
     }
     return {p, p, &free_pinned, c10::Device(c10::DeviceType::CPU)};

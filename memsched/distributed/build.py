@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memsched.chunks import ChunkLayout, dtype_bytes
+from memsched.devices.pinned import can_pin, pin_empty
 from memsched.distributed.options import BUILD_MODES, check_build_mode  # noqa: F401
 
 
@@ -72,8 +73,9 @@ def stage_params(
     """Put each chunk's parameters where its chunk is built (before :class:`memsched.chunks.ChunkStore`).
 
     ``"device"`` chunks: parameters moved to ``device`` (no-op when there already). ``"cpu"`` chunks:
-    parameters copied into one flat host buffer per chunk (dtype of the parameters; pinned when CUDA is
-    present unless ``pin`` says otherwise; allocated inside ``host_context``, e.g. the stand-in's pause) and
+    parameters copied into one flat host buffer per chunk (dtype of the parameters; pinned for CUDA and the
+    stand-in (:mod:`memsched.devices.pinned`) unless ``pin`` says otherwise; allocated inside
+    ``host_context``, e.g. the stand-in's pause) and
     re-bound as views of it, releasing their device storage.
 
     Returns:
@@ -84,7 +86,7 @@ def stage_params(
     """
     if len(decisions) != layout.n_chunks:
         raise ValueError(f"{len(decisions)} decisions for {layout.n_chunks} chunks")
-    pin = (device.type == "cuda" and torch.cuda.is_available()) if pin is None else pin
+    pin = can_pin(device) if pin is None else pin
     moved = 0
     with torch.no_grad():
         for slots, where in zip(layout.chunks, decisions, strict=True):
@@ -100,7 +102,9 @@ def stage_params(
                 by_dtype.setdefault(p.dtype, []).append(p)
             for dt, ps in by_dtype.items():
                 with (host_context or contextlib.nullcontext)():
-                    flat = torch.empty(sum(p.numel() for p in ps), dtype=dt, device="cpu", pin_memory=pin)
+                    numel = sum(p.numel() for p in ps)
+                    flat = (pin_empty(numel * dtype_bytes(dt), device).view(dt) if pin
+                            else torch.empty(numel, dtype=dt, device="cpu"))
                 off = 0
                 for p in ps:
                     n = p.numel()

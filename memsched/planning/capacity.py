@@ -26,7 +26,7 @@ from policies.units import format_bytes
 
 SCHEMA = "memsched.plan"
 VERSION = 2  # 2: gradients placed with their chunk, parameters that may stay on the host, link bytes
-VERDICTS = ("fits", "offload", "offload_params", "does_not_fit")
+VERDICTS = ("fits", "offload", "offload_params", "does_not_fit", "does_not_fit_host")
 
 
 @dataclass
@@ -59,11 +59,14 @@ class CapacityPlan:
 
 def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin_mem_ratio: float = 0.8,
                       policy_names: list[str] | None = None, world_size: int = 1,
-                      zero_stage: int | None = None) -> CapacityPlan:
+                      zero_stage: int | None = None, host_capacity_bytes: int | None = None,
+                      host_capacity_source: str | None = None) -> CapacityPlan:
     """Build the placement problem for ``capacity_bytes`` and plan it with each policy (default: all
     registered). With ``world_size`` > 1 and a ``zero_stage``, the problem is one rank's at that ZeRO stage
     (:func:`memsched.planning.problem.build_problem`), its batch the traced one, and the parameters stay on
-    the device (memsched fetches host-placed parameters with one rank only).
+    the device (memsched fetches host-placed parameters with one rank only). ``host_capacity_bytes``: the
+    pinned host memory the plans may take (``None``: unlimited), named by ``host_capacity_source`` in a
+    refusal; a plan over it is refused (:data:`policies.plans.HOST_SHORT`).
 
     The problem carries the predicted step's chunk accesses (:attr:`Prediction.reads` mapped to the chunks,
     :func:`memsched.planning.reads.chunk_accesses`), so a policy may keep parameters on the host when they do
@@ -83,7 +86,8 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
     problem, layout = build_problem(model, prediction.peak_non_model_bytes, capacity_bytes,
                                     gpu_margin_mem_ratio=gpu_margin_mem_ratio, master_weights=master,
                                     param_order=order, compute_dtype=dtype, world_size=world_size,
-                                    zero_stage=zero_stage,
+                                    zero_stage=zero_stage, host_capacity_bytes=host_capacity_bytes,
+                                    host_capacity_source=host_capacity_source,
                                     pinned=True)  # planned for a CUDA device: host state is pinned
     # The trace is of plain torch, whose gradients stay on the device; memsched's leave it chunk by chunk:
     # the gradients in flight follow from the recorded gradient events in this packing (memsched.planning.
@@ -150,7 +154,9 @@ def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
         ``"offload"`` (it fits with ``offloaded_bytes`` of optimizer state and gradients on the host, needing
         ``host_bytes`` of pinned CPU memory), ``"offload_params"`` (it fits only with ``params_on_host_bytes``
         of parameters on the host too, fetched for their reads; ``peak_bytes`` is the schedule's predicted
-        device peak) or ``"does_not_fit"`` (no plan: short by ``short_bytes`` at least). The link bytes are
+        device peak), ``"does_not_fit_host"`` (the device could hold the step with offload, but the host
+        budget cannot hold the offloaded state: the message says "does not fit host memory" with both
+        numbers) or ``"does_not_fit"`` (no plan: short by ``short_bytes`` at least). The link bytes are
         those of one step (:func:`link_bytes`). All bytes.
 
     Raises:
@@ -171,7 +177,9 @@ def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
         # like 'cuda', all the optimizer state, on the device).
         short = max(0, needed - p.capacity_bytes) if p.margin_bytes >= 0 else -p.margin_bytes
         status = "does_not_fit" if short else "fits"
-        if p.margin_bytes < 0:
+        if policies.plans.HOST_SHORT in plan and p.margin_bytes >= 0:
+            status, message = "does_not_fit_host", plan[plan.index(policies.plans.HOST_SHORT):]
+        elif p.margin_bytes < 0:
             message = (f"does not fit: resident model data + peak non-model data exceed "
                        f"{format_bytes(p.capacity_bytes)} by {format_bytes(-p.margin_bytes)}; {plan}")
         else:
@@ -235,6 +243,8 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
                        "host_grad_working_bytes": p.host_grad_working_bytes},
         "chunks": {"numel": cplan.chunk_numel, "count": cplan.n_chunks, "padding": dict(cplan.padding)},
         "capacity_bytes": p.capacity_bytes,
+        "host_capacity_bytes": p.host_capacity_bytes,
+        "host_capacity_source": p.host_capacity_source,
         "gpu": gpu,
         "gpu_margin_mem_ratio": p.gpu_margin_mem_ratio,
         "margin_bytes": p.margin_bytes,

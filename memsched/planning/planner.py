@@ -47,7 +47,8 @@ def check_host_room(layout: ChunkLayout, config: SchedulerConfig, alloc: Allocat
                          n_params=len(slots), private_grads=bool(config.overlap)) for slots in layout.chunks]
     need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin) for b in sizes)
     check_initial_host_state(need, host_budget(pinned=alloc.pin,
-                                               stand_in_bytes=config.device.host_capacity_bytes))
+                                               stand_in_bytes=config.device.host_capacity_bytes,
+                                               user_bytes=config.host_memory_bytes))
 
 
 class Planner:
@@ -259,7 +260,8 @@ class Planner:
             # parameters leave the device for the host with one rank only (ZeRO-3 shards them: _apply)
             accesses=scaled(self.accesses, peak_non_model_bytes, self._traced_peak) if dp.world == 1 else (),
             **grads,
-            **machine_inputs(self._timeline, self._device, store, dp))  # host budget, fragmentation
+            **machine_inputs(self._timeline, self._device, store, dp,
+                             host_memory_bytes=self._config.host_memory_bytes))  # host budget, fragmentation
         assert layout == store.layout, "planning and chunks disagree on the layout"
         if self.host_grad_working_bytes and dp.world == 1:
             problem = dataclasses.replace(problem, host_grad_working_bytes=self.host_grad_working_bytes)

@@ -250,7 +250,8 @@ def _agree(dp: DataParallel, values: list[int], op: str, what: str) -> list[int]
 
 
 def machine_inputs(timeline: MemoryTimeline | None, device: DeviceSpec, store: ChunkStore,
-                   dp: DataParallel, *, budget: Callable[..., HostBudget] = host_budget) -> dict[str, Any]:
+                   dp: DataParallel, *, budget: Callable[..., HostBudget] = host_budget,
+                   host_memory_bytes: int | None = None) -> dict[str, Any]:
     """The :func:`build_problem` arguments that come from this machine and this warmup:
     ``host_capacity_bytes`` and ``host_capacity_source`` (:func:`memsched.devices.host_memory.host_budget`;
     none on the CPU device, where nothing is placed on the host) and ``fragmentation_bytes``
@@ -263,13 +264,14 @@ def machine_inputs(timeline: MemoryTimeline | None, device: DeviceSpec, store: C
         store: the chunks; those on the host now count as available to the plan (moving them frees them).
         dp: the data parallelism (its ranks agree; ranks on one machine share its available memory).
         budget: the host-budget function (injectable for tests), called with :func:`host_budget`'s arguments.
+        host_memory_bytes: the user's limit (``host_memory=`` at attach), bytes; ``None``: none.
     """
     b = None
     if device.kind != "cpu":
         pin = store.alloc.pin
         held = sum(pinned_bytes(c.state_nbytes(), pinned=pin) for c in store.chunks if c.placement == HOST)
         b = budget(pinned=pin, held_bytes=held, local_ranks=local_world_size() if dp.world > 1 else 1,
-                   stand_in_bytes=device.host_capacity_bytes)
+                   stand_in_bytes=device.host_capacity_bytes, user_bytes=host_memory_bytes)
     frag = measured_fragmentation_bytes(timeline)
     # One collective: the smallest budget and the largest fragmentation (negated, so "min" finds it). In the
     # integers, _NO_BUDGET and +1 stand for "none" (every rank has the same kind of device, so all or none).

@@ -110,7 +110,7 @@ class H2DWaits:
         if traced:
             guard = Detachable(lambda *_a: self._guard_begin())
             self._handles.append(self.model.register_forward_pre_hook(guard, prepend=True))
-        compiled = Detachable(lambda *_a: self._compiled_wait())
+        compiled = Detachable(self._compiled_wait)
         self._handles.append(self.model.register_forward_pre_hook(compiled, prepend=True))
         sync = Detachable(lambda *_a, **_k: self.synchronize())
         self._handles.append(self.model.register_state_dict_pre_hook(sync))
@@ -170,12 +170,13 @@ class H2DWaits:
             if self.fetcher is None or not self.fetcher.owns(i):  # the fetcher says when those are ready
                 self.guard.waited(chunks[i].params)
 
-    def _compiled_wait(self) -> None:
+    def _compiled_wait(self, *_args: Any) -> None:
         """In compiled code only: the per-module waits compile to nothing (they would split the forward's
-        graph at every module that waits); the root waits for every chunk once, eagerly, before the forward:
+        graph at every module that waits); the root waits for every chunk once, eagerly, before the forward,
+        and binds the parameters to their device views (what :meth:`_bind_dropped_grads` does in eager code):
         one graph break at its start. Correct, but a compiled forward does not overlap the CPU update."""
         if torch.compiler.is_compiling():
-            _root_synchronize_eager(self)
+            _compiled_root_eager(self)
         else:  # an eager root forward: module waits in compiled code wait for themselves (see _hook)
             self._root_compiled = False
 
@@ -200,9 +201,7 @@ class H2DWaits:
         still reads the buffers). In compiled code the binding runs eagerly (one graph break at the forward's
         start, with one rank); the gradients are not rebound there (backward allocates the gradient and the
         store's post-accumulate hook copies it into the chunk view)."""
-        if torch.compiler.is_compiling():
-            if self.store.offloading:
-                _enter_compute_eager(self.store)
+        if torch.compiler.is_compiling():  # done by _compiled_wait, in the same graph break
             return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
             if self.store.lazy_grads:  # frees unused gradient buffers; a copy in flight keeps its own alive
@@ -252,19 +251,27 @@ def _in_flight(event: Any) -> bool:
 
 
 @torch.compiler.disable
-def _enter_compute_eager(store: ChunkStore) -> None:
-    with torch._C.DisableTorchFunction():
-        store.enter_compute()
-
-
-@torch.compiler.disable
 def _synchronize_eager(waits: H2DWaits) -> None:
     waits.synchronize()
 
 
 @torch.compiler.disable
-def _root_synchronize_eager(waits: H2DWaits) -> None:
+def _compiled_root_eager(waits: H2DWaits) -> None:
     # Set here, eagerly, before the graph break's resume function runs the rest of the root's forward:
     # Dynamo reads the real value when it traces that function.
     waits._root_compiled = True
     waits.synchronize()
+    if waits.store.offloading:
+        with torch._C.DisableTorchFunction():
+            waits.store.enter_compute()
+
+
+# [Note: the root hook's graph break]
+# The break in _compiled_wait is hit when Dynamo traces the compiled module's frame; the frames under it
+# then run one by one, and Dynamo compiles each on its own. The shared Detachable.__call__ would be compiled
+# once per hook it wraps (its guard is the wrapped function's code), up to the recompile limit, each time
+# meeting the break again: it runs eagerly as a top-level frame instead (still inlined into compiled code).
+# _compiled_wait itself must stay compiled: run eagerly it would take its eager branch.
+_skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+if _skip_code is not None:
+    _skip_code(Detachable.__call__.__code__)

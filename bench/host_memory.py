@@ -1,0 +1,149 @@
+"""Host memory per parameter: pinned bytes planned and measured, and the process's peak RSS against the plan.
+
+Run ``python bench/host_memory.py [--sizes tiny demo small gpt2-124m 350m] [--planned 760m 1.3b 2.7b]`` from
+the repository root, alone (it measures the process's memory). The result goes to
+``bench/results/host_memory.json`` via :func:`bench._machine.write_result`.
+
+Each measured configuration runs in a fresh process: the GPT preset is built on the CPU (fp32), attached to
+the stand-in (``device="sim:SIZE"``, whose device memory is host memory too), and trained for two steps at
+batch 1 x 64 tokens. Two placements:
+
+* ``cpu``: every chunk's optimizer state and gradients on the host (the whole state, fully offloaded);
+* ``auto+params``: ``auto`` on a device of 60 % of the parameters' bytes plus 32 MiB for the activations, so
+  the plan keeps some chunks' parameters on the host too, fetched for their reads.
+
+Per configuration (bytes): ``planned_pinned_bytes`` (the plan's ``host_bytes``) and ``pinned_bytes`` (the
+stand-in's pinned allocator after training), each per parameter; ``rss_*`` (resident set size, from
+``/proc/self/status``): at start (torch loaded), after building the model, and the peaks (``VmHWM``) after
+attach and after training; ``device_peak_bytes`` (the stand-in's peak, host memory here); and
+``planned_rss_bytes = rss_start + planned_pinned_bytes + device_peak_bytes``, what the process should need,
+with ``rss_over_plan`` the measured training peak over it. The sizes in ``--planned`` are planned only, with
+fake tensors (``memsched plan``'s own path, no memory allocated): their pinned bytes per parameter under
+``cpu``.
+
+Target (issue 29): at most 16.5 pinned bytes per parameter fully offloaded (fp32 AdamW: master, gradient and
+two moments, 16 B, plus chunk padding), and the peak RSS within 5 % of the plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._machine import write_result  # noqa: E402
+
+BATCH, SEQ = 1, 64
+
+
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``), bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def measure_one(size: str, placement: str) -> dict[str, Any]:
+    """One configuration in this (fresh) process; see the module docstring."""
+    import torch
+
+    import memsched
+    from memsched.devices import sim_backend
+    from memsched.models import config_for
+    from memsched.models.gpt import GPT, lm_loss
+
+    sim_backend.load()
+    rss_start = _status_bytes("VmRSS")
+    torch.manual_seed(0)
+    model = GPT(config_for(size, block_size=SEQ))
+    n_params = sum(p.numel() for p in model.parameters())
+    rss_built = _status_bytes("VmRSS")
+    param_bytes = n_params * 4
+    if placement == "cpu":
+        kw: dict[str, Any] = {"policy": "cpu", "device": "sim:64GiB"}
+    else:
+        kw = {"policy": "auto", "device": f"sim:{int(param_bytes * 0.6) + 32 * 2**20}B"}
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(3)]
+    sched = memsched.attach(model, **kw)
+    rss_attach_peak = _status_bytes("VmHWM")
+    dev = torch.device("sim", 0)
+    for x in batches:
+        x = x.to(dev)
+        sched.backward(lm_loss(model, x[:, :-1], x[:, 1:]))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+    sched.synchronize()
+    plan = sched.plan
+    out = {
+        "size": size, "placement": placement, "device": kw["device"], "parameters": n_params,
+        "param_host_chunks": len(plan.param_host_chunks), "host_chunks": len(plan.host_chunks),
+        "chunks": len(plan.placement),
+        "planned_pinned_bytes": plan.host_bytes, "pinned_bytes": sim_backend.pinned_bytes(),
+        "max_pinned_bytes": sim_backend.max_pinned_bytes(),
+        "planned_pinned_bytes_per_param": round(plan.host_bytes / n_params, 3),
+        "pinned_bytes_per_param": round(sim_backend.pinned_bytes() / n_params, 3),
+        "device_peak_bytes": sim_backend.max_memory_allocated(),
+        "rss_start_bytes": rss_start, "rss_built_bytes": rss_built,
+        "rss_attach_peak_bytes": rss_attach_peak, "rss_train_peak_bytes": _status_bytes("VmHWM"),
+    }
+    sched.close()
+    out["planned_rss_bytes"] = rss_start + out["planned_pinned_bytes"] + out["device_peak_bytes"]
+    out["rss_over_plan"] = round(out["rss_train_peak_bytes"] / out["planned_rss_bytes"], 4)
+    return out
+
+
+def planned_only(size: str) -> dict[str, Any]:
+    """The plan of ``memsched plan --model SIZE --batch-size 1 --seq-len 1024 --capacity 13GiB`` (fake
+    tensors), policy ``cpu``: pinned bytes per parameter."""
+    import torch
+
+    from memsched.planning.capacity import plan_for_capacity
+    from memsched.planning.prediction import gpt_workload, trace_step
+
+    pred = trace_step(gpt_workload(size, 1, 1024), dtype=torch.float32)
+    cplan = plan_for_capacity(pred, 13 * 2**30, policy_names=["cpu"])
+    plan = cplan.plans["cpu"]
+    n = sum(p.numel() for p in pred.model.parameters())
+    return {"size": size, "placement": "cpu (planned, 13 GiB cap)", "parameters": n,
+            "planned_pinned_bytes": plan.host_bytes,
+            "planned_pinned_bytes_per_param": round(plan.host_bytes / n, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["tiny", "demo", "small", "gpt2-124m", "350m"])
+    ap.add_argument("--placements", nargs="+", default=["cpu", "auto+params"], choices=["cpu", "auto+params"])
+    ap.add_argument("--planned", nargs="*", default=["760m", "1.3b", "2.7b"])
+    ap.add_argument("--one", nargs=2, metavar=("SIZE", "PLACEMENT"), help=argparse.SUPPRESS)
+    ap.add_argument("--name", default="host_memory")
+    args = ap.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_one(*args.one)))
+        return 0
+    rows = []
+    for size in args.sizes:
+        for placement in args.placements:
+            proc = subprocess.run([sys.executable, __file__, "--one", size, placement], capture_output=True,
+                                  text=True, check=False)
+            if proc.returncode != 0:
+                rows.append({"size": size, "placement": placement, "error": proc.stderr[-2000:]})
+            else:
+                rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    planned = [planned_only(size) for size in args.planned]
+    for row in planned:
+        print(json.dumps(row), flush=True)
+    path = write_result(args.name, {"batch": BATCH, "seq": SEQ, "measured": rows, "planned": planned})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
