@@ -10,17 +10,19 @@ demo's model, ResNet-18 and ResNet-50 shaped models built from torch layers (no 
 also with timm's two param groups: weight decay on the convolution and linear weights, none on norms and
 biases) and a LoRA model (a frozen GPT ``small`` with rank-8 adapters on every linear layer of its blocks:
 only the adapters are trained, so only they are packed). Per model: ``parameters`` (trainable elements),
-``chunk_numel``, ``chunks``, ``padding_numel`` and ``padding_pct`` (padding over the parameters, percent),
-``largest_param`` (elements) and the padding the search's old range would have given (chunk sizes from the
-largest parameter up to a eighth of the parameters only: ``padding_pct_old_range``).
+``chunk_numel``, ``chunks``, ``padding_numel`` and ``padding_pct`` (padding over the parameters, percent) and
+``largest_param`` (elements).
 
 Target (issue 31): padding at most 5 % of the parameter bytes for every model, unless one parameter alone is
-larger than the device allows for a chunk.
+larger than the device allows for a chunk. The search today packs whole parameters into chunks of one size
+between the largest parameter and an eighth of the model: a model with one tensor much larger than the rest
+pays for it in every chunk. (Searching larger chunks instead meets 5 % for most of these models, but leaves
+ResNet-18 one chunk and makes ZeRO-3's working set of whole chunks larger: the fix is to let large
+parameters span chunks.)
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._machine import write_result  # noqa: E402
-from memsched.chunks.layout import DEFAULT_MIN_CHUNKS, _as_groups, _greedy_waste, build_layout  # noqa: E402
+from memsched.chunks.layout import build_layout  # noqa: E402
 from memsched.models import config_for  # noqa: E402
 from memsched.models.gpt import GPT  # noqa: E402
 
@@ -126,15 +128,10 @@ def measure(name: str, groups: list[list[nn.Parameter]]) -> dict[str, Any]:
     numels = [g for g in (unique_trainable(g) for g in groups) if g]
     layout = build_layout(numels)
     used = layout.total_numel - layout.waste_numel
-    flat = _as_groups(numels)
-    largest = max(n for g in flat for n in g)
-    old_hi = max(largest, math.ceil(used / DEFAULT_MIN_CHUNKS))
-    old = min(range(largest, old_hi + 1, max(1, math.ceil((old_hi - largest) / 512))),
-              key=lambda c: (_greedy_waste(flat, c), c))
-    return {"model": name, "param_groups": len(numels), "parameters": used, "largest_param": largest,
-            "chunk_numel": layout.chunk_numel, "chunks": layout.n_chunks, "padding_numel": layout.waste_numel,
-            "padding_pct": round(100 * layout.waste_numel / used, 2),
-            "padding_pct_old_range": round(100 * _greedy_waste(flat, old) / used, 2)}
+    return {"model": name, "param_groups": len(numels), "parameters": used,
+            "largest_param": max(n for g in numels for n in g), "chunk_numel": layout.chunk_numel,
+            "chunks": layout.n_chunks, "padding_numel": layout.waste_numel,
+            "padding_pct": round(100 * layout.waste_numel / used, 2)}
 
 
 def main() -> int:
@@ -149,7 +146,7 @@ def main() -> int:
         rows.append(measure("lora r=8 on a frozen gpt small", [list(lora_gpt("small").parameters())]))
     for row in rows:
         print(f"{row['model']:<36} {row['chunks']:>3} chunks of {row['chunk_numel']:>11,}  padding "
-              f"{row['padding_pct']:6.2f} %  (old range: {row['padding_pct_old_range']:6.2f} %)")
+              f"{row['padding_pct']:6.2f} %  (largest parameter {row['largest_param']:,})")
     path = write_result("chunk_waste", {"target_padding_pct": 5.0, "models": rows})
     print(f"wrote {path}")
     return 0

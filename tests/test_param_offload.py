@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memsched
 import memsched.checkpoint
+from memsched.devices import sim_backend
 from tests._numerics import LR, SIM, WD, Reference, assert_same, same, to_dev
 from tracer import MemoryTracer
 
@@ -513,3 +514,50 @@ def test_an_activation_modified_in_place_after_it_was_saved_is_refused_as_torch_
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             F.mse_loss(h, torch.zeros_like(h)).backward()
         sched.optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("where", ["re-forward", "hook"])
+def test_a_backward_that_raised_leaves_every_parameter_readable_and_training_exact(where: str) -> None:
+    """Issue 28, item 3: a backward raises half way (in a checkpointed block's re-forward, or in a backward
+    hook), with some chunks' parameters fetched and others away. Right after it, ``state_dict()`` holds the
+    values of before the step (no NaN of an absent parameter), and so does every parameter after
+    ``zero_grad()``; the chunks fetched for it leave, and training then goes on bit for bit ([Note: a
+    backward that raised] in memsched.chunks.store)."""
+    cap, _ = capacity(torch.float32)
+    model = OffloadNet()
+    ref = Reference(model)
+    data = batches(STEPS * ACCUM)
+    armed = {"on": False}
+
+    def fail(*_args):
+        in_backward = torch._C._current_graph_task_id() != -1
+        if armed["on"] and (in_backward or where == "hook"):
+            armed["on"] = False
+            raise RuntimeError("boom")
+
+    block = model.blocks[0]  # checkpointed: its forward runs again during backward
+    handle = (block.register_forward_pre_hook(fail) if where == "re-forward"
+              else model.blocks[3].register_full_backward_hook(fail))
+    with attach(model, torch.float32, cap) as sched:
+        train(sched, model, ref, data, 0, 2)
+        with sched.sim.paused():
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        gc.collect()
+        live = sim_backend.memory_allocated()
+        armed["on"] = True
+        with pytest.raises(RuntimeError, match="boom") as raised:
+            sched.backward(loss_fn(model, to_dev(data[4])))
+        del raised  # its traceback holds the backward's frames, and their tensors
+        with sched.sim.paused():
+            state = model.state_dict()
+            for n, v in before.items():
+                assert same(state[n], v), n
+            del state
+        sched.optimizer.zero_grad()
+        with sched.sim.paused():
+            for n, p in model.named_parameters():
+                assert same(p.detach(), before[n]), n
+        gc.collect()
+        assert sim_backend.memory_allocated() <= live  # the chunks fetched for the backward left
+        handle.remove()
+        train(sched, model, ref, data, 2, 4)

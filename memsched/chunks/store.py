@@ -86,6 +86,7 @@ class ChunkStore:
         # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
         self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
         self._open_tasks: set[int | None] = set()  # backward passes whose end is queued (_backward_end)
+        self._running: set[int] = set()  # backward passes that read a saved parameter, until their end
         self._ready_pending: list[Chunk] = []  # complete chunks not announced yet (_flush_ready)
         self._flush_task: int | None = None  # the backward whose flush is queued (more ranks, ZeRO-0/1)
         self._n_params = sum(len(g) for g in self.groups)
@@ -867,12 +868,7 @@ class ChunkStore:
         self.rebind_grad(p, c)  # allocates the chunk's gradient buffer at its first gradient
         self.with_grad.add(id(p))
         self.grad_events += 1
-        task = graph_task_id()
-        if self.lazy_grads and task not in self._open_tasks:
-            self._open_tasks.add(task)
-            self.in_backward = True
-            end = functools.partial(self._backward_end, task)
-            torch.autograd.Variable._execution_engine.queue_callback(end)
+        task = self.note_backward()
         if c.mark_grad_ready(id(p), task):
             # See [Note: readiness after the user's hooks]
             self._ready_pending.append(c)
@@ -922,6 +918,49 @@ class ChunkStore:
             observer()
         self.in_backward = False
         self.leave_compute()
+
+    def note_running(self) -> None:
+        """A backward (or ``torch.autograd.grad``) runs on this thread and read a saved parameter: it is known
+        to be running until its end, so that one that raises is known ([Note: a backward that raised])."""
+        task = graph_task_id()
+        if task in (None, -1) or task in self._running:
+            return
+        self._running.add(task)
+        done = functools.partial(self._running.discard, task)
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    def note_backward(self) -> int | None:
+        """A gradient arrived in a backward on this thread: its end is queued once (:meth:`_backward_end`; one
+        rank), which also tells a backward that raised before it ([Note: a backward that raised]). Returns
+        the graph task's id."""
+        task = graph_task_id()
+        if self.lazy_grads and task != -1 and task not in self._open_tasks:
+            self._open_tasks.add(task)
+            self.in_backward = True
+            end = functools.partial(self._backward_end, task)
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+        return task
+
+    def end_aborted_backward(self) -> bool:
+        """[Note: a backward that raised]
+        A backward that raises (an error in a hook, in a checkpointed block's re-forward, out of memory) never
+        reaches :meth:`_backward_end`: the parameters stay bound as while computing, those of chunks whose
+        buffer is away as NaN views ([Note: absent parameters]), and fetched chunks stay on the device. The
+        next use of the model between steps (``zero_grad()``, ``state_dict()``, the next forward) ends that
+        backward as a completed one would: the observers settle the fetched chunks and finish the gradients'
+        offload, and the host chunks become host-bound, so every parameter reads its value again. Its partial
+        gradients stay for the step to refuse (:meth:`memsched.optim.hybrid_adamw.HybridAdamW.step`). Returns
+        whether there was one to end; never inside a backward running on this thread."""
+        if not (self._open_tasks or self._running) or graph_task_id() not in (-1, None):
+            return False
+        self._open_tasks.clear()
+        self._running.clear()
+        self._flush_ready()
+        for observer in self._backward_end_observers:
+            observer()
+        self.in_backward = False
+        self.leave_compute()
+        return True
 
     def observe_backward_end(self, observer: Callable[[], None]) -> None:
         """Call ``observer()`` at the end of every backward (one rank), before the host chunks are
@@ -1173,6 +1212,7 @@ class ChunkStore:
         gradient until backward gives them one (they are then not updated); with one rank the gradient buffers
         are freed and every ``.grad`` is None. Otherwise the buffers that exist are zeroed and the views
         kept."""
+        self.end_aborted_backward()
         self._ready_pending.clear()  # of a backward that raised
         self._open_tasks.clear()
         self.dp.before_zero_grad()  # pending gradient reductions finish first

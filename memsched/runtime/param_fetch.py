@@ -801,6 +801,7 @@ class ParamFetcher:
             return saved.values
         if not self.store.computing:  # a backward with no forward since the last one ended (retain_graph)
             self.store.enter_compute()
+        self.store.note_running()  # should it raise before its end ([Note: a backward that raised])
         c = self.store.param_chunk[id(p)]
         if self.recording is not None:
             self._read_params([p], "backward")

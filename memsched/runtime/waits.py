@@ -88,6 +88,9 @@ class H2DWaits:
         self._handles.append(self.model.register_forward_pre_hook(check))
         bind = Detachable(lambda *_a: self._bind_dropped_grads())
         self._handles.append(self.model.register_forward_pre_hook(bind))
+        sync = Detachable(lambda *_a, **_k: self._between_steps())
+        self._handles.append(self.model.register_state_dict_pre_hook(sync))
+        self._handles.append(self.model.register_load_state_dict_pre_hook(sync))
         if not self.needed:
             return
         store = self.store
@@ -112,9 +115,6 @@ class H2DWaits:
             self._handles.append(self.model.register_forward_pre_hook(guard, prepend=True))
         compiled = Detachable(self._compiled_wait)
         self._handles.append(self.model.register_forward_pre_hook(compiled, prepend=True))
-        sync = Detachable(lambda *_a, **_k: self.synchronize())
-        self._handles.append(self.model.register_state_dict_pre_hook(sync))
-        self._handles.append(self.model.register_load_state_dict_pre_hook(sync))
 
     def _hook(self, name: str, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
         label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
@@ -204,6 +204,7 @@ class H2DWaits:
         if torch.compiler.is_compiling():  # done by _compiled_wait, in the same graph break
             return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
+            self.store.end_aborted_backward()  # the last backward raised: end it before this forward
             if self.store.lazy_grads:  # frees unused gradient buffers; a copy in flight keeps its own alive
                 self.store.enter_compute()
                 self.store.bind_dropped_grads()
@@ -225,6 +226,13 @@ class H2DWaits:
             if self.updates.wait_all() > 0:
                 self.timeline.span(WAITS, "end of forward <- all chunks", t0, time.perf_counter())
         self.timeline.forward_end()
+
+    def _between_steps(self) -> None:
+        """``state_dict()`` / ``load_state_dict()``: a backward that raised is ended first ([Note: a backward
+        that raised] in :mod:`memsched.chunks.store`), then the copies in flight are waited for."""
+        with torch._C.DisableTorchFunction():
+            self.store.end_aborted_backward()
+        self.synchronize()
 
     def synchronize(self) -> None:
         """Block until the overlapped CPU update (if any) is done, then make the current stream wait for every
