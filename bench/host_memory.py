@@ -9,8 +9,9 @@ the stand-in (``device="sim:SIZE"``, whose device memory is host memory too), an
 batch 1 x 64 tokens. Two placements:
 
 * ``cpu``: every chunk's optimizer state and gradients on the host (the whole state, fully offloaded);
-* ``auto+params``: ``auto`` on a device of 60 % of the parameters' bytes plus 32 MiB for the activations, so
-  the plan keeps some chunks' parameters on the host too, fetched for their reads.
+* ``auto+params``: ``auto`` on a device of 75 % of the parameters' bytes plus 64 MiB for the activations and
+  the chunks fetched at a time, so the plan keeps some chunks' parameters on the host too, fetched for their
+  reads (the smallest models fit whole).
 
 Per configuration (bytes): ``planned_pinned_bytes`` (the plan's ``host_bytes``) and ``pinned_bytes`` (the
 stand-in's pinned allocator after training), each per parameter; ``rss_*`` (resident set size, from
@@ -68,7 +69,7 @@ def measure_one(size: str, placement: str) -> dict[str, Any]:
     if placement == "cpu":
         kw: dict[str, Any] = {"policy": "cpu", "device": "sim:64GiB"}
     else:
-        kw = {"policy": "auto", "device": f"sim:{int(param_bytes * 0.6) + 32 * 2**20}B"}
+        kw = {"policy": "auto", "device": f"sim:{int(param_bytes * 0.75) + 64 * 2**20}B"}
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(3)]
     sched = memsched.attach(model, **kw)
@@ -101,19 +102,26 @@ def measure_one(size: str, placement: str) -> dict[str, Any]:
 
 def planned_only(size: str) -> dict[str, Any]:
     """The plan of ``memsched plan --model SIZE --batch-size 1 --seq-len 1024 --capacity 13GiB`` (fake
-    tensors), policy ``cpu``: pinned bytes per parameter."""
+    tensors): pinned bytes per parameter under ``auto`` (every chunk's optimizer state on the host when the
+    parameters do not all fit) and ``cpu`` (where it has a plan)."""
     import torch
 
     from memsched.planning.capacity import plan_for_capacity
     from memsched.planning.prediction import gpt_workload, trace_step
 
     pred = trace_step(gpt_workload(size, 1, 1024), dtype=torch.float32)
-    cplan = plan_for_capacity(pred, 13 * 2**30, policy_names=["cpu"])
-    plan = cplan.plans["cpu"]
+    cplan = plan_for_capacity(pred, 13 * 2**30, policy_names=["auto", "cpu"])
     n = sum(p.numel() for p in pred.model.parameters())
-    return {"size": size, "placement": "cpu (planned, 13 GiB cap)", "parameters": n,
-            "planned_pinned_bytes": plan.host_bytes,
-            "planned_pinned_bytes_per_param": round(plan.host_bytes / n, 3)}
+    out: dict[str, Any] = {"size": size, "batch": 1, "seq": 1024, "capacity": "13GiB", "parameters": n}
+    for name, plan in cplan.plans.items():
+        if isinstance(plan, str):
+            out[name] = {"error": plan}
+        else:
+            out[name] = {"host_chunks": len(plan.host_chunks), "chunks": len(plan.placement),
+                         "param_host_chunks": len(plan.param_host_chunks),
+                         "planned_pinned_bytes": plan.host_bytes,
+                         "planned_pinned_bytes_per_param": round(plan.host_bytes / n, 3)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ from memsched.optim.early_update import check_overlap
 from memsched.optim.hyperparams import check_hyperparameters, hyperparameter_groups
 from memsched.optim.precision import check_dtype
 from policies.types import check_ratio
-from policies.units import parse_bytes
+from policies.units import parse_positive_bytes
 
 
 @dataclass(frozen=True)
@@ -165,10 +165,8 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     host_bytes = None
     if host_memory is not None:
         try:
-            host_bytes = parse_bytes(host_memory)
+            host_bytes = parse_positive_bytes(host_memory)
         except ValueError as e:
             raise ValueError(f"host_memory must be bytes (an int) or a size such as '64GiB': {e}") from None
-        if host_bytes <= 0:
-            raise ValueError(f"host_memory must be > 0 bytes, got {host_memory!r}")
     return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel,
                            overlap, replan, early_update, host_bytes)

@@ -45,6 +45,18 @@ def parse_bytes(text: str | int) -> int:
     return int(round(value))
 
 
+def parse_positive_bytes(text: str | int) -> int:
+    """:func:`parse_bytes`, and the size must be > 0.
+
+    Raises:
+        ValueError: as :func:`parse_bytes`, or the size is 0 (the message names the text).
+    """
+    value = parse_bytes(text)
+    if value <= 0:
+        raise ValueError(f"size must be > 0 bytes, got {text!r}")
+    return value
+
+
 def format_bytes(n: int | float, precision: int = 1) -> str:
     """Format bytes with binary units: ``format_bytes(3 * 2**30) == "3.0 GiB"``; negatives keep the sign."""
     sign = "-" if n < 0 else ""

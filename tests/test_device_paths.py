@@ -43,6 +43,19 @@ def on_host(sched: memsched.Scheduler, model: nn.Module) -> set[int]:
     return {k for k, p in enumerate(model.parameters()) if chunk_of[id(p)].placement == HOST}
 
 
+def train_gpt(sched: memsched.Scheduler, model: nn.Module, ref: Reference, batches: list,
+              forward: nn.Module | None = None) -> None:
+    """Steps over ``batches`` with memsched and with ``ref``, each update where memsched runs it;
+    ``forward``: what computes the loss (default ``model``; a compiled wrapper of it)."""
+    for b in batches:
+        host = on_host(sched, model)
+        sched.backward(gpt_loss(model if forward is None else forward, b))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+        ref.step(b, gpt_loss, None, on_host=host)
+    sched.synchronize()
+
+
 def grad_devices(model: nn.Module) -> list[str | None]:
     """Where torch's ``clip_grad_norm_`` finds each gradient (it groups them by device)."""
     return [p.grad.device.type if p.grad is not None else None for p in model.parameters()]
@@ -145,13 +158,7 @@ def test_overlap_bit_exact(target, dtype, overlap, slow_early_worker):
     ref = Reference(model, dtype, device=target.device)
     batches = gpt_batches(6, device=target.device)
     with attach(model, target, dtype=dtype, chunk_numel=8192, overlap=overlap) as sched:
-        for b in batches:
-            host = on_host(sched, model)
-            sched.backward(gpt_loss(model, b))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-            ref.step(b, gpt_loss, None, on_host=host)
-        sched.synchronize()
+        train_gpt(sched, model, ref, batches)
         assert_same(model, ref, f"{dtype} overlap={overlap}", sched.optimizer)
         assert {c.placement for c in sched.store.chunks} == {DEVICE, HOST}
         assert len(sched.step_timeline.records) == 5
@@ -190,14 +197,7 @@ def test_compiled_bit_exact_and_its_graph_breaks(target, overlap):
     ref = Reference(model, device=target.device)
     batches = gpt_batches(5, device=target.device)
     with attach(model, target, chunk_numel=8192, overlap=overlap) as sched:
-        compiled = torch.compile(model, backend="aot_eager")
-        for b in batches:
-            host = on_host(sched, model)
-            sched.backward(gpt_loss(compiled, b))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-            ref.step(b, gpt_loss, None, on_host=host)
-        sched.synchronize()
+        train_gpt(sched, model, ref, batches, torch.compile(model, backend="aot_eager"))
         breaks = dict(counters["graph_break"])
         graphs = counters["stats"]["unique_graphs"]
     assert_same(model, ref, f"compiled, overlap={overlap}")

@@ -95,7 +95,7 @@ def test_stand_in_device_string_takes_a_host_size() -> None:
     ("sim:8GiB,gpu=1", r"takes only 'host=SIZE'.*got 'gpu=1'"),
     ("sim:8GiB,", r"takes only 'host=SIZE'.*got ''"),
     ("sim:8GiB,host=", r"lacks a size for the host memory"),
-    ("sim:8GiB,host=0", r"the host memory \(host=SIZE\) must be > 0 bytes"),
+    ("sim:8GiB,host=0", r"the host memory \(host=SIZE\): size must be > 0 bytes"),
     ("sim:8GiB,host=lots", r"cannot parse size 'lots'"),
 ])
 def test_stand_in_host_size_errors_name_the_value(device: str, match: str) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from memsched.cli.argtypes import positive_float, positive_int, positive_int_list, ratio
 from memsched.devices.gpus import gpu_names
 from memsched.models.presets import sizes
-from policies.units import parse_bytes
+from policies.units import parse_positive_bytes
 
 # ---- shared ------------------------------------------------------------------------------------------------
 TARGET_HELP = """\
@@ -218,14 +218,11 @@ ATTENTION = ("default", "math")
 
 
 def capacity_size(text: str) -> int:
-    """A byte size > 0 (``24GiB``, ``1.5e9``; :func:`policies.units.parse_bytes`)."""
+    """A byte size > 0 (``24GiB``, ``1.5e9``; :func:`policies.units.parse_positive_bytes`)."""
     try:
-        value = parse_bytes(text)
+        return parse_positive_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"capacity must be > 0 bytes, got {text!r}")
-    return value
 
 
 def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from policies.units import parse_bytes
+from policies.units import parse_positive_bytes
 
 ALLOWED = ("'cuda', 'cuda:N', 'cpu', 'sim:SIZE', optionally with ',host=SIZE' and ',link=BANDWIDTH' (e.g. "
            "'sim:8GiB', 'sim:8GiB,host=2GiB', 'sim:8GiB,link=25GBps'; units B, KiB, MiB, GiB, KB, MB, GB; "
@@ -93,12 +93,9 @@ def _parse_size(device: str, what: str, text: str) -> int:
     if not text.strip():
         raise ValueError(f"device {device!r} lacks a size for {what}; allowed: {ALLOWED}")
     try:
-        value = parse_bytes(text)
+        return parse_positive_bytes(text)
     except ValueError as e:
-        raise ValueError(f"bad device {device!r}: {e}; allowed: {ALLOWED}") from None
-    if value <= 0:
-        raise ValueError(f"device {device!r}: {what} must be > 0 bytes")
-    return value
+        raise ValueError(f"bad device {device!r}: {what}: {e}; allowed: {ALLOWED}") from None
 
 
 _BANDWIDTH_RE = re.compile(
