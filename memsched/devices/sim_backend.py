@@ -141,10 +141,10 @@ def _check_autograd_threads() -> None:
 # Autograd runs a stand-in backward on its device thread, which drops the graph's last references after the
 # caller has its gradients; dropping a tensor that has a Python object takes the GIL. If the main thread goes
 # straight from its last backward into interpreter finalization, holding the GIL, that thread is made to exit
-# while it waits for it, mid-unwind: "terminate called without an active exception", exit status 134, in
-# about half of the short scripts tried (load() alone, or one backward, then exit). Letting go of the GIL
-# briefly at exit lets the waiting thread finish first (0 of 24 such scripts aborted with a 2 ms pause).
-# A backward at exit cannot serve: it leaves the thread with the same work during finalization.
+# while it waits for it, mid-unwind: "terminate called without an active exception", exit status 134, often
+# in short scripts (load() alone, or one backward, then exit). Letting go of the GIL briefly at exit lets the
+# waiting thread finish first. A backward at exit cannot serve: it leaves the thread with the same work
+# during finalization.
 
 
 def _let_the_device_thread_finish() -> None:
