@@ -57,6 +57,7 @@ from memsched.runtime.param_fetch import ParamFetcher
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import WarmupTrace
 from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
+from memsched.telemetry.host_usage import HostUsage, host_usage
 from memsched.telemetry.step_timeline import StepTimeline
 from policies.builtin import warmup_params_on_host
 from policies.types import DEVICE, HOST, PlacementPlan
@@ -255,6 +256,14 @@ class Scheduler:
     def problem(self) -> policies.PlacementProblem | None:
         """The :class:`policies.PlacementProblem` the plan in force solved; ``None`` until warmup ends."""
         return self.planner.problem
+
+    def host_usage(self) -> HostUsage:
+        """Host memory now against the plan: pinned bytes planned and held (and their peak), the process's
+        resident set size and its peak, and the trainable parameters for bytes per parameter
+        (:class:`memsched.telemetry.host_usage.HostUsage`, bytes)."""
+        plan = self.plan
+        return host_usage(self.device.torch_device, plan.host_bytes if plan is not None else None,
+                          sum(p.numel() for p in self.store.params()))
 
     @property
     def plan_error(self) -> Exception | None:

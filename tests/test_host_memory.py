@@ -315,3 +315,30 @@ def test_training_from_a_model_built_on_the_cpu_holds_no_second_copy_of_the_stat
     planned = r["planned_pinned_bytes"] + r["device_peak_bytes"] + staged
     grown = r["rss_train_peak_bytes"] - r["rss_start_bytes"]
     assert grown <= 1.3 * planned, (grown, planned)
+
+
+def test_the_report_shows_host_memory_beside_the_plan() -> None:
+    """``Scheduler.host_usage()``: the pinned bytes planned, held and at their peak (the stand-in's pinned
+    allocator), per parameter, and the process's resident set; the report prints them as a table."""
+    import io
+
+    from rich.console import Console
+
+    from memsched.devices import sim_backend
+    from memsched.report.text import render_report
+
+    with memsched.attach(_mlp(), policy="cpu", device="sim:64MiB", chunk_numel=64 * 65) as sched:
+        before = sched.host_usage()
+        assert before.planned_pinned_bytes is None and before.pinned_bytes == sim_backend.pinned_bytes()
+        _warmup(sched)
+        usage = sched.host_usage()
+        assert usage.parameters == 2 * (64 * 64 + 64)
+        assert usage.planned_pinned_bytes == sched.plan.host_bytes == usage.pinned_bytes
+        assert usage.max_pinned_bytes >= usage.pinned_bytes and usage.max_rss_bytes >= usage.rss_bytes > 0
+        assert usage.pinned_bytes_per_param == usage.pinned_bytes / usage.parameters
+        out = io.StringIO()
+        render_report(sched.timeline, plan=sched.plan, problem=sched.problem, host_usage=usage,
+                      console=Console(file=out, width=120))
+    text = out.getvalue()
+    assert "Host memory" in text and "pinned, planned" in text and "process peak (resident set)" in text
+    assert f"{usage.pinned_bytes / usage.parameters:.2f} B" in text

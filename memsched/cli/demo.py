@@ -221,8 +221,11 @@ def _run(args: argparse.Namespace, console: Console, out: Path, device: str, par
 
     step_summary = sched.step_timeline.mean_summary()
     summary["step_timeline"] = step_summary
+    usage = sched.host_usage()
+    summary["host_memory"] = usage.to_dict()
     report: dict[str, Any] = {"plan": sched.plan, "transfers": sched.transfers.as_dict(),
-                              "step_summary": step_summary, "plan_history": sched.plan_history}
+                              "step_summary": step_summary, "plan_history": sched.plan_history,
+                              "host_usage": usage}
     if not args.json:
         render_report(sched.timeline, console=console, problem=sched.problem, **report)
         losses = summary["losses"]

@@ -43,6 +43,7 @@ def report_dict(
     transfers: Mapping[str, int] | None = None,
     step_summary: Mapping[str, Any] | None = None,
     plan_history: Sequence[Any] | None = None,
+    host_usage: Any = None,
 ) -> dict[str, Any]:
     """The figures of the text report (:func:`memsched.report.text.render_report`, same arguments) as
     JSON-ready
@@ -56,7 +57,8 @@ def report_dict(
     ``modules``: ``count`` and the ``top`` modules by activations kept for backward, as the module table
     orders them (:class:`tracer.timeline.ModuleStats` fields, per call, plus ``calls_per_step``); ``plan``
     (:meth:`policies.PlacementPlan.to_dict`), ``transfers``, ``step_summary`` and ``plan_history``
-    (:meth:`memsched.planning.elastic.PlanChange.to_dict` each): ``None`` when not given.
+    (:meth:`memsched.planning.elastic.PlanChange.to_dict` each) and ``host_memory``
+    (:meth:`memsched.telemetry.host_usage.HostUsage.to_dict`): ``None`` when not given.
 
     Raises:
         ValueError: ``top`` is not an integer >= 1.
@@ -85,6 +87,7 @@ def report_dict(
         "transfers": dict(transfers) if transfers is not None else None,
         "step_summary": dict(step_summary) if step_summary is not None else None,
         "plan_history": [h.to_dict() for h in plan_history] if plan_history is not None else None,
+        "host_memory": host_usage.to_dict() if host_usage is not None else None,
     }
 
 

@@ -226,3 +226,29 @@ def transfer_table(transfers: Mapping[str, int]) -> Table:
     if transfers.get("chunk_moves_bytes"):
         table.caption = f"plus {format_bytes(transfers['chunk_moves_bytes'])} moved once to apply the plan"
     return table
+
+
+def host_memory_table(usage: Any) -> Table:
+    """Host memory beside the plan (:class:`memsched.telemetry.host_usage.HostUsage`): pinned bytes planned,
+    held now and at their peak, with bytes per trainable parameter; the rest of the process's resident set
+    (pageable: the program, data, the CPU copies it makes; on the stand-in its device memory too) and the
+    process's peak resident set."""
+    fmt = format_bytes
+    table = Table(title="Host memory", title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("what")
+    table.add_column("bytes", justify="right")
+    table.add_column("per parameter", justify="right")
+    n = usage.parameters
+
+    def per(v: int | None) -> str:
+        return f"{v / n:.2f} B" if v is not None and n else "-"
+
+    if usage.planned_pinned_bytes is not None:
+        table.add_row("pinned, planned", fmt(usage.planned_pinned_bytes), per(usage.planned_pinned_bytes))
+    if usage.pinned_bytes is not None:
+        table.add_row("pinned, held now", fmt(usage.pinned_bytes), per(usage.pinned_bytes))
+        table.add_row("pinned, peak", fmt(usage.max_pinned_bytes), per(usage.max_pinned_bytes))
+    pageable = usage.rss_bytes - (usage.pinned_bytes or 0)
+    table.add_row("pageable now (rest of the process)", fmt(max(0, pageable)), "-")
+    table.add_row("process peak (resident set)", fmt(usage.max_rss_bytes), "-")
+    return table

@@ -25,7 +25,7 @@ from rich.text import Text
 
 from memsched.report.category_bars import ABOVE, CATEGORY_ORDER, CategoryLegend, StackedBar
 from memsched.report.console import make_console
-from memsched.report.plan import plan_panel, transfer_table
+from memsched.report.plan import host_memory_table, plan_panel, transfer_table
 from policies.types import PlacementPlan
 from policies.units import format_bytes
 from tracer.timeline import MemoryTimeline, Sample
@@ -77,6 +77,7 @@ def report_renderables(
     step_summary: Mapping[str, Any] | None = None,
     plan_history: Sequence[Any] | None = None,
     problem: Any = None,
+    host_usage: Any = None,
 ) -> list[RenderableType]:
     """The report's sections as rich renderables, for :func:`render_report` or to embed elsewhere.
 
@@ -96,6 +97,7 @@ def report_renderables(
             there was more than one.
         problem: the :class:`policies.PlacementProblem` the plan was made for: the plan panel then shows the
             capacity, peak non-model data, resident model data, GPU margin and budget, as the PNG does.
+        host_usage: host memory beside the plan (:meth:`memsched.Scheduler.host_usage`), shown as a table.
 
     Raises:
         ValueError: ``top`` or ``rows`` is not an integer >= 1, or ``transfers`` lacks a key / holds a
@@ -112,6 +114,8 @@ def report_renderables(
         out.append(plan_panel(plan, problem))
     if transfers is not None:
         out.append(transfer_table(transfers))
+    if host_usage is not None:
+        out.append(host_memory_table(host_usage))
     if plan_history is not None and len(plan_history) > 1:
         from memsched.report.history import plan_history_table
 
@@ -133,6 +137,7 @@ def render_report(
     step_summary: Mapping[str, Any] | None = None,
     plan_history: Sequence[Any] | None = None,
     problem: Any = None,
+    host_usage: Any = None,
 ) -> None:
     """Print the report (see :func:`report_renderables`) to ``console`` (default: a new stdout console).
 
@@ -140,7 +145,7 @@ def render_report(
         ValueError: as :func:`report_renderables`.
     """
     parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top, step_summary=step_summary,
-                               plan_history=plan_history, problem=problem)
+                               plan_history=plan_history, problem=problem, host_usage=host_usage)
     console = console or make_console()
     for part in parts:
         console.print(part)
