@@ -520,8 +520,8 @@ def test_an_activation_modified_in_place_after_it_was_saved_is_refused_as_torch_
 def test_a_backward_that_raised_leaves_every_parameter_readable_and_training_exact(where: str) -> None:
     """Issue 28, item 3: a backward raises half way (in a checkpointed block's re-forward, or in a backward
     hook), with some chunks' parameters fetched and others away. Right after it, ``state_dict()`` holds the
-    values of before the step (no NaN of an absent parameter), and so does every parameter after
-    ``zero_grad()``; the chunks fetched for it leave, and training then goes on bit for bit ([Note: a
+    values of before the step (no NaN of an absent parameter); the step over its partial gradients is still
+    refused; every parameter holds its value after ``zero_grad()``; the chunks fetched for it leave, and training then goes on bit for bit ([Note: a
     backward that raised] in memsched.chunks.store)."""
     cap, _ = capacity(torch.float32)
     model = OffloadNet()
@@ -553,6 +553,9 @@ def test_a_backward_that_raised_leaves_every_parameter_readable_and_training_exa
             for n, v in before.items():
                 assert same(state[n], v), n
             del state
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # over whatever gradients there are
+        with pytest.raises(RuntimeError, match="would see only part of them. Nothing was updated"):
+            sched.optimizer.step()  # still refused after state_dict() ended the backward
         sched.optimizer.zero_grad()
         with sched.sim.paused():
             for n, p in model.named_parameters():

@@ -74,6 +74,7 @@ class ChunkStore:
         # Whether some chunk offloads (a plain flag: compiled hooks read it, see memsched.runtime.waits)
         self.offloading = False
         self.in_backward = False  # a backward is running (its end callback is queued)
+        self.aborted = False  # a backward raised, its partial gradients kept: the step refuses until zero_grad
         self._backward_end_observers: list[Callable[[], None]] = []
         self._zero_grad_observers: list[Callable[[], None]] = []
         self._absent: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [Note: absent parameters]
@@ -797,7 +798,7 @@ class ChunkStore:
                 and part are not, so anything reading them now (torch's ``clip_grad_norm_``, the step) would
                 see only part of them. ``zero_grad()`` drops them.
         """
-        if self.in_backward:
+        if self.in_backward or self.aborted:
             # between steps again: parameters whose buffer is away read their host values, not the absent
             # views' NaN (the refusal stands until zero_grad())
             self.leave_compute()
@@ -916,7 +917,7 @@ class ChunkStore:
                     p.grad = None
         for observer in self._backward_end_observers:
             observer()
-        self.in_backward = False
+        self.in_backward = self.aborted = False
         self.leave_compute()
 
     def note_running(self) -> None:
@@ -959,6 +960,7 @@ class ChunkStore:
         for observer in self._backward_end_observers:
             observer()
         self.in_backward = False
+        self.aborted = True  # settle() refuses the partial gradients until zero_grad or a whole backward
         self.leave_compute()
         return True
 
@@ -1218,7 +1220,7 @@ class ChunkStore:
         self.dp.before_zero_grad()  # pending gradient reductions finish first
         for observer in self._zero_grad_observers:  # pending offloads are dropped
             observer()
-        self.in_backward = False
+        self.in_backward = self.aborted = False
         if set_to_none and self.lazy_grads and not self.closed:
             self._release_kept_grads()
         if set_to_none and not self.closed:
