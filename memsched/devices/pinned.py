@@ -11,8 +11,9 @@ report the same loss). memsched pins its host buffers itself, at their size roun
   ``cudaHostAlloc`` memory, and ``is_pinned()`` holds. It is unregistered when the last tensor viewing it is
   freed (see :func:`pin_empty`). Chosen over one pinned arena carved into chunks (one
   ``cudaHostAlloc`` would round the whole arena to a power of two, and ``cudaHostAlloc`` cannot give back
-  part of an arena when the plan moves chunks to the device) and over torch's allocator settings (no
-  rounding switch in torch 2.4 to 2.11). DeepSpeed's ``pin_memory`` of whole flat buffers pays the rounding.
+  part of an arena when the plan moves chunks to the device) and over torch's allocator settings (its
+  rounding was seen with ``pinned_use_cuda_host_register`` too, and torch 2.4 must work as well).
+  DeepSpeed's ``pin_memory`` of whole flat buffers pays the rounding.
 * **The stand-in** (``sim``): its host allocator (:mod:`memsched.devices.sim_backend`) pins at the same page
   granularity and counts the bytes against ``sim:SIZE,host=SIZE``, so CI tests the same accounting.
 * **The CPU device**: nothing is pinned (no device to copy to).
