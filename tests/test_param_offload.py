@@ -521,8 +521,8 @@ def test_a_backward_that_raised_leaves_every_parameter_readable_and_training_exa
     """Issue 28, item 3: a backward raises half way (in a checkpointed block's re-forward, or in a backward
     hook), with some chunks' parameters fetched and others away. Right after it, ``state_dict()`` holds the
     values of before the step (no NaN of an absent parameter); the step over its partial gradients is still
-    refused; every parameter holds its value after ``zero_grad()``; the chunks fetched for it leave, and training then goes on bit for bit ([Note: a
-    backward that raised] in memsched.chunks.store)."""
+    refused; every parameter holds its value after ``zero_grad()``; the chunks fetched for it leave, and
+    training then goes on bit for bit ([Note: a backward that raised] in memsched.chunks.store)."""
     cap, _ = capacity(torch.float32)
     model = OffloadNet()
     ref = Reference(model)
