@@ -74,7 +74,7 @@ class ChunkStore:
         # Whether some chunk offloads (a plain flag: compiled hooks read it, see memsched.runtime.waits)
         self.offloading = False
         self.in_backward = False  # a backward is running (its end callback is queued)
-        self.aborted = False  # a backward raised and its partial gradients stay: steps refused until zero_grad
+        self.aborted = False  # a backward raised, its partial gradients stay: steps refused until zero_grad
         self._backward_end_observers: list[Callable[[], None]] = []
         self._zero_grad_observers: list[Callable[[], None]] = []
         self._absent: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [Note: absent parameters]
