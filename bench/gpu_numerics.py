@@ -117,6 +117,9 @@ def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int,
             sched.scaler.growth_interval = 2
         for i, b in enumerate(batches):
             sched.backward(gpt_loss(model, b))
+            # torch's clip groups the norms by the devices it finds the gradients on (host chunks' on the
+            # host): the reference computes its norm over the same devices
+            devices = [None if p.grad is None else p.grad.device for p in model.parameters()]
             if via == "torch":
                 torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             elif via == "memsched":
@@ -125,7 +128,8 @@ def run_case(device: str, policy: str, dtype_name: str, via: str, steps: int,
             sched.optimizer.step()
             sched.optimizer.zero_grad()
             with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():
-                ref.step(b, gpt_loss, None if via == "none" else CLIP, on_host=on_host)
+                ref.step(b, gpt_loss, None if via == "none" else CLIP, on_host=on_host,
+                         clip_devices=devices if via == "torch" else None)
             if i < steps - 1 and not (overlap and i % 2 == 0):  # last: after close(); overlap: every 2nd
                 sched.synchronize()  # reads outside a forward wait first (the documented contract)
                 with sched.sim.paused() if sched.sim is not None else contextlib.nullcontext():

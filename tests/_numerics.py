@@ -24,7 +24,7 @@ from torch import nn
 from memsched.models.gpt import GPT, GPTConfig, lm_loss
 
 LR, WD = 1e-2, 0.1
-SIM = torch.device("sim", 0)  # the stand-in device (loaded in tests/conftest.py)
+SIM = torch.device("privateuseone", 0)  # the stand-in, sim:0 once loaded (tests/conftest.py)
 
 
 def to_dev(obj, device: torch.device | str = SIM):

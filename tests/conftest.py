@@ -58,14 +58,25 @@ def no_saved_tensor_hooks_outlive_a_test():
         pytest.fail(f"saved-tensor hooks left on the stack: {left}")
 
 
+def _cuda_session(config) -> bool:
+    """``-m cuda`` (and not ``not cuda``) on a machine with CUDA: the CUDA tests alone, without the stand-in."""
+    import torch
+
+    expr = config.option.markexpr or ""
+    return torch.cuda.is_available() and "cuda" in expr and "not cuda" not in expr
+
+
 def pytest_configure(config):
     """The stand-in device (``device="sim:SIZE"``) is loaded before any test runs a backward: torch's autograd
-    sizes its device threads at the process's first backward."""
+    sizes its device threads at the process's first backward. Not in a CUDA session (``-m cuda``): a process
+    that loaded the stand-in cannot run a backward on CUDA ([Note: one accelerator per process] in
+    ``memsched/devices/sim_backend.py``)."""
     import gc
 
     from memsched.devices import sim_backend
 
-    sim_backend.load()
+    if not _cuda_session(config):
+        sim_backend.load()
     # Every attach on the stand-in collects garbage first (an earlier model's tensors on the device count):
     # the objects of the imported libraries are frozen out of those collections, which keeps each cheap.
     for name in ("transformers", "accelerate", "memsched.scheduler", "torch._dynamo"):
@@ -89,3 +100,15 @@ def nothing_left_on_the_stand_in():
         delattr(sys, name)
     if held:
         gc.collect()
+
+
+def pytest_runtest_setup(item):
+    """A CUDA test in a process that loaded the stand-in cannot run its backward (torch takes the stand-in as
+    the process's accelerator): skip it with the command that runs it."""
+    if item.get_closest_marker("cuda") is None:
+        return
+    from memsched.devices import sim_backend
+
+    if sim_backend.is_loaded():
+        pytest.skip("this process loaded the stand-in device, which torch then takes as its accelerator in "
+                    "CUDA's place (pytorch/pytorch#161129): run the CUDA tests as `python -m pytest -m cuda`")

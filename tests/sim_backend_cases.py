@@ -171,3 +171,19 @@ def test_hugging_face_gpt2_trains_on_the_device():
     assert next(twin.parameters()).device.type == "sim"
     out = model.generate(ids[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.device.type == "sim" and out.shape == (2, 7)
+
+
+def test_one_accelerator_per_process_is_said_both_ways(monkeypatch):
+    """torch takes the loaded stand-in as the process's accelerator, after which a backward over CUDA tensors
+    fails inside its autograd engine (pytorch/pytorch#161129): CUDA training here is refused with the reason,
+    and so is loading the stand-in where CUDA is already in use."""
+    if not (hasattr(torch, "accelerator") and hasattr(torch.accelerator, "current_accelerator")):
+        pytest.skip("torch.accelerator.current_accelerator needs torch >= 2.6")
+    assert torch.accelerator.current_accelerator().type == "sim"
+    with pytest.raises(RuntimeError, match=r"takes 'sim', not CUDA.*161129"):
+        sim_backend.check_cuda_autograd()
+    monkeypatch.setattr(sim_backend, "_loaded", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match=r"already uses CUDA.*161129"):
+        sim_backend.load()

@@ -164,9 +164,19 @@ def test_on_a_gpu_the_demo_caps_the_device_as_the_stand_in_is_sized(monkeypatch)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=total))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda f, dev=None: fractions.append(f))
+    # The GPU's cap comes from a fake trace on the GPU itself (the stand-in cannot be loaded beside CUDA);
+    # a CPU build of torch cannot run autograd on fake CUDA tensors, so it is traced on the stand-in here.
+    traced_on, real_stand_in = [], demo.stand_in
+
+    def stand_in(*args, device=None, **kwargs):
+        traced_on.append(device)
+        return real_stand_in(*args, **kwargs)
+
+    monkeypatch.setattr(demo, "stand_in", stand_in)
     args = argparse.Namespace(device=None, size="tiny", batch_size=8, seq_len=64, gpu_margin_mem_ratio=0.8)
     device, params_on_host, cap = demo._choose_device(args)
-    chosen = demo.stand_in("tiny", 8, 64)
+    assert traced_on == [torch.device("cuda", 0)]
+    chosen = real_stand_in("tiny", 8, 64)
     assert (device, params_on_host, cap) == ("cuda", chosen.params_on_host, chosen.capacity_bytes)
     assert fractions == [chosen.capacity_bytes / total]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")

@@ -12,9 +12,11 @@ import torch
 
 import memsched
 from memsched.devices.simdevice import SimOutOfMemoryError
-from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt, uncounted
+from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt, to_dev, uncounted
 
-BATCHES = gpt_batches(4, batch=1, seq=4)  # small activations: the chunk buffers dominate the device memory
+# small activations: the chunk buffers dominate the device memory; made on the host at import (a CUDA session
+# does not load the stand-in, tests/conftest.py) and moved where a test runs
+BATCHES = gpt_batches(4, batch=1, seq=4, device="cpu")
 
 
 def reference_steps(model, dtype: torch.dtype) -> list[Reference]:
@@ -43,7 +45,7 @@ def train(device: str, dtype: torch.dtype, refs: list[Reference] | None = None, 
                     raise SimOutOfMemoryError(numel * dt.itemsize, 0, 1, "a test allocation")
                 return real(numel, dt)
 
-        for i, b in enumerate(BATCHES):
+        for i, b in enumerate(to_dev(BATCHES)):
             sched.backward(gpt_loss(model, b))
             if fail_repack and i == 0:
                 sched.store.alloc.device_zeros = flaky

@@ -69,7 +69,8 @@ class StandIn:
     params_on_host: bool
 
 
-def stand_in(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: float = 0.8) -> StandIn:
+def stand_in(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: float = 0.8,
+             device: torch.device | None = None) -> StandIn:
     """The stand-in device (its capacity a whole number of 64 KiB: a MiB is too coarse for the smallest
     models, where it is several chunks) on which the parameters and gradients of GPT ``size`` trained on
     ``[batch_size, seq_len]`` batches do not all fit: ``auto`` keeps every chunk's optimizer state and
@@ -78,7 +79,9 @@ def stand_in(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: 
     From a fake trace (:func:`memsched.planning.prediction.trace_step`) and the plans of ``auto`` for it
     (:func:`memsched.planning.capacity.plan_for_capacity`): the capacity is ``STAND_IN_PARAM_SHARE`` of the
     way from the smallest capacity with a plan to the smallest whose plan keeps every parameter on the
-    device (binary searches over the capacity).
+    device (binary searches over the capacity). ``device``: the device traced (fake tensors), the stand-in
+    by default; a CUDA device for the cap put on a GPU (the stand-in cannot be loaded beside CUDA:
+    [Note: one accelerator per process] in :mod:`memsched.devices.sim_backend`).
 
     Raises:
         ValueError: unknown size, bad batch/sequence, or a ratio outside [0, 1].
@@ -88,11 +91,12 @@ def stand_in(size: str, batch_size: int, seq_len: int, *, gpu_margin_mem_ratio: 
     from memsched.planning.prediction import gpt_workload, trace_step
 
     gpu_margin_mem_ratio = check_ratio(gpu_margin_mem_ratio)
-    # traced on the stand-in itself (fake tensors: nothing allocated), whose kernels, and so activations,
-    # differ from the CPU's (its attention, for one, keeps more)
-    sim_backend.load()
-    prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True,
-                            device=torch.device(sim_backend.NAME, 0))
+    # traced on the device itself (fake tensors: nothing allocated), whose kernels, and so activations,
+    # differ from the CPU's (the stand-in's attention, for one, keeps more)
+    if device is None:
+        sim_backend.load()
+        device = torch.device(sim_backend.NAME, 0)
+    prediction = trace_step(gpt_workload(size, batch_size, seq_len), fake=True, device=device)
 
     def status(capacity: float) -> str:
         cp = plan_for_capacity(prediction, int(capacity), gpu_margin_mem_ratio=gpu_margin_mem_ratio,
@@ -143,9 +147,9 @@ def _choose_device(args: argparse.Namespace) -> tuple[str, bool, int | None]:
     whole GPU."""
     text = args.device
     if text is None and torch.cuda.is_available():
-        chosen = stand_in(args.size, args.batch_size, args.seq_len,
-                          gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
         dev = torch.device("cuda", torch.cuda.current_device())
+        chosen = stand_in(args.size, args.batch_size, args.seq_len,
+                          gpu_margin_mem_ratio=args.gpu_margin_mem_ratio, device=dev)
         total = torch.cuda.get_device_properties(dev).total_memory
         if chosen.capacity_bytes < total:
             torch.cuda.set_per_process_memory_fraction(chosen.capacity_bytes / total, dev)
@@ -257,8 +261,8 @@ def _device_label(device: str, gpu_cap: int | None = None) -> str:
         return f"stand-in sim:{format_bytes(int(device[4:]))}" if device[4:].isdigit() else device
     if gpu_cap is not None:
         name = torch.cuda.get_device_name()
-        return (f"{device} ({name}) capped at {format_bytes(gpu_cap)}, sized as the stand-in would be so "
-                f"that the plan has work to do (--device cuda: the whole GPU)")
+        return (f"{device} ({name}) capped at {format_bytes(gpu_cap)}, sized as the stand-in would be "
+                f"(from a fake trace on this GPU) so that the plan has work to do (--device cuda: the whole GPU)")
     return device
 
 

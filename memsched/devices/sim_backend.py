@@ -72,7 +72,8 @@ def load(*, check_autograd: bool = True) -> None:
     Raises:
         SimBackendBuildError: no C++ compiler or ninja (the message says which command installs it), or the
             build failed (the compiler's output is in the message).
-        RuntimeError: this process already renamed the PrivateUse1 backend to another name.
+        RuntimeError: this process already renamed the PrivateUse1 backend to another name, or it already
+            uses CUDA (see [Note: one accelerator per process]).
     """
     global _loaded
     if _loaded:
@@ -82,6 +83,12 @@ def load(*, check_autograd: bool = True) -> None:
     with _lock:
         if _loaded:
             return
+        if torch.cuda.is_available() and torch.cuda.is_initialized() and _has_accelerator_api():
+            raise RuntimeError(
+                "memsched's stand-in device (device='sim:SIZE') cannot be loaded in a process that already "
+                "uses CUDA: torch then takes it as the process's accelerator, and every later backward over "
+                "CUDA tensors fails inside torch's autograd engine (pytorch/pytorch#161129). Use the "
+                "stand-in in a process of its own, or train on 'cuda'")
         current = torch._C._get_privateuse1_backend_name()
         if current not in ("privateuseone", NAME):
             raise RuntimeError(f"memsched's stand-in device needs torch's PrivateUse1 backend, which this "
@@ -110,6 +117,43 @@ def load(*, check_autograd: bool = True) -> None:
         _loaded = True
     if check_autograd:
         _check_autograd_threads()
+
+
+# [Note: one accelerator per process]
+# torch's autograd engine synchronizes a node with the streams of the process's one accelerator
+# (`at::getAccelerator()`), and a registered PrivateUse1 backend takes precedence over CUDA. With the stand-in
+# loaded, a CUDA node has no stream of that accelerator and any backward over CUDA tensors fails with
+# "opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED" (torch >= 2.8, pytorch/pytorch#161129; seen
+# on an H200 with torch 2.11, bench/results/gpu_pytest_cuda_h200.log). The registration cannot be undone, so
+# memsched refuses both orders loudly: loading the stand-in where CUDA is in use (`load`), and attaching on
+# CUDA where the stand-in is loaded (`check_cuda_autograd`).
+
+
+def _has_accelerator_api() -> bool:
+    return hasattr(torch, "accelerator") and hasattr(torch.accelerator, "current_accelerator")
+
+
+def is_loaded() -> bool:
+    """Whether this process registered the stand-in (see :func:`load`)."""
+    return _loaded
+
+
+def check_cuda_autograd() -> None:
+    """Refuse CUDA training in a process where the stand-in took the accelerator's place
+    ([Note: one accelerator per process]).
+
+    Raises:
+        RuntimeError: the stand-in is loaded and torch names it, not CUDA, the process's accelerator.
+    """
+    if not _loaded or not _has_accelerator_api():
+        return
+    current = torch.accelerator.current_accelerator()
+    if current is not None and current.type != "cuda":
+        raise RuntimeError(
+            f"this process loaded memsched's stand-in device, so torch takes {current.type!r}, not CUDA, as "
+            "its accelerator, and a backward over CUDA tensors would fail inside torch's autograd engine "
+            "(pytorch/pytorch#161129). Train on CUDA in a process that does not use the stand-in "
+            "(device='sim:SIZE')")
 
 
 def _check_autograd_threads() -> None:

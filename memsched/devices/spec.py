@@ -165,6 +165,8 @@ def parse_device(device: str | torch.device | None) -> DeviceSpec:
         ValueError: the text is none of the allowed forms (the message names it and lists them), a CUDA device
             was asked for without CUDA, the CUDA index is out of range, or a ``sim`` size (capacity or
             ``host=``) is not > 0.
+        RuntimeError: ``cuda`` in a process that loaded the stand-in, or ``sim`` in one that uses CUDA
+            ([Note: one accelerator per process] in :mod:`memsched.devices.sim_backend`).
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -191,6 +193,9 @@ def parse_device(device: str | torch.device | None) -> DeviceSpec:
         if index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices "
                              f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
+        from memsched.devices import sim_backend
+
+        sim_backend.check_cuda_autograd()
         dev = torch.device("cuda", index)
         return DeviceSpec("cuda", dev, cuda_capacity_bytes(dev), str(dev))
     raise ValueError(f"bad device {device!r}; allowed: {ALLOWED}")

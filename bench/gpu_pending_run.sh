@@ -1,0 +1,76 @@
+#!/bin/bash
+# Runs bench/GPU-PENDING.md's items on a lent GPU machine (the device tool), in stages named on the
+# command line: `bash bench/gpu_pending_run.sh setup tests timing offload`; a
+# second call reruns what did not finish. Everything lands in /tmp/gpu_res and is packed into $OUT/gpu_results.tar.gz after every step,
+# so a call stopped at its limit still returns what finished (the tool returns at most 8 files).
+# Peers travel as wheels in the ignored .whl/ folder (carry it): see ../shared/GPU.md.
+set -u
+R=/tmp/gpu_res
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1 MEMSCHED_BENCH_OUT=$R
+pack() {  # under a lock: parallel steps pack too
+    flock /tmp/gpu_pack.lock sh -c "tar czf \"$OUT/r.tmp\" -C \"$R\" . 2>/dev/null; mv \"$OUT/r.tmp\" \"$OUT/gpu_results.tar.gz\""
+}
+step() {  # step NAME SECONDS COMMAND...: one item, its log, its exit status and wall time
+    local name=$1 secs=$2; shift 2
+    local t0=$SECONDS
+    timeout "$secs" "$@" >"$R/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc wall_s=$((SECONDS - t0))" | tee -a "$R/steps.txt"
+    tail -2 "$R/$name.log"
+    pack
+}
+
+for stage in "$@"; do
+case $stage in
+setup)
+    if ! python3 -c "import deepspeed, torchao" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps .whl/*.whl
+        DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation .whl/deepspeed-*.tar.gz
+    fi
+    python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+    { nvidia-smi; python3 -c "import torch, sys; print(torch.__version__, sys.version)"; } >"$R/machine.txt" 2>&1
+    (timeout 200 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+        >"$R/ds_cpu_adam_build.log" 2>&1 &)
+    ;;
+tests)  # correctness and memory, in parallel (items 1 and 8, 11, 3, 12, 2, 13, 9's plan)
+    step gpu_pytest_cuda 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rs &
+    step gpu_pytest_sim_backend 200 python3 -m pytest -q -p no:cacheprovider tests/sim_backend_cases.py \
+        tests/test_training_code.py &
+    step gpu_numerics 200 python3 bench/gpu_numerics.py --overlap all &
+    step demo_cuda_capped 150 memsched demo --steps 30 --out "$R/demo" &
+    step gpu_pytest_full 220 python3 -m pytest -q -p no:cacheprovider -n 5 &
+    step plan_13gib 60 memsched plan --model gpt2-355m --batch-size 4 --seq-len 1024 --capacity 13GiB --json &
+    # item 13 is about host memory (pinned bytes, peak RSS, no SIGKILL), not time: it may share the machine
+    step gpu_step_time_2_7b_host 220 python3 bench/gpu_step_time.py --size 2.7b --batch 1 --seq 1024 \
+        --mem-cap 13GiB --steps 3 --warmup 2 --timeout 210 --policies auto --peers \
+        --name gpu_step_time_2_7b_host &
+    wait
+    ;;
+timing)  # alone on the machine (items 4, 5, 7, 6)
+    step gpu_step_time 240 python3 bench/gpu_step_time.py --mem-cap 13GiB --steps 6 --warmup 2 --timeout 75 \
+        --policies cpu auto auto+overlap cuda --peers torch_adamw torchao_cpu_offload deepspeed_zero_offload
+    step compile_step_small_cuda 100 python3 bench/compile_step.py --device cuda --size small \
+        --name compile_step_small_cuda
+    ;;
+offload)  # item 9, alone
+    size=$(python3 -c "import json; t=open('$R/plan_13gib.log').read(); \
+print(json.loads(t[t.index('{'):])['largest_preset']['any'])" 2>/dev/null || echo 760m)
+    step gpu_step_time_param_offload 200 python3 bench/gpu_step_time.py --size "$size" --mem-cap 13GiB \
+        --steps 4 --warmup 2 --timeout 95 --policies auto:warmup_non_model_share=1.0+overlap \
+        --peers deepspeed_zero3_offload --name gpu_step_time_param_offload
+    ;;
+cuda)  # the CUDA-side correctness items alone (1 and 8, 3, 12, 11), in parallel, and a C++ backtrace of a
+       # crash in the stand-in's cases (cuda-gdb runs programs without GPU code too)
+    step gpu_pytest_cuda 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rs --tb=long &
+    step gpu_numerics 200 python3 bench/gpu_numerics.py --overlap all &
+    step demo_cuda_capped 150 memsched demo --steps 30 --out "$R/demo" &
+    step gpu_pytest_sim_backend 200 python3 -m pytest -q -p no:cacheprovider tests/sim_backend_cases.py \
+        tests/test_training_code.py &
+    wait
+    step sim_oom_backtrace 60 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest -q -p no:cacheprovider \
+        tests/sim_backend_cases.py -k capacity_is_enforced
+    ;;
+*) echo "unknown stage $stage"; exit 2 ;;
+esac
+done
