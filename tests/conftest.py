@@ -59,7 +59,7 @@ def no_saved_tensor_hooks_outlive_a_test():
 
 
 def _cuda_session(config) -> bool:
-    """``-m cuda`` (and not ``not cuda``) on a machine with CUDA: the CUDA tests alone, without the stand-in."""
+    """``-m cuda`` (not ``not cuda``) on a machine with CUDA: the CUDA tests alone, without the stand-in."""
     import torch
 
     expr = config.option.markexpr or ""

@@ -262,7 +262,8 @@ def _device_label(device: str, gpu_cap: int | None = None) -> str:
     if gpu_cap is not None:
         name = torch.cuda.get_device_name()
         return (f"{device} ({name}) capped at {format_bytes(gpu_cap)}, sized as the stand-in would be "
-                f"(from a fake trace on this GPU) so that the plan has work to do (--device cuda: the whole GPU)")
+                f"(from a fake trace on this GPU) so that the plan has work to do "
+                f"(--device cuda: the whole GPU)")
     return device
 
 
