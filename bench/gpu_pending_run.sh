@@ -62,13 +62,13 @@ print(json.loads(t[t.index('{'):])['largest_preset']['any'])" 2>/dev/null || ech
     ;;
 cuda)  # the CUDA-side correctness items alone (1 and 8, 3, 12, 11), in parallel, and a C++ backtrace of a
        # crash in the stand-in's cases (cuda-gdb runs programs without GPU code too)
-    step gpu_pytest_cuda 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rs --tb=long &
-    step gpu_numerics 200 python3 bench/gpu_numerics.py --overlap all &
-    step demo_cuda_capped 150 memsched demo --steps 30 --out "$R/demo" &
-    step gpu_pytest_sim_backend 200 python3 -m pytest -q -p no:cacheprovider tests/sim_backend_cases.py \
+    step gpu_pytest_cuda 150 python3 -m pytest -q -m cuda -p no:cacheprovider -rs --tb=long &
+    step gpu_numerics 170 python3 bench/gpu_numerics.py --overlap all &
+    step demo_cuda_capped 120 memsched demo --steps 30 --out "$R/demo" &
+    step gpu_pytest_sim_backend 150 python3 -m pytest -q -p no:cacheprovider tests/sim_backend_cases.py \
         tests/test_training_code.py &
     wait
-    step sim_oom_backtrace 60 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest -q -p no:cacheprovider \
+    step sim_oom_backtrace 40 cuda-gdb -q -batch -ex run -ex bt --args python3 -m pytest -q -p no:cacheprovider \
         tests/sim_backend_cases.py -k capacity_is_enforced
     ;;
 *) echo "unknown stage $stage"; exit 2 ;;
