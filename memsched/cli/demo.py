@@ -209,9 +209,10 @@ def _run(args: argparse.Namespace, console: Console, out: Path, device: str, par
         console.print("[yellow]interrupted: training stopped, no exports written[/yellow]")
         return 130
     except _OOM as e:
-        console.print(f"[red]memsched demo: the device ran out of memory[/red]: {e}\n"
-                      "try a larger device (--device sim:SIZE) or leave --device out to size the stand-in "
-                      "automatically")
+        hint = ("--device cuda uses the whole GPU" if device.startswith("cuda") else
+                "try a larger device (--device sim:SIZE) or leave --device out to size the stand-in "
+                "automatically")
+        console.print(f"[red]memsched demo: the device ran out of memory[/red]: {e}\n{hint}")
         return 1
     sched = summary.pop("_sched")
     tdev = sched.device.torch_device

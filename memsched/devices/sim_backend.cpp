@@ -33,7 +33,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <sstream>
+#include <cstdio>
 #include <unordered_map>
 
 namespace {
@@ -70,8 +70,9 @@ int64_t rounded(int64_t n) {
   return (n + g_round - 1) / g_round * g_round;
 }
 
+// snprintf, not an ostringstream: streaming a double crashed in libstdc++'s locale code on the GPU image's
+// build of this extension (torch 2.11, bench/results/gpu_sim_oom_backtrace_h200.log).
 std::string fmt_bytes(int64_t n) {
-  std::ostringstream s;
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(n);
   int u = 0;
@@ -79,10 +80,9 @@ std::string fmt_bytes(int64_t n) {
     v /= 1024.0;
     ++u;
   }
-  s.setf(std::ios::fixed);
-  s.precision(u == 0 ? 0 : 1);
-  s << v << " " << units[u];
-  return s.str();
+  char buf[48];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
 }
 
 // Counts `bytes` (already rounded) more on the device; throws torch's out-of-memory error over capacity.

@@ -250,7 +250,11 @@ def move(nbytes: int) -> None:
 @contextlib.contextmanager
 def uncounted() -> Iterator[None]:
     """Device allocations made on this thread inside are not counted against the capacity or in the peaks
-    (re-entrant): for a reference computation kept beside a scheduler's data on the stand-in."""
+    (re-entrant): for a reference computation kept beside a scheduler's data on the stand-in. Without the
+    stand-in loaded (a CUDA process) there is nothing to leave out, and it does nothing."""
+    if not _loaded:
+        yield
+        return
     torch.ops.memsched_sim.begin_uncounted()
     try:
         yield
