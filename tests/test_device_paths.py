@@ -130,6 +130,41 @@ def test_pinned_host_buffers_streams_and_events(target):
             sched.optimizer.zero_grad()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_memscheds_clip_takes_every_norm_on_the_device(target, dtype, monkeypatch):
+    """``sched.clip_grad_norm_`` computes each per-tensor norm with the device's kernel, as a torch run with
+    every gradient on the GPU does (the CPU's rounds differently: [Note: norms on the device]): the host
+    chunks' gradients come to the device for it, and those bytes count as H2D."""
+    from memsched.optim import clipping
+
+    seen: list[torch.device] = []
+    real = clipping.total_norm
+
+    def recording(tensors, *args, **kwargs):
+        if kwargs.get("per_tensor"):
+            seen.extend(t.device for t in tensors)
+        return real(tensors, *args, **kwargs)
+
+    m = make_model().to(target.device)
+    x = torch.randn(32, 64).to(target.device, dtype)
+    with attach(m, target, policy="cpu", dtype=dtype) as sched:
+        for _ in range(2):  # past warmup: every chunk on the host
+            sched.backward(mlp_loss(m, x))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        host = [c for c in sched.store.chunks if c.placement == HOST]
+        assert host and len(host) == len(sched.store.chunks)
+        monkeypatch.setattr(clipping, "total_norm", recording)
+        sched.backward(mlp_loss(m, x))
+        assert any(p.grad.device.type == "cpu" for p in m.parameters())  # where backward left them
+        sched.clip_grad_norm_(1e-3)
+        assert len(seen) == len(list(m.parameters())) and set(seen) == {target.device}
+        sched.optimizer.step()
+        size = torch.tensor([], dtype=dtype).element_size()  # parameters and gradients in the compute dtype
+        grad_bytes = sum(p.numel() for p in m.parameters()) * size
+        assert sched.transfers.last_h2d_bytes == sum(c.numel for c in host) * size + grad_bytes
+
+
 def test_bf16_keeps_fp32_masters(target):
     m = make_model().to(target.device)
     x = torch.randn(32, 64).to(target.device, torch.bfloat16)

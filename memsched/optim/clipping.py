@@ -57,6 +57,17 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
 
 
+# [Note: norms on the device]
+# A reduction's last bit depends on the kernel: the CPU's `vector_norm` and CUDA's `_foreach_norm` round the
+# same gradient's norm differently (seen on an H200: the total norm, and so every clipped parameter, differed
+# by an ulp when the host chunks' norms ran on the CPU, bench/results/gpu_numerics_h200.json). A user's torch
+# run keeps every gradient on the GPU, so memsched computes each per-tensor norm there: a host chunk's
+# gradients come to the device one chunk at a time (a temporary of one chunk, H2D) for the norm only. The
+# scaling by the coefficient stays where each gradient is: an elementwise product is correctly rounded on
+# every device. (torch's own clip over `model.parameters()` finds host chunks' gradients on the host and
+# computes their norms there, as it would for any gradient on the host.)
+
+
 class Clipper:
     """The clipping of one optimizer: under fp16 the coefficients of :meth:`clip_grad_norm_` wait here for the
     step that applies them (in fp32, after unscaling); without a loss scale it is torch's own clip, in place.
@@ -64,11 +75,14 @@ class Clipper:
     Args:
         store: the chunks (:class:`memsched.chunks.ChunkStore`; the parameters' chunks group the norms).
         scaler: the fp16 loss scaler (:class:`memsched.optim.precision.LossScaler`), or ``None``.
+        transfers: where the H2D bytes of host gradients brought to the device for their norms are counted
+            (:class:`memsched.devices.transfers.TransferStats`), or ``None``.
     """
 
-    def __init__(self, store: Any, scaler: Any) -> None:
+    def __init__(self, store: Any, scaler: Any, transfers: Any = None) -> None:
         self._store = store
         self._scaler = scaler
+        self._transfers = transfers
         self.pending: list[torch.Tensor] = []  # fp16: coefficients (0-d fp32) for the next step
 
     def take(self) -> list[torch.Tensor]:
@@ -99,38 +113,53 @@ class Clipper:
         inv = self._scaler.inv_scale(self._store.alloc.device)
         by_chunk: dict[int, list[torch.nn.Parameter]] = {}
         for p in params:
-            by_chunk.setdefault(self._store.param_chunk[id(p)].index, []).append(p)
+            by_chunk.setdefault(self._chunk_key(p), []).append(p)
         norms: dict[int, torch.Tensor] = {}
-        for ps in by_chunk.values():  # fp32 temporaries of one chunk at a time
-            grads = [fp32_grad(p.grad, None, inv, self.pending) for p in ps]
+        for ps in by_chunk.values():  # fp32 temporaries of one chunk at a time, on the device
+            grads = [fp32_grad(self._on_device(p.grad), None, inv, self.pending) for p in ps]
             norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
         total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
         self.pending.append(clip_coefficient(total, max_norm))
         return total
 
-    @staticmethod
-    def _clip_in_order(params: Sequence[torch.nn.Parameter], max_norm: float,
+    def _on_device(self, g: torch.Tensor) -> torch.Tensor:
+        """``g``, or a temporary copy of it on the device ([Note: norms on the device])."""
+        device = self._store.alloc.device
+        if g.device == device:
+            return g
+        if self._transfers is not None:
+            self._transfers.add_h2d(g.numel() * g.element_size())
+        return g.to(device)
+
+    def _chunk_key(self, p: torch.nn.Parameter) -> int:
+        c = self._store.param_chunk.get(id(p))
+        return -1 if c is None else c.index
+
+    def _clip_in_order(self, params: Sequence[torch.nn.Parameter], max_norm: float,
                        norm_type: float) -> torch.Tensor:
-        """torch's ``clip_grad_norm_`` as it runs with every gradient on one device, wherever they are now.
-        torch stacks the per-tensor norms grouped by device, and between backward and step the host chunks'
-        gradients are on the host: the total's summation order, so its last bit, would depend on the
-        placement. Here the per-tensor norms (torch's kernels, per device) are stacked in the parameters'
-        order, and each device's gradients are scaled by the same coefficient, as torch scales them."""
+        """torch's ``clip_grad_norm_`` as it runs with every gradient on the device, wherever they are now
+        ([Note: norms on the device]): per-tensor norms by the device's kernel, a chunk at a time, stacked in
+        the parameters' order; each gradient is scaled where it is by the same coefficient (an elementwise
+        product rounds alike on every device)."""
         with_grad = [p for p in params if p.grad is not None]
         if not with_grad:
             return torch.tensor(0.0)
-        by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        by_chunk: dict[int, list[int]] = {}
         for k, p in enumerate(with_grad):
-            by_device.setdefault((p.grad.device, p.grad.dtype), []).append(k)
+            by_chunk.setdefault(self._chunk_key(p), []).append(k)
         norms: list[torch.Tensor | None] = [None] * len(with_grad)
-        for ks in by_device.values():
-            for k, n in zip(ks, total_norm([with_grad[k].grad for k in ks], norm_type, per_tensor=True),
-                            strict=True):
+        for ks in by_chunk.values():
+            grads = [self._on_device(with_grad[k].grad) for k in ks]
+            for k, n in zip(ks, total_norm(grads, norm_type, per_tensor=True), strict=True):
                 norms[k] = n
+            del grads
         total = total_norm(norms, norm_type, of_norms=True)  # type: ignore[arg-type]
         coef = clip_coefficient(total, max_norm)
-        for (dev, _), ks in by_device.items():
-            torch._foreach_mul_([with_grad[k].grad for k in ks], coef.to(dev))
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in with_grad:
+            by_device.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+        for (dev, _), grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(dev))
         return total
 
     def _clip_sharded(self, params: Sequence[torch.nn.Parameter], max_norm: float,
