@@ -33,6 +33,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <cstdarg>
 #include <cstdio>
 #include <unordered_map>
 
@@ -70,8 +71,21 @@ int64_t rounded(int64_t n) {
   return (n + g_round - 1) / g_round * g_round;
 }
 
-// snprintf, not an ostringstream: streaming a double crashed in libstdc++'s locale code on the GPU image's
-// build of this extension (torch 2.11, bench/results/gpu_sim_oom_backtrace_h200.log).
+// [Note: no iostreams here]
+// Every message this file raises is formatted with snprintf and passed to TORCH_CHECK as one std::string,
+// which torch's c10::str returns as is: no std::ostream is built in this library. On the GPU image's build
+// (torch 2.11, an H200, bench/results/gpu_sim_oom_backtrace_h200.log) streaming a number in this library
+// crashed inside libstdc++'s locale code, so the first out-of-memory error killed the process.
+std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char* f, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
 std::string fmt_bytes(int64_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(n);
@@ -80,9 +94,12 @@ std::string fmt_bytes(int64_t n) {
     v /= 1024.0;
     ++u;
   }
-  char buf[48];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
-  return buf;
+  return fmt(u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+}
+
+// "1.5 GiB (1610612736 bytes)"
+std::string fmt_both(int64_t n) {
+  return fmt("%s (%lld bytes)", fmt_bytes(n).c_str(), static_cast<long long>(n));
 }
 
 // Counts `bytes` (already rounded) more on the device; throws torch's out-of-memory error over capacity.
@@ -92,9 +109,9 @@ void count(int64_t bytes, int64_t requested) {
   int64_t cap = g_capacity.load();
   if (g_live + bytes > cap) {
     TORCH_CHECK_WITH(OutOfMemoryError, false,
-        "sim out of memory: tried to allocate ", fmt_bytes(requested), " (", requested, " bytes) on the ",
-        "stand-in device sim:0 with ", fmt_bytes(g_live), " (", g_live, " bytes) allocated of a capacity of ",
-        fmt_bytes(cap), " (", cap, " bytes); free ", fmt_bytes(cap - g_live < 0 ? 0 : cap - g_live));
+        fmt("sim out of memory: tried to allocate %s on the stand-in device sim:0 with %s allocated of a "
+            "capacity of %s; free %s", fmt_both(requested).c_str(), fmt_both(g_live).c_str(),
+            fmt_both(cap).c_str(), fmt_bytes(cap - g_live < 0 ? 0 : cap - g_live).c_str()));
   }
   g_live += bytes;
   ++g_allocs;
@@ -116,8 +133,8 @@ constexpr size_t kMapAbove = size_t{1} << 20;
 void* host_alloc(size_t n) {
   if (n < kMapAbove) return c10::alloc_cpu(n == 0 ? 1 : n);
   void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED, "sim: could not map ", fmt_bytes(static_cast<int64_t>(n)),
-                   " (", n, " bytes) of host memory");
+  TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED,
+                   fmt("sim: could not map %s of host memory", fmt_both(static_cast<int64_t>(n)).c_str()));
   return p;
 }
 
@@ -219,9 +236,8 @@ struct PinnedAllocator final : c10::Allocator {
         int64_t live = g_pinned_live;
         host_free(p, n);
         TORCH_CHECK_WITH(OutOfMemoryError, false,
-            "sim host out of memory: tried to pin ", fmt_bytes(n), " (", n, " bytes) with ",
-            fmt_bytes(live), " (", live, " bytes) pinned of the stand-in host's ", fmt_bytes(cap), " (",
-            cap, " bytes)");
+            fmt("sim host out of memory: tried to pin %s with %s pinned of the stand-in host's %s",
+                fmt_both(static_cast<int64_t>(n)).c_str(), fmt_both(live).c_str(), fmt_both(cap).c_str()));
       }
       g_pinned[reinterpret_cast<uintptr_t>(p)] = {n, static_cast<size_t>(counted)};
       g_pinned_live += counted;
@@ -242,7 +258,7 @@ struct SimGuard final : c10::impl::DeviceGuardImplInterface {
   c10::Device exchangeDevice(c10::Device) const override { return kSimDevice; }
   c10::Device getDevice() const override { return kSimDevice; }
   void setDevice(c10::Device d) const override {
-    TORCH_CHECK(d.index() <= 0, "the stand-in has one device, sim:0; got ", d);
+    TORCH_CHECK(d.index() <= 0, fmt("the stand-in has one device, sim:0; got %s", d.str().c_str()));
   }
   void uncheckedSetDevice(c10::Device) const noexcept override {}
   c10::Stream getStream(c10::Device d) const noexcept override {
@@ -344,9 +360,9 @@ bool is_sim(const at::Tensor& t) { return t.defined() && t.device().type() == kS
 void check_device(const at::Tensor& t, const c10::OperatorHandle& op) {
   if (!t.defined() || is_sim(t)) return;
   if (t.device().is_cpu() && t.dim() == 0) return;
-  TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ",
-              kSimDevice, " and ", t.device(), "! (when checking arguments of ", op.schema().name(),
-              ")");
+  TORCH_CHECK(false, fmt("Expected all tensors to be on the same device, but found at least two devices, "
+                         "%s and %s! (when checking arguments of %s)", kSimDevice.str().c_str(),
+                         t.device().str().c_str(), op.schema().name().c_str()));
 }
 
 // ---- the boxed fallback -----------------------------------------------------------------------------
@@ -563,11 +579,13 @@ void move(int64_t bytes) {
   g_moving += bytes;
 }
 void set_capacity(int64_t bytes) {
-  TORCH_CHECK(bytes > 0, "the stand-in's capacity must be > 0 bytes, got ", bytes);
+  TORCH_CHECK(bytes > 0,
+              fmt("the stand-in's capacity must be > 0 bytes, got %lld", static_cast<long long>(bytes)));
   g_capacity.store(bytes);
 }
 void set_host_capacity(int64_t bytes) {
-  TORCH_CHECK(bytes > 0, "the stand-in host's capacity must be > 0 bytes, got ", bytes);
+  TORCH_CHECK(bytes > 0,
+              fmt("the stand-in host's capacity must be > 0 bytes, got %lld", static_cast<long long>(bytes)));
   g_host_capacity.store(bytes);
 }
 void reset_peak() {
