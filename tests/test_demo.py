@@ -173,12 +173,14 @@ def test_on_a_gpu_the_demo_caps_the_device_as_the_stand_in_is_sized(monkeypatch)
         return real_stand_in(*args, **kwargs)
 
     monkeypatch.setattr(demo, "stand_in", stand_in)
+    monkeypatch.setattr(demo, "cuda_workspace_bytes", lambda dev: 64 * 2**20)
     args = argparse.Namespace(device=None, size="tiny", batch_size=8, seq_len=64, gpu_margin_mem_ratio=0.8)
     device, params_on_host, cap = demo._choose_device(args)
     assert traced_on == [torch.device("cuda", 0)]
     chosen = real_stand_in("tiny", 8, 64)
-    assert (device, params_on_host, cap) == ("cuda", chosen.params_on_host, chosen.capacity_bytes)
-    assert fractions == [chosen.capacity_bytes / total]
+    want = int(chosen.capacity_bytes * (1 + demo.GPU_ALLOCATOR_SHARE)) + 64 * 2**20
+    assert (device, params_on_host, cap) == ("cuda", chosen.params_on_host, want)
+    assert fractions == [want / total]
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     label = demo._device_label(device, cap)
     assert label.startswith("cuda (NVIDIA H100 80GB HBM3) capped at ")
