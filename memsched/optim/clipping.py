@@ -59,13 +59,14 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 # [Note: norms on the device]
 # A reduction's last bit depends on the kernel: the CPU's `vector_norm` and CUDA's `_foreach_norm` round the
-# same gradient's norm differently (seen on an H200: the total norm, and so every clipped parameter, differed
-# by an ulp when the host chunks' norms ran on the CPU, bench/results/gpu_numerics_h200.json). A user's torch
-# run keeps every gradient on the GPU, so memsched computes each per-tensor norm there: a host chunk's
-# gradients come to the device one chunk at a time (a temporary of one chunk, H2D) for the norm only. The
-# scaling by the coefficient stays where each gradient is: an elementwise product is correctly rounded on
-# every device. (torch's own clip over `model.parameters()` finds host chunks' gradients on the host and
-# computes their norms there, as it would for any gradient on the host.)
+# same gradient's norm differently. On an H200, with the host chunks' norms taken on the CPU, the total norm,
+# and so every clipped parameter, differed from a torch run's by an ulp
+# (bench/results/gpu_numerics_host_norms_nvidia-h200.json). A user's torch run keeps every gradient on the
+# GPU, so memsched computes each per-tensor norm there: a host chunk's gradients come to the device one chunk
+# at a time (a temporary of one chunk, H2D, counted in the transfers) for the norm only. The scaling by the
+# coefficient stays where each gradient is: an elementwise product is correctly rounded on every device.
+# (torch's own clip over `model.parameters()` finds host chunks' gradients on the host and computes their
+# norms there, as it would for any gradient on the host.)
 
 
 class Clipper:
