@@ -33,32 +33,29 @@ setup)
     (timeout 200 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
         >"$R/ds_cpu_adam_build.log" 2>&1 &)
     ;;
-tests)  # correctness and memory, in parallel (items 1 and 8, 11, 3, 12, 2, 13, 9's plan)
+tests)  # correctness, in parallel (items 2, 3, 11, 12; the CUDA tests again, which passed on the H200)
     step gpu_pytest_cuda 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rs &
     step gpu_pytest_sim_backend 200 python3 -m pytest -q -p no:cacheprovider tests/sim_backend_cases.py \
         tests/test_training_code.py &
     step gpu_numerics 200 python3 bench/gpu_numerics.py --overlap all &
     step demo_cuda_capped 150 memsched demo --steps 30 --out "$R/demo" &
-    step gpu_pytest_full 220 python3 -m pytest -q -p no:cacheprovider -n 5 &
-    step plan_13gib 60 memsched plan --model gpt2-355m --batch-size 4 --seq-len 1024 --capacity 13GiB --json &
-    # item 13 is about host memory (pinned bytes, peak RSS, no SIGKILL), not time: it may share the machine
-    step gpu_step_time_2_7b_host 220 python3 bench/gpu_step_time.py --size 2.7b --batch 1 --seq 1024 \
-        --mem-cap 13GiB --steps 3 --warmup 2 --timeout 210 --policies auto --peers \
-        --name gpu_step_time_2_7b_host &
+    step gpu_pytest_full 240 python3 -m pytest -q -m "not cuda" -p no:cacheprovider -n 8 &
     wait
     ;;
-timing)  # alone on the machine (items 4, 5, 7, 6)
-    step gpu_step_time 240 python3 bench/gpu_step_time.py --mem-cap 13GiB --steps 6 --warmup 2 --timeout 75 \
-        --policies cpu auto auto+overlap cuda --peers torch_adamw torchao_cpu_offload deepspeed_zero_offload
+timing)  # alone on the machine (items 4, 7, 6)
+    step gpu_step_time 300 python3 bench/gpu_step_time.py --mem-cap 13GiB --steps 6 --warmup 2 --timeout 75 \
+        --policies cpu cpu+overlap cpu+backward auto auto+overlap auto+backward \
+        --peers torch_adamw torchao_cpu_offload deepspeed_zero_offload
+    step gpu_step_time_read_guard 150 python3 bench/gpu_step_time.py --mem-cap 20GiB --steps 6 --warmup 2 \
+        --timeout 70 --policies cuda cpu --peers torch_adamw --name gpu_step_time_read_guard
     step compile_step_small_cuda 100 python3 bench/compile_step.py --device cuda --size small \
         --name compile_step_small_cuda
     ;;
 offload)  # item 9, alone
-    size=$(python3 -c "import json; t=open('$R/plan_13gib.log').read(); \
-print(json.loads(t[t.index('{'):])['largest_preset']['any'])" 2>/dev/null || echo 760m)
-    step gpu_step_time_param_offload 200 python3 bench/gpu_step_time.py --size "$size" --mem-cap 13GiB \
-        --steps 4 --warmup 2 --timeout 95 --policies auto:warmup_non_model_share=1.0+overlap \
-        --peers deepspeed_zero3_offload --name gpu_step_time_param_offload
+    step plan_760m_b1 60 memsched plan --model 760m --batch-size 1 --seq-len 1024 --capacity 13GiB --json
+    step gpu_step_time_param_offload 240 python3 bench/gpu_step_time.py --size 760m --batch 1 --mem-cap 13GiB \
+        --steps 4 --warmup 2 --timeout 110 --policies auto:warmup_non_model_share=1.0 \
+        auto:warmup_non_model_share=1.0+overlap --peers deepspeed_zero3_offload --name gpu_step_time_param_offload
     ;;
 cuda)  # the CUDA-side correctness items alone (1 and 8, 3, 12, 11), in parallel (a C++ backtrace of a crash:
        # cuda-gdb -q -batch -ex run -ex bt --args python3 ..., which runs programs without GPU code too)
