@@ -214,7 +214,7 @@ PLAN_SEQ_LEN = 1024
 #: ``--dtype`` name -> the torch dtype's name (``memsched.cli.plan.DTYPES`` maps them to torch dtypes).
 DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: ``--attention`` choices: :data:`memsched.planning.prediction.ATTENTION` (a test keeps the two equal).
-ATTENTION = ("default", "math")
+ATTENTION = ("gpu", "default", "math")
 
 
 def capacity_size(text: str) -> int:
@@ -266,8 +266,9 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="also predict one rank's device peak at each ZeRO stage with N >= 2 data-parallel "
                         "ranks (the batch is per rank; one size only)")
-    p.add_argument("--attention", choices=ATTENTION, default="default",
-                   help="attention kernel of the trace: torch's default for the device, or math (keeps the "
+    p.add_argument("--attention", choices=ATTENTION, default="gpu",
+                   help="attention kernel of the trace: the one a CUDA GPU runs (default; without a GPU here "
+                        "it is chosen as on one), torch's default for the traced device, or math (keeps the "
                         "[batch, heads, seq, seq] attention matrix)")
     p.add_argument("--largest-preset", action=argparse.BooleanOptionalAction, default=True,
                    help="with --model and one size: also find the largest GPT preset that fits at this batch "

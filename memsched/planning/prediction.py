@@ -11,14 +11,16 @@ and the warmup-trace idea are PatrickStar's (arXiv 2108.05818, section 5); fake-
 ``FakeTensorMode``.
 
 Which fake device: when CUDA is available the trace runs on a fake ``cuda`` device, so torch picks its CUDA
-kernels (flash attention for bf16/fp16, memory-efficient attention for fp32). Without a GPU it runs on a fake
-``cpu`` device: PyTorch builds without CUDA cannot run autograd on fake CUDA tensors (autograd asks the CUDA
-device guard for a stream, which such builds do not have, and the process aborts), and CUDA builds without a
-device cannot choose an attention kernel. Memory is computed by the same meta kernels on both devices; the one
-kernel choice that differs is attention, and the CPU's flash kernel keeps the same tensors for backward as the
-CUDA flash kernel (the output and a ``[batch, heads, seq]`` fp32 log-sum-exp), so the prediction carries over.
-``--attention math`` forces the math kernel on either device (it materialises the ``[batch, heads, seq, seq]``
-attention matrix), which is also how a fake-CUDA trace is compared like-for-like with a real CPU run.
+kernels. Without a GPU it runs on a fake ``cpu`` device: PyTorch builds without CUDA cannot run autograd on
+fake CUDA tensors (autograd asks the CUDA device guard for a stream, which such builds do not have, and the
+process aborts), and CUDA builds without a device cannot choose an attention kernel. Memory is computed by
+the same meta kernels on both devices; the one kernel choice that differs is attention, whose CPU and CUDA
+kernels keep different tensors for backward (4.3 % of GPT-2 355M's peak non-model data in fp32). So
+``attention="gpu"`` (``memsched plan``'s default) runs, on a fake CPU device, the attention kernel a CUDA GPU
+would run (:mod:`memsched.planning.gpu_kernels`); on a fake CUDA device it is torch's own choice.
+``"default"`` keeps the traced device's own choice (a fake trace compared with a real CPU run), and
+``"math"`` forces the math kernel on either device (it materialises the ``[batch, heads, seq, seq]``
+attention matrix).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from memsched.target import Workload, build_workload, load_target
 from tracer.param_reads import ParamReads, Read
 from tracer.timeline import MemoryTimeline
 
-ATTENTION = ("default", "math")
+ATTENTION = ("gpu", "default", "math")
 
 
 def fake_device() -> torch.device:
@@ -47,17 +49,24 @@ def fake_device() -> torch.device:
 
 
 @contextlib.contextmanager
-def attention_kernel(attention: str) -> Iterator[None]:
-    """``"default"``: torch's own choice of attention kernel; ``"math"``: force the math kernel
-    (``torch.nn.attention.sdpa_kernel``, torch >= 2.3).
+def attention_kernel(attention: str, device: torch.device | None = None) -> Iterator[None]:
+    """``"gpu"``: the kernel a CUDA GPU runs (on a CUDA ``device`` torch's own choice, elsewhere
+    :func:`memsched.planning.gpu_kernels.gpu_attention`); ``"default"``: torch's own choice for ``device``;
+    ``"math"``: force the math kernel (``torch.nn.attention.sdpa_kernel``, torch >= 2.3).
 
     Raises:
         ValueError: any other name.
     """
     if attention not in ATTENTION:
         raise ValueError(f"unknown attention kernel {attention!r}: expected one of {', '.join(ATTENTION)}")
-    if attention == "default":
+    if attention == "default" or (attention == "gpu" and device is not None and device.type == "cuda"):
         yield
+        return
+    if attention == "gpu":
+        from memsched.planning.gpu_kernels import gpu_attention
+
+        with gpu_attention():
+            yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -74,7 +83,7 @@ class Prediction:
         model: the traced model (fake parameters after a fake trace: shapes and dtypes only).
         device: the traced device (``"cuda:0"`` / ``"cpu"``).
         fake: whether the trace ran under ``FakeTensorMode``.
-        attention: ``"default"`` or ``"math"``.
+        attention: ``"gpu"``, ``"default"`` or ``"math"``.
         param_order: trainable parameters in first-use order (modules in first-call order).
         elapsed_s: wall time of build + trace, seconds.
         reads: the parameter reads of the step (:class:`tracer.param_reads.ParamReads`), from which a plan
@@ -152,18 +161,21 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
         dtype: convert the model's floating-point parameters and buffers to this dtype first (``None``: keep).
         fake: run under ``FakeTensorMode`` (no memory is allocated); ``False`` runs for real (tests compare).
         device: the device to build on; default :func:`fake_device` when ``fake``, else the CPU.
-        attention: ``"default"`` or ``"math"`` (see :func:`attention_kernel`).
+        attention: ``"gpu"``, ``"default"`` or ``"math"`` (see :func:`attention_kernel`).
 
     Raises:
         ValueError / TypeError / FileNotFoundError: from the TARGET (see
-            :func:`memsched.target.build_workload`), an unknown ``attention``, or a loss that is not a scalar
-            requiring grad.
+            :func:`memsched.target.build_workload`), an unknown ``attention``, ``"gpu"`` for real tensors off
+            CUDA (those CUDA kernels exist on a GPU only), or a loss that is not a scalar requiring grad.
     """
     from tracer import MemoryTracer
 
     if attention not in ATTENTION:
         raise ValueError(f"unknown attention kernel {attention!r}: expected one of {', '.join(ATTENTION)}")
     dev = torch.device(device) if device is not None else (fake_device() if fake else torch.device("cpu"))
+    if attention == "gpu" and not fake and dev.type != "cuda":
+        raise ValueError(f"attention 'gpu' runs CUDA's attention kernels: a real trace on {dev.type!r} "
+                         "cannot (use fake=True, or attention 'default')")
     t0 = time.perf_counter()
     mode: Any = contextlib.nullcontext()
     conversions: Any = contextlib.nullcontext()
@@ -183,7 +195,7 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
         if isinstance(build, str):
             workload.name = build
         try:
-            with attention_kernel(attention), MemoryTracer(workload.model, device=str(dev)) as tr, \
+            with attention_kernel(attention, dev), MemoryTracer(workload.model, device=str(dev)) as tr, \
                     ParamReads(workload.model, lambda: tr.sample_count) as reads:
                 loss = workload.loss()
                 loss.backward()

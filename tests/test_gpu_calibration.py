@@ -1,0 +1,141 @@
+"""`memsched plan`'s prediction against every GPU measurement committed under ``bench/results/`` (issue 30).
+
+Each memsched configuration of a ``gpu_step_time*.json`` says, in its plan's first reason (or in its
+placement error), the peak non-model data the GPU's warmup measured, to 0.1 GiB. The prediction made here on
+the CPU, with a fake trace and the attention kernel the GPU runs (:mod:`memsched.planning.gpu_kernels`), must
+lie within -1 % / +5 % of it, and the verdict must not be "fits" (or "offload") where the GPU refused the
+step. A new GPU result extends the table without code changes; one this prediction misses fails here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from memsched.models import config_for, sizes
+from memsched.planning.capacity import plan_for_capacity, verdict
+from memsched.planning.gpu_kernels import gpu_attention, gpu_attention_kernel
+from memsched.planning.prediction import Prediction, gpt_workload, trace_step
+
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+PEAK = re.compile(r"peak non-model data ([0-9.]+) (GiB|MiB)")
+UNIT = {"GiB": 2**30, "MiB": 2**20}
+
+
+@dataclass(frozen=True)
+class Measured:
+    file: str
+    policy: str
+    preset: str
+    batch: int
+    seq: int
+    capacity: int
+    low: float  # the measured peak non-model data lies in [low, high] bytes (printed to 0.1 of its unit)
+    high: float
+    refused: bool  # the GPU raised a placement or out-of-memory error for this configuration
+
+    def __str__(self) -> str:
+        return f"{self.file} {self.policy} ({self.preset}, {self.batch} x {self.seq})"
+
+
+def _preset(dims: dict) -> str | None:
+    for name in sizes():
+        c = config_for(name)
+        if (c.n_layer, c.n_head, c.n_embd, c.vocab_size) == (dims.get("n_layer"), dims.get("n_head"),
+                                                              dims.get("n_embd"), dims.get("vocab_size")):
+            return name
+    return None
+
+
+def measurements() -> list[Measured]:
+    rows = []
+    for path in sorted(RESULTS.glob("gpu_step_time*.json")):
+        doc = json.loads(path.read_text())
+        cfg, cap = doc.get("config") or {}, (doc.get("memory_cap") or {}).get("bytes")
+        preset = _preset(cfg.get("dims") or {})
+        if preset is None or not cap:
+            continue
+        for r in doc["results"]:
+            if r.get("kind") != "memsched":
+                continue
+            text = " ".join((r.get("plan") or {}).get("reasons") or []) + " " + (r.get("error") or "")
+            m = PEAK.search(text)
+            if m is None:
+                continue
+            half = 0.05 * UNIT[m.group(2)]
+            value = float(m.group(1)) * UNIT[m.group(2)]
+            refused = r.get("status") != "ok" and ("PlacementError" in text or "out of memory" in text)
+            rows.append(Measured(path.name, r["policy"], preset, cfg["batch"], cfg["seq"], int(cap),
+                                 value - half, value + half, refused))
+    return rows
+
+
+@functools.cache
+def predict(preset: str, batch: int, seq: int) -> Prediction:
+    return trace_step(gpt_workload(preset, batch, seq), dtype=torch.float32, fake=True, device="cpu",
+                      attention="gpu")
+
+
+ROWS = measurements()
+
+
+def test_the_committed_gpu_results_are_read() -> None:
+    """The H100 (2026-11-22, 2026-11-26) and H200 (2026-11-26) runs of GPT-2 355M and 760m at 13 GiB."""
+    assert {(r.preset, r.batch, r.seq) for r in ROWS} >= {("gpt2-355m", 4, 1024), ("760m", 4, 1024)}
+    assert any(r.refused for r in ROWS) and any(not r.refused for r in ROWS)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=str)
+def test_the_predicted_non_model_peak_is_within_minus_1_plus_5_percent_of_the_gpus(row: Measured) -> None:
+    predicted = predict(row.preset, row.batch, row.seq).peak_non_model_bytes
+    # whatever the exact measurement in [low, high]: never more than 1 % below it, at most 5 % above it
+    assert predicted >= 0.99 * row.high, (predicted, row)
+    assert predicted <= 1.05 * row.low, (predicted, row)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.refused], ids=str)
+def test_no_verdict_says_it_fits_where_the_gpu_refused(row: Measured) -> None:
+    policy = re.split(r"[:+]", row.policy)[0]
+    cplan = plan_for_capacity(predict(row.preset, row.batch, row.seq), row.capacity, policy_names=[policy])
+    assert verdict(cplan, policy)["status"] == "does_not_fit", (row, verdict(cplan, policy)["message"])
+
+
+def test_the_kernel_a_gpu_picks_for_attention() -> None:
+    """torch's CUDA choice (sdp_utils): FlashAttention-2 for fp16/bf16 without a mask, head dim <= 256;
+    memory-efficient attention for fp32 or with a mask; the math kernel otherwise."""
+    def qkv(dtype: torch.dtype, head_dim: int) -> torch.Tensor:
+        return torch.empty(2, 4, 16, head_dim, dtype=dtype, device="meta")
+
+    mask = torch.empty(16, 16, dtype=torch.bool, device="meta")
+    for dtype in (torch.float16, torch.bfloat16):
+        q = qkv(dtype, 64)
+        assert gpu_attention_kernel(q, q, q, None) == "flash"
+        assert gpu_attention_kernel(q, q, q, mask) == "efficient"
+        big = qkv(dtype, 512)
+        assert gpu_attention_kernel(big, big, big, None) == "efficient"
+        odd = qkv(dtype, 60)
+        assert gpu_attention_kernel(odd, odd, odd, None) == "math"
+    q = qkv(torch.float32, 64)
+    assert gpu_attention_kernel(q, q, q, None) == "efficient"
+    assert gpu_attention_kernel(qkv(torch.float64, 64), qkv(torch.float64, 64), qkv(torch.float64, 64),
+                                None) == "math"
+
+
+def test_the_routing_is_undone_whatever_happens() -> None:
+    original = F.scaled_dot_product_attention
+    with pytest.raises(KeyError), gpu_attention():
+        assert F.scaled_dot_product_attention is not original
+        raise KeyError("inside")
+    assert F.scaled_dot_product_attention is original
+
+
+def test_a_real_trace_off_cuda_refuses_the_gpus_kernels() -> None:
+    with pytest.raises(ValueError, match="attention 'gpu' runs CUDA's attention kernels"):
+        trace_step(gpt_workload("tiny", 2, 16), fake=False, device="cpu", attention="gpu")
