@@ -33,13 +33,14 @@ setup)
     (timeout 200 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
         >"$R/ds_cpu_adam_build.log" 2>&1 &)
     ;;
-tests)  # correctness, in parallel (items 2, 3, 11, 12; the CUDA tests again, which passed on the H200)
+tests)  # correctness and memory, in parallel (items 2, 3, 3b, 11, 12; the CUDA tests again, which passed on the H200)
     step gpu_pytest_cuda 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rs &
     step gpu_pytest_sim_backend 200 python3 -m pytest -q -p no:cacheprovider tests/sim_backend_cases.py \
         tests/test_training_code.py &
     step gpu_numerics 200 python3 bench/gpu_numerics.py --overlap all &
     step demo_cuda_capped 150 memsched demo --steps 30 --out "$R/demo" &
     step gpu_pytest_full 240 python3 -m pytest -q -m "not cuda" -p no:cacheprovider -n 8 &
+    step gpu_calibration 240 python3 bench/gpu_calibration.py &
     wait
     ;;
 timing)  # alone on the machine (items 4, 7, 6)

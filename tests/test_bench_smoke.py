@@ -273,3 +273,16 @@ def test_zero_memory_measures_a_peak_per_rank_for_each_stage() -> None:
     assert two["step_s_median"] > 0
     three = zero_memory.measure(2, 3, 1, "cpu")  # parameters sharded too: a lower peak than ZeRO-2's
     assert "refused" not in three and three["peak_bytes"] < two["peak_bytes"], (two, three)
+
+
+def test_gpu_calibration_runs_its_points_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration command's CPU smoke run: each point in a process of its own, the fake trace's
+    prediction (the CPU's own kernels here) equal to the real trace's peak non-model data."""
+    from bench import gpu_calibration
+
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    assert gpu_calibration.main(["--device", "cpu", "--sizes", "tiny", "--shapes", "2x64", "--dtypes", "fp32",
+                                 "--name", "calib"]) == 0
+    [row] = json.loads((tmp_path / "calib.json").read_text())["rows"]
+    assert row["status"] == "ok" and row["predicted_attention"] == "default"
+    assert row["predicted_peak_non_model_bytes"] == row["measured_peak_non_model_bytes"] > 0
