@@ -482,3 +482,21 @@ def test_the_fake_trace_reads_no_data_pointer(capsys) -> None:
         r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu", "T4")
     assert r["trace"]["fake"] is True and r["trace"]["peak_non_model_bytes"] > 0
     assert not [w for w in caught if "data pointer of FakeTensor" in str(w.message)]
+
+
+def test_a_plan_within_the_predictions_error_bar_is_tight(tiny_prediction) -> None:
+    """Where the device's slack at the peak is under PEAK_ERROR_BAR of the peak non-model data, a GPU's
+    measurement within the bar could exhaust it: the verdict keeps its status and says "tight", with the
+    slack; a little more capacity and it is not."""
+    from memsched.planning.capacity import PEAK_ERROR_BAR
+
+    roomy = verdict(plan_for_capacity(tiny_prediction, 2**30))
+    assert roomy["status"] == "fits" and not roomy["tight"]
+    needed = roomy["needed_all_on_device_bytes"]
+    assert roomy["slack_bytes"] == 2**30 - needed
+    bar = int(PEAK_ERROR_BAR * tiny_prediction.peak_non_model_bytes)
+    tight = verdict(plan_for_capacity(tiny_prediction, needed + bar // 2, policy_names=["cuda"]), "cuda")
+    assert tight["status"] == "fits" and tight["tight"] and tight["slack_bytes"] == bar // 2
+    assert tight["message"].startswith(f"tight: {format_bytes(bar // 2)} to spare at the peak")
+    fine = verdict(plan_for_capacity(tiny_prediction, needed + 2 * bar, policy_names=["cuda"]), "cuda")
+    assert fine["status"] == "fits" and not fine["tight"] and fine["message"].startswith("fits")

@@ -292,12 +292,14 @@ def render_ranks(ranks: dict[str, Any], peak_non_model_bytes: int, console: Cons
 def _status_text(v: dict[str, Any]) -> str:
     """A policy's :func:`verdict` in a sweep's cell."""
     status = v["status"]
+    tight = " [bold yellow](tight)[/bold yellow]" if v.get("tight") else ""
     if status == "fits":
-        return "[green]fits[/green], all on the device"
+        return f"[green]fits[/green], all on the device{tight}"
     if status == "offload":
-        return f"[yellow]fits[/yellow], {format_bytes(v['offloaded_bytes'])} offloaded"
+        return f"[yellow]fits[/yellow], {format_bytes(v['offloaded_bytes'])} offloaded{tight}"
     if status == "offload_params":
-        return f"[yellow]fits[/yellow], {format_bytes(v['params_on_host_bytes'])} of parameters on the host"
+        return (f"[yellow]fits[/yellow], {format_bytes(v['params_on_host_bytes'])} of parameters on the "
+                f"host{tight}")
     short = f", short {format_bytes(v['short_bytes'])}" if v["short_bytes"] else ""
     return f"[red]does not fit[/red]{short}"
 

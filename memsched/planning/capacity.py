@@ -27,6 +27,10 @@ from policies.units import format_bytes
 SCHEMA = "memsched.plan"
 VERSION = 2  # 2: gradients placed with their chunk, parameters that may stay on the host, link bytes
 VERDICTS = ("fits", "offload", "offload_params", "does_not_fit", "does_not_fit_host")
+#: How far a GPU's peak non-model data may lie above the fake trace's prediction, as a share of it: a plan
+#: whose device slack is smaller is "tight" (:func:`verdict`). ``tests/test_gpu_calibration.py`` holds
+#: every committed GPU measurement within it (on an H200, GPT-2 355M fp32: 0.0004 % above).
+PEAK_ERROR_BAR = 0.01
 
 
 @dataclass
@@ -157,7 +161,10 @@ def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
         device peak), ``"does_not_fit_host"`` (the device could hold the step with offload, but the host
         budget cannot hold the offloaded state: the message says "does not fit host memory" with both
         numbers) or ``"does_not_fit"`` (no plan: short by ``short_bytes`` at least). The link bytes are
-        those of one step (:func:`link_bytes`). All bytes.
+        those of one step (:func:`link_bytes`). ``slack_bytes``: what the device has to spare at the
+        step's peak under a plan; ``tight``: that slack is under :data:`PEAK_ERROR_BAR` of the peak
+        non-model data, so an error of the prediction within its bar could exhaust it (the message then
+        starts with "tight"). All bytes.
 
     Raises:
         LookupError: ``policy`` was not planned.
@@ -170,7 +177,7 @@ def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
     out: dict[str, Any] = {"policy": policy, "needed_all_on_device_bytes": needed, "device_bytes": 0,
                            "host_bytes": 0, "offloaded_bytes": 0, "params_on_host_bytes": 0,
                            "peak_bytes": None, "h2d_bytes_per_step": 0, "d2h_bytes_per_step": 0,
-                           "short_bytes": 0}
+                           "short_bytes": 0, "slack_bytes": None, "tight": False}
     plan = cplan.plans[policy]
     if isinstance(plan, str):
         # No plan: the parameters do not fit even where they could leave (or this policy keeps them all, or,
@@ -210,6 +217,19 @@ def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
             f"fits only with offload: {format_bytes(offloaded)} of optimizer state and gradients "
             f"({len(plan.host_chunks)} of {len(plan.placement)} chunks) go to the CPU, needing "
             f"{format_bytes(plan.host_bytes)} of pinned host memory{over_link}"))
+    # the device at the step's peak: the schedule's peak with parameters on the host, else the peak
+    # non-model data beside the resident model data and the chunks the plan keeps on the device
+    at_peak = (plan.peak_bytes if plan.param_host_chunks and plan.peak_bytes is not None
+               else needed if out["status"] == "fits"
+               else p.peak_non_model_bytes + p.resident_model_bytes + plan.device_bytes)
+    slack = p.capacity_bytes - at_peak
+    bar = int(PEAK_ERROR_BAR * p.peak_non_model_bytes)
+    out["slack_bytes"] = slack
+    if slack < bar:
+        out["tight"] = True
+        out["message"] = (f"tight: {format_bytes(max(0, slack))} to spare at the peak, within the "
+                          f"prediction's error bar ({PEAK_ERROR_BAR:.0%} of the peak non-model data, "
+                          f"{format_bytes(bar)}): {out['message']}")
     return out
 
 
