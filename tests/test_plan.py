@@ -500,3 +500,16 @@ def test_a_plan_within_the_predictions_error_bar_is_tight(tiny_prediction) -> No
     assert tight["message"].startswith(f"tight: {format_bytes(bar // 2)} to spare at the peak")
     fine = verdict(plan_for_capacity(tiny_prediction, needed + 2 * bar, policy_names=["cuda"]), "cuda")
     assert fine["status"] == "fits" and not fine["tight"] and fine["message"].startswith("fits")
+
+
+def test_a_named_gpu_capped_by_capacity(capsys) -> None:
+    """`--gpu NAME --capacity SIZE`: the GPU capped, as set_per_process_memory_fraction caps it (how every
+    committed GPU measurement was made); a cap above the GPU's memory is refused with both sizes."""
+    gpu = get_gpu(gpu_names()[0])
+    argv = ["plan", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--no-largest-preset",
+            "--json", "--gpu", gpu_names()[0]]
+    assert main([*argv, "--capacity", "1GiB"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["capacity_bytes"] == 2**30 and r["gpu"] == gpu.name
+    assert main([*argv, "--capacity", str(gpu.memory_bytes + 1)]) == 2
+    assert "exceeds the" in capsys.readouterr().err

@@ -254,9 +254,10 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
                    help="compute dtype (bf16/fp16 add an fp32 master copy to the optimizer state); default: "
                         "fp32 for --model, the model's own dtype for a TARGET")
-    cap = p.add_mutually_exclusive_group()
-    cap.add_argument("--capacity", type=capacity_size, metavar="SIZE", help="device capacity, e.g. 24GiB")
-    cap.add_argument("--gpu", metavar="NAME", help=f"a named GPU: {', '.join(gpu_names())}")
+    p.add_argument("--capacity", type=capacity_size, metavar="SIZE",
+                   help="device capacity, e.g. 24GiB; with --gpu, that GPU capped to it (as "
+                        "torch.cuda.set_per_process_memory_fraction caps it)")
+    p.add_argument("--gpu", metavar="NAME", help=f"a named GPU: {', '.join(gpu_names())}")
     p.add_argument("--gpu-margin-mem-ratio", type=ratio, default=0.8, metavar="R",
                    help="share of the GPU margin policies may fill, in [0, 1] (default 0.8)")
     p.add_argument("--host-memory", type=capacity_size, default=None, metavar="SIZE",

@@ -59,11 +59,23 @@ DEFAULT_SEQ_LEN = parsers.PLAN_SEQ_LEN
 
 
 def _capacity(args: argparse.Namespace) -> tuple[int, str | None]:
-    if args.capacity is not None:
-        return args.capacity, None
+    """The device capacity (bytes) and the GPU's name: ``--capacity``, ``--gpu``'s memory, or both (the GPU
+    capped, as every measurement of ``bench/results`` was made).
+
+    Raises:
+        ValueError: an unknown GPU (lists the known ones), a cap above the GPU's memory, or neither given
+            where there is no GPU.
+    """
     if args.gpu is not None:
         gpu = get_gpu(args.gpu)
-        return gpu.memory_bytes, gpu.name
+        if args.capacity is None:
+            return gpu.memory_bytes, gpu.name
+        if args.capacity > gpu.memory_bytes:
+            raise ValueError(f"--capacity {format_bytes(args.capacity)} exceeds the {gpu.name}'s memory, "
+                             f"{format_bytes(gpu.memory_bytes)}: a cap must be at most that")
+        return args.capacity, gpu.name
+    if args.capacity is not None:
+        return args.capacity, None
     if torch.cuda.is_available():
         from memsched.devices.spec import cuda_capacity_bytes
 
