@@ -35,6 +35,7 @@ _TABLE: tuple[GPU, ...] = (
     GPU("l40s", 48 * GiB, "NVIDIA L40S, 48 GiB GDDR6"),
     GPU("a100-80gb", 80 * GiB, "NVIDIA A100, 80 GiB HBM2e"),
     GPU("h100-80gb", 80 * GiB, "NVIDIA H100, 80 GiB HBM3"),
+    GPU("h200", 141 * GiB, "NVIDIA H200, 141 GB HBM3e (torch sees 139.8 GiB)"),
 )
 GPUS: dict[str, GPU] = {g.name: g for g in _TABLE}
 
