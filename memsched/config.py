@@ -19,6 +19,7 @@ import policies
 from memsched.chunks.store import TRAINABLE_DTYPES
 from memsched.devices.spec import DeviceSpec, parse_device
 from memsched.distributed.options import (
+    COLLECTIVE_TIMEOUT_S,
     DataParallelConfig,
     as_timedelta,
     check_build_mode,
@@ -129,6 +130,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
                 dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
                 process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
+                collective_timeout: float | None = COLLECTIVE_TIMEOUT_S,
                 chunk_build: str = "auto", overlap: bool | str = False,
                 replan: str = "auto", host_memory: int | str | None = None) -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
@@ -158,7 +160,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                              f"got {chunk_numel!r}")
     stage, fetch = check_zero_options(zero_stage, fetch)
     dp = DataParallelConfig(stage, fetch, process_group, as_timedelta(dist_timeout),
-                            check_build_mode(chunk_build))
+                            check_build_mode(chunk_build), as_timedelta(collective_timeout))
     overlap, early_update = check_overlap(overlap)
     if replan not in ("auto", "off"):
         raise ValueError(f"replan must be 'auto' or 'off', got {replan!r}")

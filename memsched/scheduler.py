@@ -45,6 +45,7 @@ from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
+from memsched.distributed.options import COLLECTIVE_TIMEOUT_S
 from memsched.distributed.sharded_params import ParamShards
 from memsched.lifecycle import Phase
 from memsched.optim.hybrid_adamw import HybridAdamW
@@ -571,7 +572,8 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            params: Iterable[Any] | None = None, policy_options: dict[str, Any] | None = None,
            dtype: torch.dtype | None = None, chunk_numel: int | None = None, zero_stage: int = 1,
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
-           chunk_build: str = "auto", overlap: bool | str = False, replan: str = "auto",
+           collective_timeout: float | None = COLLECTIVE_TIMEOUT_S, chunk_build: str = "auto",
+           overlap: bool | str = False, replan: str = "auto",
            host_memory: int | str | None = None) -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
@@ -599,6 +601,11 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         process_group: the data-parallel group; ``None`` = the default group.
         fetch: how updated shards reach every rank: ``"all_gather"`` or ``"all_reduce"``.
         dist_timeout: seconds the attach barrier waits for every rank (``None``: the group's timeout).
+        collective_timeout: seconds any rank waits for one collective during training (default 60;
+            ``None``: the process group's timeout, 30 minutes unless set). A rank that runs other modules than
+            its peers (a rank-dependent branch, evaluation on rank 0 only) or that died then raises
+            :class:`memsched.distributed.ZeroCommError` naming those causes instead of hanging. Raise it for
+            a collective that legitimately takes longer (a very slow network).
         chunk_build: with ZeRO, where chunks are built: ``"auto"`` (on the device while it has room for a full
             copy, else on the CPU, per chunk), ``"device"`` or ``"cpu"``; see
             :mod:`memsched.distributed.build`.
@@ -630,11 +637,13 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         RuntimeError: memsched (or a :class:`tracer.MemoryTracer`) is already attached to ``model``.
         memsched.devices.simdevice.SimOutOfMemoryError: the stand-in cannot even hold the chunk buffers.
         ValueError (ZeRO): a ``zero_stage``, ``fetch`` or ``chunk_build`` not among the allowed values.
-        memsched.distributed.ZeroCommError: another rank did not reach attach within ``dist_timeout``.
+        memsched.distributed.ZeroCommError: another rank did not reach attach within ``dist_timeout``, or
+            (during training) a collective did not complete within ``collective_timeout``.
     """
     return Scheduler(model, make_config(
         model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
         warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, params=params,
         policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage,
-        process_group=process_group, fetch=fetch, dist_timeout=dist_timeout, chunk_build=chunk_build,
+        process_group=process_group, fetch=fetch, dist_timeout=dist_timeout,
+        collective_timeout=collective_timeout, chunk_build=chunk_build,
         overlap=overlap, replan=replan, host_memory=host_memory))

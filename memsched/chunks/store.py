@@ -528,7 +528,8 @@ class ChunkStore:
             for p in c.params:
                 self._take_hand_set_grad(p, c)
                 p.data = self.host_view("data", p, c)
-                p.grad = self.host_view("grad", p, c) if id(p) in self.host_grads else None
+                p.grad = (self.host_view("grad", p, c) if id(p) in self.host_grads and c.grad_host is not None
+                          else None)
                 self._host_versions[id(p)] = p._version
         self.host_bound.add(c.index)
 
@@ -541,7 +542,9 @@ class ChunkStore:
             ValueError: ``g`` is sparse or not shaped like ``p`` (names the shapes); nothing was written.
         """
         g = p.grad
-        if g is None or is_sharded(g) or g.data_ptr() == self.host_view("grad", p, c).data_ptr():
+        if g is None or is_sharded(g) or c.grad_host is None:  # (ZeRO: no whole host gradients to take it)
+            return
+        if g.data_ptr() == self.host_view("grad", p, c).data_ptr():
             return
         if c.grad is not None and g.untyped_storage().data_ptr() == c.grad.untyped_storage().data_ptr():
             return  # the chunk's own device gradients (offloaded by the store's observers)

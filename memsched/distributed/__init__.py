@@ -40,7 +40,8 @@ def make_engine(config: DataParallelConfig, device: torch.device | None = None) 
         ValueError: a ``process_group`` without an initialised ``torch.distributed``.
         ZeroCommError: a rank did not reach attach in time.
     """
-    comm = Comm(config.process_group, timeout=config.timeout, device=device)
+    comm = Comm(config.process_group, timeout=config.timeout, device=device,
+                collective_timeout=config.collective_timeout)
     if comm.world == 1:
         return DataParallel()
     comm.check_peers("memsched.attach")

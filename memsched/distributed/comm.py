@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import queue
+import threading
+import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -46,6 +49,8 @@ class Comm:
         group: the process group; ``None`` = the default group (``torch.distributed`` must be initialised for
             a world size above 1).
         timeout: bound of :meth:`check_peers`, seconds or a timedelta; ``None`` = the group's timeout.
+        collective_timeout: bound of each wait for a collective (see [Note: bounded waits]); ``None`` = the
+            group's timeout.
 
         device: the compute device given to :func:`memsched.attach`. With NCCL, collectives, staging and
             barriers use it when it is a CUDA device (a rank that did not call ``torch.cuda.set_device`` must
@@ -57,9 +62,13 @@ class Comm:
     """
 
     def __init__(self, group: Any = None, *, timeout: float | datetime.timedelta | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None,
+                 collective_timeout: float | datetime.timedelta | None = None) -> None:
         self.group = group
         self.timeout = as_timedelta(timeout)
+        self.collective_timeout = as_timedelta(collective_timeout)
+        self._waiter: _Waiter | None = None
+        self.broken: str | None = None  # why the group cannot be used any more (a collective timed out)
         if not (dist.is_available() and dist.is_initialized()):
             if group is not None:
                 raise ValueError("a process_group was given but torch.distributed is not initialised")
@@ -79,7 +88,11 @@ class Comm:
     # ---- errors -------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def guard(self, what: str) -> Iterator[None]:
-        """Re-raise a backend failure inside as :class:`ZeroCommError` naming ``what`` and this rank."""
+        """Re-raise a backend failure inside as :class:`ZeroCommError` naming ``what`` and this rank; after a
+        collective timed out, refuse at once (the group's pending collectives never complete)."""
+        if self.broken is not None:
+            raise ZeroCommError(f"{what} on rank {self.rank}: the process group cannot be used since an "
+                                f"earlier collective timed out ({self.broken})")
         try:
             with warnings.catch_warnings(), self._on_device():
                 # newer torch deprecates the *_tensor collectives; the new names are used where present
@@ -98,22 +111,75 @@ class Comm:
         """NCCL binds a communicator to the current CUDA device: make it this rank's device."""
         return torch.cuda.device(self.device) if self.nccl else contextlib.nullcontext()
 
-    def wait(self, work: Any, what: str) -> None:
-        """Wait for an async collective (NCCL: the current stream waits; gloo: the host blocks)."""
+    def wait(self, work: Any, what: str, *, host: bool = False) -> None:
+        """Wait for an async collective (NCCL: the current stream waits, or with ``host`` the host until it
+        completes; gloo: the host blocks), at most :attr:`collective_timeout` where the host blocks
+        ([Note: bounded waits]).
+
+        Raises:
+            ZeroCommError: it failed, or did not complete in time (names the likely causes).
+        """
         if work is None:
             return
+        bound = self.collective_timeout if (host or not self.nccl) else None
         with self.guard(what):
-            work.wait()
+            if bound is None:
+                work.wait()
+                return
+            if self.nccl:  # the host waits for the collective's CUDA event
+                if _completes_within(work, bound.total_seconds()):
+                    work.wait()
+                    return
+            else:
+                if self._waiter is None:
+                    self._waiter = _Waiter()
+                if self._waiter.wait(work, bound.total_seconds()):
+                    return
+                self._waiter = None  # its thread stays blocked in the collective that never completes
+        self.broken = f"{what}, collective_timeout={bound.total_seconds():g} s"
+        raise ZeroCommError(
+            f"{what} on rank {self.rank} of {self.world} did not complete within collective_timeout="
+            f"{bound.total_seconds():g} s: a peer rank is not running the same collective. Every rank "
+            "must run the same modules in the same order: a branch taken on some ranks only, or a "
+            "forward (evaluation, generate()) on one rank only, makes the others wait (run it on every "
+            "rank, or inside `with sched.gathered_params():` entered on every rank); or a peer died or "
+            "hung. The process group cannot be used further. Raise attach(collective_timeout=...) if a "
+            "collective legitimately takes longer")
+
+    # [Note: bounded waits]
+    # The process group's timeout (30 minutes by default) is how long a rank waits in a collective its peers
+    # never join. memsched issues its collectives asynchronously and waits with attach's collective_timeout
+    # (60 s by default) wherever the host blocks anyway: every wait on gloo, and the waits whose result the
+    # host reads (reduce_ints) on NCCL, where other waits only order streams. Both ranks of a mismatch reach
+    # such a wait (a rank that ran ahead blocks at the next one, at the latest the gather-order check at its
+    # backward's end), so each raises within about that bound, naming the cause. Bounding is not left to
+    # `work.wait(timeout)`: gloo's reduce-scatter ignores it, and its `is_completed()` stays false until
+    # `wait()` runs. So on gloo a daemon thread runs `wait()` and the training thread waits for it with the
+    # bound; NCCL's work is polled (`is_completed()` queries its CUDA event).
+
+    def _sync(self, issue: Any, back: list[tuple[torch.Tensor, torch.Tensor]], async_op: bool, what: str,
+              *, host: bool = False) -> Any:
+        """Issue ``issue(async_op=True)``; return the work (``async_op``), else wait for it (bounded) and copy
+        staged results back."""
+        with self.guard(what):
+            work = issue(async_op=True)
+        if async_op:
+            return self._landed(work, back, True)
+        self.wait(work, what, host=host)
+        for t, s in back:
+            t.copy_(s)
+        return work
 
     # ---- collectives --------------------------------------------------------------------------------------
     def all_reduce(
-        self, t: torch.Tensor, *, op: Any = None, what: str = "all_reduce", async_op: bool = False
+        self, t: torch.Tensor, *, op: Any = None, what: str = "all_reduce", async_op: bool = False,
+        host: bool = False,
     ) -> Any:
         """In-place all-reduce (default SUM) of ``t``; returns the work when ``async_op``."""
         (s,), back = self._stage((t,), (t,))
-        with self.guard(what):
-            work = dist.all_reduce(s, op=op or dist.ReduceOp.SUM, group=self.group, async_op=async_op)
-        return self._landed(work, back, async_op)
+        return self._sync(lambda async_op: dist.all_reduce(s, op=op or dist.ReduceOp.SUM, group=self.group,
+                                                           async_op=async_op), back, async_op, what,
+                          host=host)
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, *, what: str = "reduce_scatter", async_op: bool = False
@@ -126,9 +192,9 @@ class Comm:
         if self.reduce_scatter_supported:
             (so, si), back = self._stage((out, inp), (out,))
             try:
-                with self.guard(what):
-                    work = self._reduce_scatter(so, si, group=self.group, async_op=async_op)
-                return self._landed(work, back, async_op)
+                return self._sync(lambda async_op: self._reduce_scatter(so, si, group=self.group,
+                                                                        async_op=async_op),
+                                  back, async_op, what)
             except ZeroCommError as e:
                 if not _unsupported(e.__cause__):
                     raise
@@ -149,9 +215,9 @@ class Comm:
             raise NotImplementedError("all_to_all_single is not supported by this backend")
         (so, si), back = self._stage((out, inp), (out,))
         try:
-            with self.guard(what):
-                work = dist.all_to_all_single(so, si, group=self.group, async_op=async_op)
-            return self._landed(work, back, async_op)
+            return self._sync(lambda async_op: dist.all_to_all_single(so, si, group=self.group,
+                                                                      async_op=async_op),
+                              back, async_op, what)
         except ZeroCommError as e:
             if not _unsupported(e.__cause__):
                 raise
@@ -176,16 +242,16 @@ class Comm:
         (so, si), back = self._stage((out, inp), (out,))
         if self.all_gather_supported:
             try:
-                with self.guard(what):
-                    work = self._all_gather(so, si, group=self.group, async_op=async_op)
-                return self._landed(work, back, async_op)
+                return self._sync(lambda async_op: self._all_gather(so, si, group=self.group,
+                                                                    async_op=async_op),
+                                  back, async_op, what)
             except ZeroCommError as e:
                 if not _unsupported(e.__cause__):
                     raise
                 self.all_gather_supported = False
-        with self.guard(what + " (list fallback)"):
-            work = dist.all_gather(list(so.chunk(self.world)), si, group=self.group, async_op=async_op)
-        return self._landed(work, back, async_op)
+        return self._sync(lambda async_op: dist.all_gather(list(so.chunk(self.world)), si, group=self.group,
+                                                           async_op=async_op),
+                          back, async_op, what + " (list fallback)")
 
     # ---- staging through the backend's device ------------------------------------------------------------
     def _stage(self, tensors: Sequence[torch.Tensor], written: Sequence[torch.Tensor],
@@ -248,7 +314,7 @@ class Comm:
     def reduce_ints(self, values: Sequence[int], op: str, *, what: str) -> list[int]:
         """Element-wise ``"min"`` or ``"max"`` of integers over ranks (exact for |v| < 2**63)."""
         t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
-        self.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, what=what)
+        self.all_reduce(t, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, what=what, host=True)
         return [int(v) for v in t.tolist()]
 
     def global_rank(self, group_rank: int) -> int:
@@ -304,6 +370,48 @@ def _backend_device(nccl: bool, device: torch.device | None) -> torch.device:
     if device is not None and device.type == "cuda":
         return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+class _Waiter:
+    """A daemon thread that runs ``work.wait()`` for the training thread, which waits for it at most a bound
+    ([Note: bounded waits]). Daemon: one left blocked in a collective that never completes does not keep the
+    process from exiting."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="memsched-collective-wait", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            work, done, box = self._jobs.get()
+            try:
+                work.wait()
+            except BaseException as e:  # handed to the training thread, which re-raises it
+                box.append(e)
+            done.set()
+
+    def wait(self, work: Any, seconds: float) -> bool:
+        """``work.wait()`` within ``seconds``: ``True`` once it returned, ``False`` when the time ran out;
+        re-raises what ``wait()`` raised."""
+        done, box = threading.Event(), []
+        self._jobs.put((work, done, box))
+        if not done.wait(seconds):
+            return False
+        if box:
+            raise box[0]
+        return True
+
+
+def _completes_within(work: Any, seconds: float) -> bool:
+    """Whether ``work`` (an NCCL collective) completes or fails within ``seconds``, polled."""
+    deadline = time.monotonic() + seconds
+    pause = 1e-4
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.01)
+    return True
 
 
 def _first_line(e: BaseException) -> str:

@@ -11,17 +11,24 @@ from typing import Any
 @dataclass(frozen=True)
 class DataParallelConfig:
     """ZeRO options (ignored with one rank): stage, how updated shards are fetched, the group, the attach
-    barrier's timeout, where chunks are built."""
+    barrier's timeout, where chunks are built, and the bound on each wait for a collective during training
+    (:data:`COLLECTIVE_TIMEOUT_S` by default; ``None``: the process group's timeout)."""
 
     zero_stage: int
     fetch: str
     process_group: Any
     timeout: datetime.timedelta | None
     chunk_build: str
+    collective_timeout: datetime.timedelta | None = datetime.timedelta(seconds=60)
 
 
 
 ZERO_STAGES = (0, 1, 2, 3)
+#: Default bound, seconds, on each wait for a collective during training (attach's ``collective_timeout``):
+#: a rank that runs other modules than its peers (a rank-dependent branch, rank-0-only evaluation) or that
+#: died makes the others wait; this bounds the wait and names the likely causes, where the process group's
+#: own timeout is 30 minutes by default.
+COLLECTIVE_TIMEOUT_S = 60.0
 FETCH_MODES = ("all_gather", "all_reduce")
 
 
