@@ -57,6 +57,7 @@ from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, u
 from memsched.runtime.param_fetch import ParamFetcher
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import WarmupTrace
+from memsched.runtime.warmup_oom import requested_bytes, warmup_oom_message
 from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
 from memsched.telemetry.host_usage import HostUsage, host_usage
 from memsched.telemetry.step_timeline import StepTimeline
@@ -410,26 +411,38 @@ class Scheduler:
             optimizer.host_updates.wait([c.index])
 
     def _explain_oom(self, exc: BaseException) -> str | None:
-        """Why the step in progress ran out of memory, when memsched knows: a warmup step with the parameters
-        on the device (they could have been traced on the host), or inputs that do not fit with everything
-        already on the host (:func:`memsched.runtime.elastic_hooks.unfittable_message`)."""
-        if self.phase is Phase.WARMUP and not self.warmup_params_on_host and self.dp.world == 1 \
-                and self.device.kind != "cpu":
-            policy = self.config.placement.policy.name
-            how = {"auto": "policy_options={'warmup_non_model_share': 1.0}",
-                   "static": "policy_options={'offload_param_frac': F} with F > 0"}
-            if policy in how:
-                fix = (f"attach with {how[policy]} to trace with the parameters on the host, each chunk "
-                       "fetched for its reads")
-            else:
-                fix = f"policy {policy!r} keeps every parameter on the device; 'auto' can keep them on the " \
-                    "host"
-            return ("memsched: the warmup step ran out of memory with every parameter on the device "
-                    f"(nothing is traced yet to plan from); {fix}")
+        """Why the step in progress ran out of memory, when memsched knows: a warmup step, from the device's
+        bytes at the failure (:func:`memsched.runtime.warmup_oom.warmup_oom_message`: the hint that would
+        help, or what is too big), or inputs that do not fit with everything already on the host
+        (:func:`memsched.runtime.elastic_hooks.unfittable_message`)."""
+        if self.phase is Phase.WARMUP and self.dp.world == 1 and self.device.kind != "cpu":
+            return self._explain_warmup_oom(exc)
         if self.elastic is None:
             return None
         sig = self.elastic.in_progress or self.elastic.failed  # failed: after on_oom()
         return unfittable_message(self.elastic, self.planner, sig, exc)
+
+    def _explain_warmup_oom(self, exc: BaseException) -> str | None:
+        """The warmup's out-of-memory explanation from what the device holds now (the failed step's tensors
+        are still held by the exception's frames)."""
+        dev = self.device.torch_device
+        if self.sim is not None:
+            from memsched.devices import sim_backend
+
+            in_use = sim_backend.memory_allocated()
+        elif dev.type == "cuda":
+            in_use = torch.cuda.memory_allocated(dev)
+        else:
+            return None
+        trainable = {id(p) for p in self.store.params()}
+        frozen = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
+                     if id(t) not in trainable and t.device == dev)
+        chunks = self.store.chunks
+        return warmup_oom_message(
+            capacity=self.device.capacity_bytes, in_use=in_use, requested=requested_bytes(exc),
+            chunk_params_on_device=sum(c.data_bytes for c in chunks if c.data is not None),
+            frozen_and_buffers=frozen, largest_chunk=max((c.data_bytes for c in chunks), default=0),
+            policy=self.config.placement.policy.name, params_on_host=self.warmup_params_on_host)
 
     def _replan(self, peak: int | None, reason: str) -> None:
         """Elastic placement's re-plan (:meth:`memsched.planning.planner.Planner.replan`)."""

@@ -1,0 +1,74 @@
+"""Why a warmup step ran out of memory, and the hint that would help, from the device's bytes at the failure.
+
+Before the first plan nothing is traced, so an out-of-memory error in warmup is explained from what the
+device held when it failed: the chunks' parameters, the frozen parameters and buffers (memsched keeps them
+on the device: only trainable parameters are chunked), and the rest, the step's activations and
+temporaries. Keeping the trainable parameters on the host during warmup (``auto``'s
+``warmup_non_model_share=1.0``, ``static``'s ``offload_param_frac``) helps only when it frees enough; where
+it would not, the message names what is too big instead of a hint that cannot work (issue 31).
+"""
+
+from __future__ import annotations
+
+import re
+
+from policies.units import format_bytes
+
+_SIM = re.compile(r"\((\d+) bytes\)")
+_CUDA = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
+_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+#: The hint per policy that keeps the trainable parameters on the host during warmup.
+PARAMS_ON_HOST_HINT = {"auto": "policy_options={'warmup_non_model_share': 1.0}",
+                       "static": "policy_options={'offload_param_frac': F} with F > 0"}
+
+
+def requested_bytes(exc: BaseException) -> int:
+    """The allocation that failed, bytes, read from the error's first line (the stand-in's "(N bytes)",
+    CUDA's "Tried to allocate X MiB"); 0 when it says neither."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    m = _SIM.search(text)
+    if m is not None:
+        return int(m.group(1))
+    m = _CUDA.search(text)
+    if m is not None:
+        return int(float(m.group(1)) * _UNIT[m.group(2)])
+    return 0
+
+
+def warmup_oom_message(*, capacity: int, in_use: int, requested: int, chunk_params_on_device: int,
+                       frozen_and_buffers: int, largest_chunk: int, policy: str,
+                       params_on_host: bool) -> str | None:
+    """The explanation of a warmup step's out-of-memory error (all arguments bytes, but ``policy``, the
+    placement policy's name, and ``params_on_host``: the warmup already keeps the trainable parameters on
+    the host). ``None`` when there is nothing to say beyond the error.
+
+    With every trainable chunk on the host, a read brings at most two chunks' parameters at a time (the one
+    read and the next, fetched ahead): the step would need ``in_use + requested - chunk_params_on_device + 2 x
+    largest_chunk``. If that fits, the hint is to keep the parameters on the host (unless they already are);
+    if not, the message says whether the frozen parameters and buffers or the activations are what is too
+    big.
+    """
+    need = in_use + requested
+    without = need - chunk_params_on_device + 2 * largest_chunk
+    if without <= capacity:
+        if params_on_host:
+            return None
+        how = PARAMS_ON_HOST_HINT.get(policy)
+        fix = (f"attach with {how} to trace with the parameters on the host, each chunk fetched for its reads"
+               if how is not None else
+               f"policy {policy!r} keeps every parameter on the device; 'auto' can keep them on the host")
+        return ("memsched: the warmup step ran out of memory with every parameter on the device (nothing is "
+                f"traced yet to plan from); {fix}")
+    rest = max(0, need - chunk_params_on_device - frozen_and_buffers)
+    head = ("memsched: the warmup step ran out of memory, and keeping the trainable parameters on the host "
+            f"would not make room: it needs at least {format_bytes(without)} ({without} bytes) with them "
+            f"there, on a device of {format_bytes(capacity)} ({capacity} bytes). ")
+    if frozen_and_buffers >= rest:
+        return head + (f"The frozen parameters and buffers take {format_bytes(frozen_and_buffers)}, and "
+                       "memsched keeps them on the device (it chunks and offloads trainable parameters "
+                       f"only); the activations and temporaries take {format_bytes(rest)}. Use a larger "
+                       "device, or a frozen base in a lower precision")
+    return head + (f"The activations and temporaries take at least {format_bytes(rest)} (beside "
+                   f"{format_bytes(frozen_and_buffers)} of frozen parameters and buffers). Reduce the batch "
+                   "size or the sequence length, or recompute activations (torch.utils.checkpoint)")
