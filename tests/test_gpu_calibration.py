@@ -166,3 +166,71 @@ def test_the_routing_is_undone_whatever_happens() -> None:
 def test_a_real_trace_off_cuda_refuses_the_gpus_kernels() -> None:
     with pytest.raises(ValueError, match="attention 'gpu' runs CUDA's attention kernels"):
         trace_step(gpt_workload("tiny", 2, 16), fake=False, device="cpu", attention="gpu")
+
+
+# ---- step time: the roofline model against every committed memsched step ---------------------------------
+RATE = re.compile(r"at (\d+) M elements/s")
+
+
+@dataclass(frozen=True)
+class Timed:
+    file: str
+    policy: str
+    preset: str
+    batch: int
+    seq: int
+    capacity: int
+    gpu: str
+    host_chunks: int
+    cpu_rate: float
+    measured_s: float
+
+    def __str__(self) -> str:
+        return f"{self.file} {self.policy}"
+
+
+def timed_runs(folder: Path = RESULTS) -> list[Timed]:
+    """Every memsched configuration that ran in a ``gpu_step_time*.json``, with the CPU AdamW rate its warmup
+    measured on that host (its plan's step reason) and its plan's host chunks."""
+    from memsched.devices.gpus import gpu_for_device_name
+
+    rows = []
+    for path in sorted(folder.glob("gpu_step_time*.json")):
+        doc = json.loads(path.read_text())
+        cfg, cap = doc.get("config") or {}, (doc.get("memory_cap") or {}).get("bytes")
+        gpu = gpu_for_device_name(((doc.get("machine") or {}).get("gpu") or {}).get("name", ""))
+        preset = _preset(cfg.get("dims") or {})
+        if preset is None or not cap or gpu is None:
+            continue
+        for r in doc["results"]:
+            plan = r.get("plan") or {}
+            m = RATE.search(" ".join(plan.get("reasons") or []))
+            if r.get("kind") != "memsched" or r.get("status") != "ok" or m is None \
+                    or plan.get("param_placement"):
+                continue
+            rows.append(Timed(path.name, r["policy"], preset, cfg["batch"], cfg["seq"], int(cap), gpu.name,
+                              list(plan["placement"]).count("host"), float(m.group(1)) * 1e6,
+                              float(r["mean_step_s"])))
+    return rows
+
+
+TIMED = timed_runs()
+
+
+def test_the_committed_step_times_are_read() -> None:
+    assert {(t.gpu, t.policy) for t in TIMED} >= {("h200", "cpu"), ("h200", "auto+overlap"),
+                                                    ("h100-80gb", "cpu")}
+
+
+@pytest.mark.parametrize("run", TIMED, ids=str)
+def test_the_predicted_step_time_is_within_25_percent_of_the_gpus(run: Timed) -> None:
+    from memsched.devices.gpus import get_gpu
+    from memsched.planning.step_model import predict_step
+
+    prediction = predict(run.preset, run.batch, run.seq)
+    cplan = plan_for_capacity(prediction, run.capacity, policy_names=[])
+    overlap = "backward" if "+backward" in run.policy else "+overlap" in run.policy
+    step = predict_step(prediction.flops, get_gpu(run.gpu), torch.float32,
+                        run.host_chunks * cplan.chunk_numel, run.cpu_rate, overlap)
+    assert step is not None
+    assert abs(step.step_s - run.measured_s) <= 0.25 * run.measured_s, (step, run)

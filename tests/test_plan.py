@@ -513,3 +513,39 @@ def test_a_named_gpu_capped_by_capacity(capsys) -> None:
     assert r["capacity_bytes"] == 2**30 and r["gpu"] == gpu.name
     assert main([*argv, "--capacity", str(gpu.memory_bytes + 1)]) == 2
     assert "exceeds the" in capsys.readouterr().err
+
+
+def test_the_plan_predicts_the_step_on_a_named_gpu(capsys) -> None:
+    """With --gpu the verdict's plan gets a step time: compute from the trace's FLOPs at the calibrated share
+    of the GPU's peak, plus the CPU update of its host chunks at --cpu-adam-rate, serial and overlapped;
+    without a known GPU the JSON says why there is none."""
+    from memsched.planning.step_model import EFFICIENCY
+
+    argv = ["plan", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--no-largest-preset",
+            "--json", "--policy", "cpu", "--cpu-adam-rate", "1e9"]
+    assert main([*argv, "--gpu", "h100-80gb", "--capacity", "1GiB"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    st, gpu = r["step_time"], get_gpu("h100-80gb")
+    serial, overlap = st["serial"], st["overlap"]
+    compute = serial["flops"] / (gpu.fp32_flops * EFFICIENCY[torch.float32])
+    assert serial["flops"] > 0 and serial["compute_s"] == pytest.approx(compute)
+    host = serial["host_elements"]
+    assert host == r["chunks"]["count"] * r["chunks"]["numel"]  # policy cpu: every chunk on the host
+    assert serial["step_s"] == pytest.approx(compute + host / 1e9)
+    assert overlap["step_s"] == pytest.approx(compute + max(0.0, host / 1e9 - compute / 3))
+    assert st["cpu_rate_source"] == "--cpu-adam-rate"
+    assert main([*argv, "--capacity", "1GiB"]) == 0
+    assert "give --gpu NAME" in json.loads(capsys.readouterr().out)["step_time"]["reason"]
+
+
+def test_the_step_model_refuses_bad_input_and_leaves_uncalibrated_dtypes_out() -> None:
+    from memsched.planning.step_model import predict_step
+
+    gpu = get_gpu("h200")
+    with pytest.raises(ValueError, match="CPU AdamW rate must be > 0 elements/s, got 0"):
+        predict_step(10**12, gpu, torch.float32, 100, 0)
+    with pytest.raises(ValueError, match="overlap must be False, True or 'backward', got 'yes'"):
+        predict_step(10**12, gpu, torch.float32, 100, 1e9, "yes")
+    assert predict_step(10**12, gpu, torch.bfloat16, 100, 1e9) is None
+    back = predict_step(10**12, gpu, torch.float32, 10**9, 1e9, "backward")
+    assert back.exposed_cpu_s == pytest.approx(max(0.0, 1.0 - back.compute_s))

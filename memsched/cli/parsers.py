@@ -264,6 +264,9 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="host memory the pinned chunks may take on the training machine, e.g. 128GiB "
                         "(default: the memory available here, cgroup limits included)")
     p.add_argument("--policy", default="auto", help="policy the verdict uses (default auto)")
+    p.add_argument("--cpu-adam-rate", type=positive_float, default=None, metavar="ELEMENTS_PER_S",
+                   help="fused CPU AdamW throughput of the training host, elements/s, for the predicted step "
+                        "(default: measured on this machine)")
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="also predict one rank's device peak at each ZeRO stage with N >= 2 data-parallel "
                         "ranks (the batch is per rank; one size only)")

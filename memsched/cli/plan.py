@@ -22,7 +22,7 @@ from rich.table import Table
 
 import policies
 from memsched.cli import parsers
-from memsched.devices.gpus import get_gpu, gpu_names
+from memsched.devices.gpus import get_gpu, gpu_for_device_name, gpu_names
 from memsched.devices.host_memory import available_bytes
 from memsched.models import config_for, sizes
 from memsched.planning.capacity import (  # noqa: F401 (re-exported for the command's users)
@@ -49,6 +49,7 @@ from memsched.planning.prediction import (  # noqa: F401 (re-exported for the co
     gpt_workload,
     trace_step,
 )
+from memsched.planning.step_model import measure_cpu_adam_rate, predict_step
 from memsched.report.console import make_console
 from policies.units import format_bytes
 
@@ -129,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         runs = [(args.target, {"target": args.target})]
 
     console = make_console(stderr=args.json)
+    # the training host's CPU AdamW rate: given, or measured here once (right when planning on that host)
+    rate = (args.cpu_adam_rate, "--cpu-adam-rate") if args.cpu_adam_rate is not None else \
+        (measure_cpu_adam_rate(), "measured on this machine (give --cpu-adam-rate for the training host)")
     entries: list[tuple[int, dict[str, Any], CapacityPlan]] = []
     for build, what in runs:
         label = f" ({over} {what[over]})" if over else ""
@@ -141,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
                                   host_capacity_bytes=host[0], host_capacity_source=host[1])
         result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)
+        result["step_time"] = _step_time(args, prediction, cplan, gpu, rate)
         if args.world_size is not None:
             result["ranks"] = per_rank_dict(prediction, capacity, args.world_size, policy=args.policy,
                                             gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
@@ -164,6 +169,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_sweep(sweep, console)
     return 0
+
+
+def _step_time(args: argparse.Namespace, prediction: Any, cplan: CapacityPlan, gpu: str | None,
+               rate: tuple[float, str]) -> dict[str, Any]:
+    """The verdict policy's predicted step (:mod:`memsched.planning.step_model`), serial and with
+    ``overlap=True``, or why there is none (``{"reason": ...}``)."""
+    table = (get_gpu(gpu) if gpu in gpu_names() else gpu_for_device_name(gpu)) if gpu else None
+    if table is None:
+        return {"reason": "no step-time prediction without a known GPU (give --gpu NAME)"}
+    plan = cplan.plans.get(args.policy)
+    if plan is None or isinstance(plan, str):
+        return {"reason": f"no plan for policy {args.policy!r}"}
+    host = len(plan.host_chunks) * cplan.chunk_numel
+    out: dict[str, Any] = {"gpu": table.name, "cpu_rate_source": rate[1]}
+    for mode, overlap in (("serial", False), ("overlap", True)):
+        step = predict_step(prediction.flops, table, prediction.dtype, host, rate[0], overlap)
+        if step is None:
+            return {"reason": f"the step-time model is not calibrated for {prediction.dtype} yet "
+                              "(memsched.planning.step_model.EFFICIENCY)"}
+        out[mode] = step.as_dict()
+    return out
 
 
 def _largest_preset(args: argparse.Namespace, batch: int, seq: int, dtype: torch.dtype | None, capacity: int,
@@ -262,6 +288,18 @@ def render(result: dict[str, Any], console: Console) -> None:
     v = result["verdict"]
     style = _STYLES[v["status"]]
     console.print(f"[{style}]Verdict ({v['policy']}):[/{style}] {v['message']}")
+    st = result.get("step_time") or {}
+    if "serial" in st:
+        a, b = st["serial"], st["overlap"]
+        console.print(
+            f"[bold]Predicted step ({st['gpu']}):[/bold] {a['step_s'] * 1e3:.0f} ms serial, "
+            f"{b['step_s'] * 1e3:.0f} ms with overlap=True: compute {a['compute_s'] * 1e3:.0f} ms "
+            f"({a['flops'] / 1e12:.2f} TFLOP at {a['efficiency']:.2f} of "
+            f"{a['peak_flops'] / 1e12:.0f} TFLOP/s) "
+            f"+ CPU update {a['cpu_update_s'] * 1e3:.0f} ms ({a['host_elements']:,} elements at "
+            f"{a['cpu_elements_per_s'] / 1e9:.2f} G/s, {st['cpu_rate_source']})", highlight=False)
+    elif st:
+        console.print(f"[dim]Step time: {st['reason']}[/dim]")
     if "ranks" in result:
         render_ranks(result["ranks"], result["trace"]["peak_non_model_bytes"], console)
     largest = result.get("largest_preset")

@@ -86,6 +86,9 @@ class Prediction:
         attention: ``"gpu"``, ``"default"`` or ``"math"``.
         param_order: trainable parameters in first-use order (modules in first-call order).
         elapsed_s: wall time of build + trace, seconds.
+        flops: floating-point operations of the step's forward and backward (matrix products, convolutions,
+            attention: ``torch.utils.flop_counter.FlopCounterMode``'s count), for the step-time model
+            (:mod:`memsched.planning.step_model`).
         reads: the parameter reads of the step (:class:`tracer.param_reads.ParamReads`), from which a plan
             schedules the fetches of parameters kept on the host.
     """
@@ -98,6 +101,7 @@ class Prediction:
     param_order: list[torch.nn.Parameter] = field(default_factory=list)
     elapsed_s: float = 0.0
     reads: list[Read] = field(default_factory=list)
+    flops: int = 0
 
     @property
     def peak_non_model_bytes(self) -> int:
@@ -168,6 +172,8 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
             :func:`memsched.target.build_workload`), an unknown ``attention``, ``"gpu"`` for real tensors off
             CUDA (those CUDA kernels exist on a GPU only), or a loss that is not a scalar requiring grad.
     """
+    from torch.utils.flop_counter import FlopCounterMode
+
     from tracer import MemoryTracer
 
     if attention not in ATTENTION:
@@ -196,7 +202,8 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
             workload.name = build
         try:
             with attention_kernel(attention, dev), MemoryTracer(workload.model, device=str(dev)) as tr, \
-                    ParamReads(workload.model, lambda: tr.sample_count) as reads:
+                    ParamReads(workload.model, lambda: tr.sample_count) as reads, \
+                    FlopCounterMode(display=False) as counted:
                 loss = workload.loss()
                 loss.backward()
         except _fake_errors() as e:
@@ -207,7 +214,7 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
     traced = timeline.device
     return Prediction(timeline=timeline, model=workload.model, device=traced, fake=fake, attention=attention,
                       param_order=first_use_order(workload.model, timeline),
-                      elapsed_s=time.perf_counter() - t0, reads=reads.reads)
+                      elapsed_s=time.perf_counter() - t0, reads=reads.reads, flops=counted.get_total_flops())
 
 
 def _fake_errors() -> tuple[type[Exception], ...]:
