@@ -27,9 +27,9 @@ import torch
 from memsched.devices.gpus import GPU
 
 #: Share of the GPU's peak dense FLOP/s a training step reaches, per compute dtype. fp32: torch AdamW on GPT-2
-#: 355M at batch 4 x 1024 (10.13 TFLOP a step) ran 225.4 ms on an H200 (0.68 of 67 TFLOP/s, less the
-#: optimizer's few ms) and 228.9 to 230.3 ms on an H100 (0.66): ``bench/results/gpu_step_time_*.json``. No
-#: other dtype is calibrated yet: none is predicted.
+#: 355M at batch 4 x 1024 (10.13 TFLOP a step) reached 0.671 of 67 TFLOP/s on an H200 and 0.656 to 0.661 on
+#: an H100 (``bench/results/step_model_check.json``, from the committed ``gpu_step_time_*.json``). No other
+#: dtype is calibrated yet: none is predicted.
 EFFICIENCY: dict[torch.dtype, float] = {torch.float32: 0.67}
 #: The forward's share of a training step's FLOPs (backward computes about twice the forward's).
 FORWARD_SHARE = 1 / 3
