@@ -243,9 +243,12 @@ def test_step_timeline_phases_add_up_and_export():
             s = r.summary()
             assert sum(s["phases_s"].values()) == pytest.approx(s["step_s"], rel=1e-6)
             assert 0 < s["overlap_efficiency"] <= 1.0
-        for r in list(tl.records)[1:]:  # a step's worker spans fall in the next step (its forward)
-            assert r.summary()["cpu_update_s"] > 0
-            assert {sp.name for sp in r.spans if sp.track == "cpu update"} >= {"update", "h2d"}
+        # Each step's worker spans land in the step in which they end: usually the next one (its forward),
+        # on a loaded machine sometimes the step itself (the worker done before the next step begins). So the
+        # worker's update and H2D are asserted over the steps, not per step (no wall-clock dependence).
+        assert sum(r.summary()["cpu_update_s"] for r in tl.records) > 0
+        worker = {sp.name for r in tl.records for sp in r.spans if sp.track == "cpu update"}
+        assert worker >= {"update", "h2d"}
         events = tl.to_perfetto_events()
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"main", "cpu update"} <= names
