@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     console = make_console(stderr=args.json)
     # the training host's CPU AdamW rate: given, or measured here once (right when planning on that host)
     rate = (args.cpu_adam_rate, "--cpu-adam-rate") if args.cpu_adam_rate is not None else \
-        (measure_cpu_adam_rate(), "measured on this machine (give --cpu-adam-rate for the training host)")
+        (measure_cpu_adam_rate() if gpu is not None else 0.0,
+         "measured on this machine (give --cpu-adam-rate for the training host)")
     entries: list[tuple[int, dict[str, Any], CapacityPlan]] = []
     for build, what in runs:
         label = f" ({over} {what[over]})" if over else ""
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         with console.status(f"tracing one training step with fake tensors{label} ...") \
                 if not args.json and console.is_terminal else contextlib.nullcontext():
             prediction = trace_step(build, dtype=dtype or (torch.float32 if args.model else None),
-                                    attention=args.attention)
+                                    attention=args.attention, count_flops=gpu is not None)
         cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
                                   host_capacity_bytes=host[0], host_capacity_source=host[1])
         result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)

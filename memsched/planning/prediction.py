@@ -88,7 +88,7 @@ class Prediction:
         elapsed_s: wall time of build + trace, seconds.
         flops: floating-point operations of the step's forward and backward (matrix products, convolutions,
             attention: ``torch.utils.flop_counter.FlopCounterMode``'s count), for the step-time model
-            (:mod:`memsched.planning.step_model`).
+            (:mod:`memsched.planning.step_model`); 0 unless the trace counted them.
         reads: the parameter reads of the step (:class:`tracer.param_reads.ParamReads`), from which a plan
             schedules the fetches of parameters kept on the host.
     """
@@ -157,7 +157,8 @@ WorkloadFn = Callable[[torch.device], "Workload | tuple[torch.nn.Module, LossFn]
 
 
 def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fake: bool = True,
-               device: torch.device | str | None = None, attention: str = "default") -> Prediction:
+               device: torch.device | str | None = None, attention: str = "default",
+               count_flops: bool = False) -> Prediction:
     """Build the workload and trace one forward + backward inside :class:`tracer.MemoryTracer`.
 
     Args:
@@ -166,6 +167,8 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
         fake: run under ``FakeTensorMode`` (no memory is allocated); ``False`` runs for real (tests compare).
         device: the device to build on; default :func:`fake_device` when ``fake``, else the CPU.
         attention: ``"gpu"``, ``"default"`` or ``"math"`` (see :func:`attention_kernel`).
+        count_flops: also count the step's FLOPs (:attr:`Prediction.flops`; ``FlopCounterMode`` sees every
+            op, which makes the trace about a quarter slower).
 
     Raises:
         ValueError / TypeError / FileNotFoundError: from the TARGET (see
@@ -203,7 +206,7 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
         try:
             with attention_kernel(attention, dev), MemoryTracer(workload.model, device=str(dev)) as tr, \
                     ParamReads(workload.model, lambda: tr.sample_count) as reads, \
-                    FlopCounterMode(display=False) as counted:
+                    (FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()) as counted:
                 loss = workload.loss()
                 loss.backward()
         except _fake_errors() as e:
@@ -214,7 +217,8 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
     traced = timeline.device
     return Prediction(timeline=timeline, model=workload.model, device=traced, fake=fake, attention=attention,
                       param_order=first_use_order(workload.model, timeline),
-                      elapsed_s=time.perf_counter() - t0, reads=reads.reads, flops=counted.get_total_flops())
+                      elapsed_s=time.perf_counter() - t0, reads=reads.reads,
+                      flops=counted.get_total_flops() if counted is not None else 0)
 
 
 def _fake_errors() -> tuple[type[Exception], ...]:
