@@ -33,13 +33,19 @@ UNIT = {"GiB": 2**30, "MiB": 2**20}
 
 
 @dataclass(frozen=True)
-class Measured:
+class Run:
+    """One committed GPU configuration: its file, policy (or dtype), GPT preset, batch x sequence and cap."""
+
     file: str
     policy: str
     preset: str
     batch: int
     seq: int
     capacity: int
+
+
+@dataclass(frozen=True)
+class Measured(Run):
     low: float  # the measured peak non-model data lies in [low, high] bytes (printed to 0.1 of its unit)
     high: float
     refused: bool  # the GPU raised a placement or out-of-memory error for this configuration
@@ -174,20 +180,14 @@ RATE = re.compile(r"at (\d+) M elements/s")
 
 
 @dataclass(frozen=True)
-class Timed:
-    file: str
-    policy: str
-    preset: str
-    batch: int
-    seq: int
-    capacity: int
+class Timed(Run):
     gpu: str
     host_chunks: int
     cpu_rate: float
     measured_s: float
 
     def __str__(self) -> str:
-        return f"{self.file} {self.policy}"
+        return f"{self.file} {self.policy}"  # one workload per file
 
 
 def timed_runs(folder: Path = RESULTS) -> list[Timed]:
