@@ -53,11 +53,11 @@ from memsched.optim.precision import LossScaler
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
 from memsched.planning.planner import Planner, check_host_room
-from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, unfittable_message
+from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, oom_bytes, unfittable_message
 from memsched.runtime.param_fetch import ParamFetcher
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import WarmupTrace
-from memsched.runtime.warmup_oom import requested_bytes, warmup_oom_message
+from memsched.runtime.warmup_oom import warmup_oom_message
 from memsched.teardown import ATTACHED, Installed, claim, release, weak_method
 from memsched.telemetry.host_usage import HostUsage, host_usage
 from memsched.telemetry.step_timeline import StepTimeline
@@ -439,7 +439,7 @@ class Scheduler:
                      if id(t) not in trainable and t.device == dev)
         chunks = self.store.chunks
         return warmup_oom_message(
-            capacity=self.device.capacity_bytes, in_use=in_use, requested=requested_bytes(exc),
+            capacity=self.device.capacity_bytes, in_use=in_use, requested=oom_bytes(exc)[0] or 0,
             chunk_params_on_device=sum(c.data_bytes for c in chunks if c.data is not None),
             frozen_and_buffers=frozen, largest_chunk=max((c.data_bytes for c in chunks), default=0),
             policy=self.config.placement.policy.name, params_on_host=self.warmup_params_on_host)

@@ -8,17 +8,19 @@ import torch
 from torch import nn
 
 import memsched
-from memsched.runtime.warmup_oom import requested_bytes, warmup_oom_message
+from memsched.runtime.elastic_hooks import oom_bytes
+from memsched.runtime.warmup_oom import warmup_oom_message
 from tests._numerics import SIM
 
 MiB = 2**20
 
 
 def test_the_failed_allocation_is_read_from_the_stand_ins_and_cudas_messages() -> None:
-    sim = torch.OutOfMemoryError("sim out of memory: tried to allocate 7.6 KiB (7812 bytes) on the stand-in")
+    sim = torch.OutOfMemoryError("sim out of memory: tried to allocate 7.6 KiB (7812 bytes) on the stand-in "
+                                 "device sim:0 with 1.0 KiB (1024 bytes) allocated of a capacity of 8 KiB")
     cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.00 MiB. GPU 0 has a total")
-    assert requested_bytes(sim) == 7812 and requested_bytes(cuda) == 12 * MiB
-    assert requested_bytes(RuntimeError("something else")) == 0
+    assert oom_bytes(sim)[0] == 7812 and oom_bytes(cuda)[0] == 12 * MiB
+    assert oom_bytes(RuntimeError("something else"))[0] is None
 
 
 @pytest.mark.parametrize("case", ["params", "frozen", "activations", "already"])

@@ -10,30 +10,11 @@ it would not, the message names what is too big instead of a hint that cannot wo
 
 from __future__ import annotations
 
-import re
-
 from policies.units import format_bytes
-
-_SIM = re.compile(r"\((\d+) bytes\)")
-_CUDA = re.compile(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)")
-_UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 #: The hint per policy that keeps the trainable parameters on the host during warmup.
 PARAMS_ON_HOST_HINT = {"auto": "policy_options={'warmup_non_model_share': 1.0}",
                        "static": "policy_options={'offload_param_frac': F} with F > 0"}
-
-
-def requested_bytes(exc: BaseException) -> int:
-    """The allocation that failed, bytes, read from the error's first line (the stand-in's "(N bytes)",
-    CUDA's "Tried to allocate X MiB"); 0 when it says neither."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    m = _SIM.search(text)
-    if m is not None:
-        return int(m.group(1))
-    m = _CUDA.search(text)
-    if m is not None:
-        return int(float(m.group(1)) * _UNIT[m.group(2)])
-    return 0
 
 
 def warmup_oom_message(*, capacity: int, in_use: int, requested: int, chunk_params_on_device: int,
