@@ -52,6 +52,13 @@ def total_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0, *, per_t
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Elements of its storage that ``t`` spans from its offset (1 + the last element's offset)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+
+
 def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
     """``min(1, max_norm / (total + 1e-6))`` as a tensor on ``total``'s device (no host synchronisation)."""
     return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
@@ -117,20 +124,33 @@ class Clipper:
             by_chunk.setdefault(self._chunk_key(p), []).append(p)
         norms: dict[int, torch.Tensor] = {}
         for ps in by_chunk.values():  # fp32 temporaries of one chunk at a time, on the device
-            grads = [fp32_grad(self._on_device(p.grad), None, inv, self.pending) for p in ps]
+            grads = [fp32_grad(g, None, inv, self.pending) for g in self._on_device([p.grad for p in ps])]
             norms.update(zip((id(p) for p in ps), total_norm(grads, norm_type, per_tensor=True), strict=True))
         total = total_norm([norms[id(p)] for p in params], norm_type, of_norms=True)
         self.pending.append(clip_coefficient(total, max_norm))
         return total
 
-    def _on_device(self, g: torch.Tensor) -> torch.Tensor:
-        """``g``, or a temporary copy of it on the device ([Note: norms on the device])."""
+    def _on_device(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` (one chunk's), those off the device replaced by temporary device copies ([Note: norms on
+        the device]): one copy per host buffer they view (a chunk's host gradients: one H2D copy of the span
+        they cover, not one per parameter), each gradient then a view of it with its own shape and strides."""
         device = self._store.alloc.device
-        if g.device == device:
-            return g
-        if self._transfers is not None:
-            self._transfers.add_h2d(g.numel() * g.element_size())
-        return g.to(device)
+        by_storage: dict[int, list[int]] = {}
+        for i, g in enumerate(grads):
+            if g.device != device:
+                by_storage.setdefault(g.untyped_storage().data_ptr(), []).append(i)
+        out = list(grads)
+        for idx in by_storage.values():
+            first = grads[idx[0]]
+            lo = min(grads[i].storage_offset() for i in idx)
+            hi = max(grads[i].storage_offset() + _extent(grads[i]) for i in idx)
+            span = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,)).to(device)
+            if self._transfers is not None:
+                self._transfers.add_h2d((hi - lo) * first.element_size())
+            for i in idx:
+                g = grads[i]
+                out[i] = span.as_strided(g.shape, g.stride(), g.storage_offset() - lo)
+        return out
 
     def _chunk_key(self, p: torch.nn.Parameter) -> int:
         c = self._store.param_chunk.get(id(p))
@@ -150,7 +170,7 @@ class Clipper:
             by_chunk.setdefault(self._chunk_key(p), []).append(k)
         norms: list[torch.Tensor | None] = [None] * len(with_grad)
         for ks in by_chunk.values():
-            grads = [self._on_device(with_grad[k].grad) for k in ks]
+            grads = self._on_device([with_grad[k].grad for k in ks])
             for k, n in zip(ks, total_norm(grads, norm_type, per_tensor=True), strict=True):
                 norms[k] = n
             del grads
