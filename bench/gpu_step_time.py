@@ -328,6 +328,8 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
             out["transfers"] = _jsonable(getattr(extra["sched"], "transfers", None))
             timeline = getattr(extra["sched"], "step_timeline", None)
             out["step_timeline"] = timeline.mean_summary() if timeline is not None else None
+            # the runtime's predicted step (issue 30: the roofline on a GPU the table knows)
+            out["predicted_step"] = _jsonable(getattr(extra["sched"], "predicted_step", None))
         if "ds_config" in extra:
             out["ds_config"] = extra["ds_config"]
         if hasattr(extra.get("sched"), "close"):

@@ -9,7 +9,8 @@ hyper-parameters in :mod:`memsched.optim.hyperparams`, ZeRO options in :mod:`mem
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from memsched.distributed.options import (
 from memsched.optim.early_update import check_overlap
 from memsched.optim.hyperparams import check_hyperparameters, hyperparameter_groups
 from memsched.optim.precision import check_dtype
+from memsched.planning.plan_check import load_expected_plan
 from policies.types import check_ratio
 from policies.units import parse_positive_bytes
 
@@ -64,6 +66,7 @@ class SchedulerConfig:
     replan: str = "auto"
     early_update: bool = False  # overlap="backward" (memsched.optim.early_update)
     host_memory_bytes: int | None = None  # host_memory= at attach: the host budget's own limit, bytes
+    expected_plan: Mapping[str, Any] | None = None  # `memsched plan --json` to check the runtime plan against
 
 
 def _check_warmup(n: Any) -> int:
@@ -132,7 +135,8 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
                 collective_timeout: float | None = COLLECTIVE_TIMEOUT_S,
                 chunk_build: str = "auto", overlap: bool | str = False,
-                replan: str = "auto", host_memory: int | str | None = None) -> SchedulerConfig:
+                replan: str = "auto", host_memory: int | str | None = None,
+                expected_plan: str | os.PathLike | Mapping[str, Any] | None = None) -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
 
     Raises:
@@ -170,5 +174,6 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
             host_bytes = parse_positive_bytes(host_memory)
         except ValueError as e:
             raise ValueError(f"host_memory must be bytes (an int) or a size such as '64GiB': {e}") from None
+    expected = load_expected_plan(expected_plan) if expected_plan is not None else None
     return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel,
-                           overlap, replan, early_update, host_bytes)
+                           overlap, replan, early_update, host_bytes, expected)

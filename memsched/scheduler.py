@@ -28,9 +28,11 @@ reports). On the stand-in ``sim:SIZE`` device the capacity is enforced by
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +54,7 @@ from memsched.optim.hybrid_adamw import HybridAdamW
 from memsched.optim.precision import LossScaler
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
+from memsched.planning.plan_check import PlanCheck, check_plan
 from memsched.planning.planner import Planner, check_host_room
 from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, oom_bytes, unfittable_message
 from memsched.runtime.param_fetch import ParamFetcher
@@ -102,6 +105,8 @@ class Scheduler:
         self.gpu_margin_mem_ratio = config.placement.gpu_margin_mem_ratio
         self.warmup_steps = config.placement.warmup_steps
         self.chunk_numel = config.chunk_numel
+        #: The warmup's plan against ``attach(expected_plan=...)`` (:mod:`memsched.planning.plan_check`)
+        self.plan_check: PlanCheck | None = None
         groups = config.adamw.groups
         claim(model, [p for g in groups for p in g["params"]])
         try:
@@ -154,7 +159,7 @@ class Scheduler:
             def away(store: ChunkStore, c: Any) -> None:  # built: its host state, its parameters leave
                 c.init_state(HOST, alloc)
                 store.note_placements()
-                store.detach_data(c)
+                store.bindings.data_leaves(c)
 
             self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
                                     chunk_numel=chunk_numel, dp=self.dp, private_grads=bool(config.overlap),
@@ -353,10 +358,12 @@ class Scheduler:
         last = self.optimizer.timeline.take_last()
         if last is not None:
             host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
-            self.planner.measure_warmup(WarmupCosts.from_record(last, host))
+            meta = self.timeline.meta if self.timeline is not None else {}
+            flops = int(meta.get("flops", 0)) // max(1, int(meta.get("steps", 1) or 1))
+            self.planner.measure_warmup(WarmupCosts.from_record(last, host, flops))
         self.phase = Phase.PLAN_FAILED  # until the plan is applied
         # with the parameters on the host in warmup, each new chunk's leave the device as it is built
-        away = (lambda store, c: store.detach_data(c)) if self.warmup_params_on_host else None
+        away = (lambda store, c: store.bindings.data_leaves(c)) if self.warmup_params_on_host else None
         if self.params is not None:
             self.params.evict_all()
         self.planner.repack(self.first_use_order(), after_chunk=away)
@@ -369,11 +376,25 @@ class Scheduler:
         if self.elastic is not None and self.problem is not None:
             self.elastic.start(self.problem.peak_non_model_bytes,
                                discount=self.planner.host_grad_working_bytes)
+        self._check_plan()
         self.phase = Phase.PLANNED
         # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
         # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
         # (the reduction comes first).
         self.optimizer.enter_steady_state(overlap=self.config.overlap, early_update=self.config.early_update)
+
+    def _check_plan(self) -> None:
+        """``attach(expected_plan=...)``: the warmup's plan against ``memsched plan``'s (issue 30); warns with
+        the differences."""
+        expected = self.config.expected_plan
+        if expected is None or self.plan is None or self.problem is None:
+            return
+        self.plan_check = check_plan(
+            expected, self.plan, capacity_bytes=self.problem.capacity_bytes,
+            peak_non_model_bytes=self.peak_non_model_bytes(), chunk_numel=self.store.layout.chunk_numel,
+            chunk_count=len(self.store.chunks))
+        if not self.plan_check.agrees:
+            warnings.warn(f"memsched: {self.plan_check.summary()}", RuntimeWarning, stacklevel=2)
 
     def _revise_fetches(self) -> None:
         """After a step some of whose parameter reads were off the schedule (a branch taken since the trace):
@@ -534,7 +555,7 @@ class Scheduler:
         if fetcher is None or fetcher.shards is None:
             yield
             return
-        if self.store.computing:
+        if self.store.bindings.computing:
             raise RuntimeError("memsched: gathered_params() is for between steps; a forward's and its "
                                "backward's reads gather their chunks themselves")
         fetcher.hold()
@@ -556,6 +577,8 @@ class Scheduler:
         kwargs.setdefault("step_summary", self.step_timeline.mean_summary())
         kwargs.setdefault("plan_history", self.plan_history)
         kwargs.setdefault("problem", self.problem)
+        kwargs.setdefault("plan_check", self.plan_check)
+        kwargs.setdefault("predicted_step", self.predicted_step)
         return render_report(self.timeline, plan=self.plan, transfers=self.transfers.as_dict(), **kwargs)
 
     def close(self) -> None:
@@ -587,7 +610,8 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            process_group: Any = None, fetch: str = "all_gather", dist_timeout: float | None = None,
            collective_timeout: float | None = COLLECTIVE_TIMEOUT_S, chunk_build: str = "auto",
            overlap: bool | str = False, replan: str = "auto",
-           host_memory: int | str | None = None) -> Scheduler:
+           host_memory: int | str | None = None,
+           expected_plan: str | os.PathLike | Mapping[str, Any] | None = None) -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -636,6 +660,11 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         host_memory: the host memory memsched's pinned chunks may take, bytes or a size (``"64GiB"``); the
             plan's host budget is the smallest of this, the memory available to the process and the
             stand-in's ``host=`` (:mod:`memsched.devices.host_memory`). ``None``: no limit of its own.
+        expected_plan: the output of ``memsched plan --json`` for this run (a path, or the parsed dict): the
+            plan made after warmup is compared with it (:mod:`memsched.planning.plan_check`): capacity, peak
+            non-model data within the prediction's error bar, chunks and placements. The result is
+            ``sched.plan_check`` and a report section; a difference also warns (``RuntimeWarning``) with
+            each difference and its likely cause.
 
     Returns:
         the :class:`Scheduler`; train with ``sched.backward(loss); sched.optimizer.step();
@@ -643,7 +672,8 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         stand-in's accounting and remove hooks.
 
     Raises:
-        ValueError: a ratio outside [0, 1] or NaN, an unknown policy or option (lists the known ones), no
+        ValueError: a ratio outside [0, 1] or NaN, an unknown policy or option (lists the known ones), an
+            ``expected_plan`` that is not ``memsched plan --json``'s output for one workload, no
             trainable parameters, parameters on the meta device, a bad device string, ``warmup_steps < 1``, a
             bad dtype or hyper-parameter, a ``chunk_numel`` below the largest parameter.
         TypeError: ``model`` is not an ``nn.Module``.
@@ -659,4 +689,4 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage,
         process_group=process_group, fetch=fetch, dist_timeout=dist_timeout,
         collective_timeout=collective_timeout, chunk_build=chunk_build,
-        overlap=overlap, replan=replan, host_memory=host_memory))
+        overlap=overlap, replan=replan, host_memory=host_memory, expected_plan=expected_plan))

@@ -313,7 +313,7 @@ def test_host_gradients_leave_the_device_once_in_backward_and_writes_reach_the_u
             where["now"] = "backward"
             for b in micro:
                 sched.backward(gpt_loss(model, b) / len(micro))
-            host = [p for p in model.parameters() if sched.store.host_bound_chunk(p)]
+            host = [p for p in model.parameters() if sched.store.bindings.param_host_bound(p)]
             assert host and all(p.grad.data_ptr() == sched.store.host_view("grad", p).data_ptr()
                                 for p in host)
             if write == "clip":

@@ -256,3 +256,64 @@ def maml(model, opt, step):
 ])
 def test_maml_fast_weights_from_create_graph(mode):
     assert_same(run_torch(maml), run_memsched(maml, mode))
+
+
+def unfreeze_step(model, opt, step):
+    x, y = data(step)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_progressive_unfreezing_by_re_attach_equals_add_param_group(mode):
+    """Issue 28, item 15: memsched refuses ``add_param_group`` after attach (the chunks are built once). The
+    README's recipe (every group given to attach from the start, the frozen one included; to unfreeze: save
+    the optimizer state, close, unfreeze, attach again with the same groups, load the state) trains exactly
+    as ``torch.optim.AdamW`` does with ``add_param_group`` at the same step, its LR scheduler rebuilt too."""
+    unfreeze_at, steps = 2, 4
+    ref = mlp().to(SIM)
+    head = list(ref[4].parameters())
+    for p in head:
+        p.requires_grad_(False)
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=WD, fused=True)
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for s in range(steps):
+        if s == unfreeze_at:
+            for p in head:
+                p.requires_grad_(True)
+            opt.add_param_group({"params": head, "lr": LR * 2})
+        unfreeze_step(ref, opt, s)
+        lr_sched.step()
+
+    model = mlp()
+    head = list(model[4].parameters())
+    body = [p for m in (model[0], model[2]) for p in m.parameters()]
+    for p in head:
+        p.requires_grad_(False)
+    groups = [{"params": body}, {"params": head, "lr": LR * 2}]
+    sched = memsched.attach(model, params=groups, lr=LR, weight_decay=WD, chunk_numel=1200, **MODES[mode])
+    lr_sched = torch.optim.lr_scheduler.StepLR(sched.optimizer, step_size=1, gamma=0.5)
+    try:
+        for s in range(steps):
+            if s == unfreeze_at:
+                with pytest.raises(RuntimeError, match="re-attach|attach again|memsched.attach"):
+                    sched.optimizer.add_param_group({"params": head})
+                state, sched_state = sched.optimizer.state_dict(), lr_sched.state_dict()
+                sched.close()
+                for p in head:
+                    p.requires_grad_(True)
+                sched = memsched.attach(model, params=groups, lr=LR, weight_decay=WD, chunk_numel=1200,
+                                        **MODES[mode])
+                sched.optimizer.load_state_dict(state)
+                lr_sched = torch.optim.lr_scheduler.StepLR(sched.optimizer, step_size=1, gamma=0.5)
+                lr_sched.load_state_dict(sched_state)
+                # torch's new group starts at its own lr, not the scheduled one: as add_param_group does
+                sched.optimizer.param_groups[1]["lr"] = LR * 2
+            unfreeze_step(model, sched.optimizer, s)
+            lr_sched.step()
+        assert_same([p.detach().clone() for p in ref.parameters()],
+                    [p.detach().clone() for p in model.parameters()])
+    finally:
+        sched.close()

@@ -43,7 +43,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.categories import ALL_CATEGORIES, Category
 from tracer.event_log import GROW, MOVE, DeviceState, Entry, fold
-from tracer.ops import _RESIZE, _SKIP, AlwaysSkip, _op_kind, device_name, graph_task_id, remove_mode
+from tracer.ops import (
+    _COUNT,
+    _RESIZE,
+    _SKIP,
+    FLOP_REGISTRY,
+    AlwaysSkip,
+    _op_kind,
+    device_name,
+    graph_task_id,
+    remove_mode,
+)
 
 __all__ = ["StorageAccountant", "AllocateCallback", "device_name"]
 
@@ -113,6 +123,9 @@ class StorageAccountant(TorchDispatchMode):
         # Running total per device name, kept per event only for ``on_allocate``.
         self._totals: dict[str, int] = {}
         self._free_cb = self._freed
+        #: Floating-point operations of the ops run so far (matrix products, convolutions, attention), counted
+        #: with torch's own FLOP formulas (``torch.utils.flop_counter``), as ``FlopCounterMode`` counts them.
+        self.flops = 0
 
     # ---- configuration ---------------------------------------------------------------------------------
     @property
@@ -232,6 +245,8 @@ class StorageAccountant(TorchDispatchMode):
         if kind == _RESIZE:
             return self._resizing_op(func, args, kwargs or {})
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if kind == _COUNT:
+            self.flops += FLOP_REGISTRY[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
         if isinstance(out, torch.Tensor):
             self._track(out)
         elif isinstance(out, (tuple, list)):

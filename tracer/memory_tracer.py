@@ -281,6 +281,8 @@ class MemoryTracer:
         meta = self._timeline.meta
         meta["steps"] = self._step + (1 if self._backward_since_step and self._optimizer_steps == 0 else 0)
         meta["optimizer_steps"] = self._optimizer_steps
+        if self._acc is not None:
+            meta["flops"] = int(self._acc.flops)  # over every traced step (tracer.accounting)
         meta["duration_ns"] = time.perf_counter_ns() - self._t0
         self._flush()
         if errors:

@@ -7,8 +7,14 @@ from typing import Any
 
 import torch
 
-# How an op is handled, decided once per OpOverload from its schema.
-_SKIP, _TRACK, _RESIZE = 0, 1, 2
+# How an op is handled, decided once per OpOverload from its schema. _COUNT: tracked, and its floating-point
+# operations counted (a matrix product, a convolution, attention: torch.utils.flop_counter's registry).
+_SKIP, _TRACK, _RESIZE, _COUNT = 0, 1, 2, 3
+
+try:
+    from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
+except ImportError:  # pragma: no cover - torch without the registry: no FLOPs counted
+    FLOP_REGISTRY = {}
 
 _aten = torch.ops.aten
 _RESIZING_PACKETS = {_aten.resize_, _aten.resize_as_}
@@ -28,7 +34,7 @@ def _op_kind(func: Any) -> int:
         return _RESIZE
     if all(r.alias_info is not None for r in schema.returns):
         return _SKIP  # views and in-place ops: no new storage
-    return _TRACK
+    return _COUNT if func.overloadpacket in FLOP_REGISTRY else _TRACK
 
 
 def device_name(device: str | torch.device) -> str:

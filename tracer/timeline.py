@@ -93,7 +93,9 @@ class MemoryTimeline:
     """Samples of one traced run (one process / rank) and queries over them.
 
     ``meta`` holds free-form facts: ``device`` (the traced device), ``backend`` (``tensor`` / ``cuda``),
-    ``torch_version``, ``rank``, ``world_size``, ``capacity_bytes`` (when known), ``steps``.
+    ``torch_version``, ``rank``, ``world_size``, ``capacity_bytes`` (when known), ``steps``, ``flops`` (the
+    floating-point operations of every traced step together: matrix products, convolutions, attention, by
+    torch's ``torch.utils.flop_counter`` formulas).
     """
 
     samples: list[Sample] = field(default_factory=list)

@@ -254,7 +254,7 @@ class Chunk:
         if self.spare is None or self.placement != HOST:
             raise RuntimeError(f"chunk {self.index} has no spare host state to swap in")
         # The gradients stay (``p.grad`` shows them between steps); the state and the parameters' host values
-        # swap (the store points the parameters at the new ones: ChunkStore.refresh_host).
+        # swap (the store points the parameters at the new ones: ChunkBindings.refresh_host).
         keep = {"host_grad": self.host_grad, "grad_host": self.grad_host}
         current = {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq,
                    "steps": self.steps, "staging": self.staging, **{k: self.spare[k] for k in keep}}

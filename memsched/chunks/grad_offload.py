@@ -5,7 +5,8 @@ host, not on the device. With one rank, when backward completes a host chunk's g
 gradients-ready signal) they start their D2H copy into the chunk's pinned ``grad_host`` and the chunk's device
 gradient buffer is released: only the chunks whose gradients are still being produced hold device gradient
 memory (the *working set*, measured here as :attr:`GradOffload.live_max`). At backward's end every copy is
-waited for and the host chunks become host-bound (:meth:`memsched.chunks.ChunkStore.bind_host`): ``p.grad`` is
+waited for and the host chunks become host-bound
+(:meth:`memsched.chunks.binding.ChunkBindings.to_host`): ``p.grad`` is
 then the host gradient itself, so whatever reads or writes it before the step (torch's ``clip_grad_norm_``,
 ``p.grad.mul_()``, a user's check) sees and changes what the CPU update will read. Nothing needs to be copied
 again at the step.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import warnings
@@ -11,8 +10,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import increment_version
 
+from memsched.chunks.binding import Binding, ChunkBindings
 from memsched.chunks.buffers import Allocator
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
@@ -66,18 +65,15 @@ class ChunkStore:
             self._grads_ready_observers.append(on_grads_ready)
         self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
         self.closed = False
-        # [Note: host binding]: host chunks' parameters are host views from backward's end to the next forward
-        self.host_bound: set[int] = set()  # chunk indices whose parameters and gradients are host views now
+        # Where each chunk's parameters point, and the phase (computing or between steps) they follow
+        self.bindings = ChunkBindings(self)
         self.host_grads: set[int] = set()  # parameters whose gradient is in their chunk's ``grad_host``
-        self._host_versions: dict[int, int] = {}  # each host-bound parameter's version counter when bound
-        self.computing = False  # between a forward's start and its backward's end (device-bound)
         # Whether some chunk offloads (a plain flag: compiled hooks read it, see memsched.runtime.waits)
         self.offloading = False
         self.in_backward = False  # a backward is running (its end callback is queued)
         self.aborted = False  # a backward raised, its partial gradients stay: steps refused until zero_grad
         self._backward_end_observers: list[Callable[[], None]] = []
         self._zero_grad_observers: list[Callable[[], None]] = []
-        self._absent: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [Note: absent parameters]
         # The gradient offload (memsched.chunks.grad_offload) once installed; without it host chunks keep
         # their gradients on the device until the step, as with more ranks.
         self.offloader: object | None = None
@@ -246,14 +242,14 @@ class ChunkStore:
         staged: dict[int, tuple[torch.Tensor, ...]] = {}
         side: dict[int, str | None] = {}
         old_layout, old_groups = self.layout, self.groups
-        for c in self.chunks:  # host-bound gradients are staged from the host
-            if c.index in self.host_bound:
-                self.before_host_write(c)
+        bindings = self.bindings
+        for c in bindings.host_chunks():  # host-bound gradients are staged from the host
+            self.before_host_write(c)
         with torch.no_grad(), self.alloc.host_context():
             for c in self.chunks:
                 c.wait_h2d()
                 c.wait_d2h()
-                host_bound = c.index in self.host_bound
+                host_bound = bindings.host_bound(c)
                 data = c.param_host if host_bound else c.data
                 grad = c.grad_host if host_bound else c.grad
                 lo = c.lo if host_bound else 0
@@ -270,7 +266,6 @@ class ChunkStore:
                         else t[off - (lo if k < 2 else 0):off - (lo if k < 2 else 0) + n]
                         for k, t in enumerate(flat))
                     side[id(p)] = c.placement
-        self.host_bound.clear()
         self.host_grads.clear()
         self._release(staged)
 
@@ -346,8 +341,8 @@ class ChunkStore:
         for c in self.chunks:
             if self.offloads(c):
                 self._grads_to_host(c)
-                if not self.computing:
-                    self.bind_host(c)
+                if not self.bindings.computing:
+                    self.bindings.to_host(c)
 
     def _point_at(self, staged: dict[int, tuple[torch.Tensor, ...]],
                   params: Iterable[torch.nn.Parameter]) -> None:
@@ -385,7 +380,7 @@ class ChunkStore:
         if self.dp.world != 1:
             return done
         for p in self.params():
-            view = self.expected_view(p)
+            view = self.bindings.expected_view(p)
             if p.data_ptr() == view.data_ptr() or p.dtype != view.dtype or p.device != view.device \
                     or p.shape != view.shape or p.stride() == view.stride() \
                     or dense_strides(p.data) != p.stride():
@@ -393,7 +388,7 @@ class ChunkStore:
             c = self.param_chunk[id(p)]
             off, _n = self.param_range[id(p)]
             old, new = self.stride_of(p), tuple(p.stride())
-            host_bound = c.index in self.host_bound
+            host_bound = self.bindings.host_bound(c)
             if host_bound:
                 self.before_host_write(c)
             c.wait_h2d()
@@ -423,7 +418,7 @@ class ChunkStore:
                             gview = self.host_view("grad", p, c)
                             gview.copy_(grad)
                             p.grad = gview
-                    self._host_versions[id(p)] = p._version
+                    self.bindings.note_bound(p)
                     done.append(p)
                     continue
                 p.data = slot
@@ -441,6 +436,7 @@ class ChunkStore:
             c.release()
         self.chunks, self.param_chunk, self.param_range = [], {}, {}
         self._views = {}
+        self.bindings.reset()
 
     def _restore_state(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]],
                        side: dict[int, str | None], steps: dict[int, float]) -> None:
@@ -493,228 +489,9 @@ class ChunkStore:
         return any(ptr == b.untyped_storage().data_ptr() for c in self.chunks if c.placement == HOST
                    for b in (c.param_host, c.grad_host) if b is not None)
 
-    def expected_view(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The view ``p`` must be now: its host slot while its chunk is host-bound, else its chunk view (or,
-        the chunk's buffer being off the device, its absent view)."""
-        c = self.param_chunk[id(p)]
-        if c.index in self.host_bound:
-            return self.host_view("data", p, c)
-        return self.data_view(p) if c.data is not None else self.absent_view(p, c)
-
-    def bind_host(self, c: Chunk) -> None:
-        """[Note: host binding]
-        One rank: a host chunk's gradients leave the device as backward completes them
-        (:mod:`memsched.chunks.grad_offload`), so from backward's end to the next forward its parameters and
-        their ``.grad`` are views into the chunk's host buffers (``param_host``, ``grad_host``): torch's
-        ``clip_grad_norm_(model.parameters())``, ``model.state_dict()``, ``torch.save`` and anything else
-        between steps see every gradient and the current values, and torch requires a gradient on its
-        parameter's device. ``zero_grad(set_to_none=True)`` (no gradient left) or the next forward binds
-        them to the device again (:meth:`enter_compute`), where writes made to the host views meanwhile are
-        taken in; parameters whose values live on the host only (parameter offload) stay host views until
-        the forward that fetches them. FSDP2's ``CPUOffloadPolicy`` keeps its sharded
-        parameters and their gradients on the host between steps in the same way."""
-        with torch.no_grad():
-            if c.data is not None and c.index not in self.host_bound and any(
-                    p._version != self._host_versions.get(id(p), -1) for p in c.params):
-                # Written on the device since it was device-bound (or never bound before): the host values
-                # take the device's (the fp32 master itself in fp32; under mixed precision the master follows
-                # at the step, GradChecks.sync_user_param_writes).
-                self.before_host_write(c)
-                c.wait_h2d()
-                with self.alloc.host_context():
-                    c.param_host.copy_(c.data[c.lo:c.hi])
-                if not c.mixed:
-                    increment_version(c.master)  # the state changed (memsched.optim.early_update)
-            for p in c.params:
-                self._take_hand_set_grad(p, c)
-                p.data = self.host_view("data", p, c)
-                p.grad = (self.host_view("grad", p, c) if id(p) in self.host_grads and c.grad_host is not None
-                          else None)
-                self._host_versions[id(p)] = p._version
-        self.host_bound.add(c.index)
-
-    def _take_hand_set_grad(self, p: torch.nn.Parameter, c: Chunk) -> None:
-        """A gradient set by hand on ``p`` (``p.grad = g`` after ``torch.autograd.grad``: SAM, PCGrad, MAML)
-        replaces its host gradient, as torch's ``p.grad = g`` replaces the gradient; it is not a view of the
-        chunk's device or host gradients.
-
-        Raises:
-            ValueError: ``g`` is sparse or not shaped like ``p`` (names the shapes); nothing was written.
-        """
-        g = p.grad
-        if g is None or is_sharded(g) or c.grad_host is None:  # (ZeRO: no whole host gradients to take it)
-            return
-        if g.data_ptr() == self.host_view("grad", p, c).data_ptr():
-            return
-        if c.grad is not None and g.untyped_storage().data_ptr() == c.grad.untyped_storage().data_ptr():
-            return  # the chunk's own device gradients (offloaded by the store's observers)
-        if g.is_sparse or g.shape != p.shape:
-            raise ValueError(f"a gradient set by hand on a parameter of shape {tuple(p.shape)} in chunk "
-                             f"{c.index} has shape {tuple(g.shape)}{' (sparse)' if g.is_sparse else ''}; "
-                             "expected a dense gradient shaped like the parameter")
-        with torch.no_grad(), self.alloc.host_context():
-            self.host_view("grad", p, c).copy_(g)
-        self.host_grads.add(id(p))
-        self.with_grad.add(id(p))
-
-    def refresh_host(self, c: Chunk) -> None:
-        """``c``'s host buffers were replaced (an update made during backward was swapped in): host-bound
-        parameters and gradients point at the new ones."""
-        if c.index in self.host_bound:
-            self.bind_host(c)
-
-    def enter_compute(self) -> None:
-        """Before a forward (or a backward that finds parameters host-bound): every parameter becomes its
-        chunk view on the device again. Host-bound gradients stay where they are (backward adds a new
-        micro-batch's on the host); a gradient set to None meanwhile (``model.zero_grad()``) is dropped, and
-        one set by hand is taken into the host gradients. Writes to the host views (``load_state_dict``,
-        ``nn.init``, ``p.copy_(...)``: their version counters moved) reach the fp32 master and the device
-        copy first. Idempotent."""
-        if self.computing:
-            return
-        self.computing = True
-        for c in self.chunks:
-            if c.index not in self.host_bound or (self.closed and c.data is None):
-                continue
-            self._leave_host(c)
-
-    def _leave_host(self, c: Chunk) -> None:
-        """``c`` stops being host-bound: its parameters become their device views (absent views when its
-        buffer is away); host gradients stay where they are, one dropped by the user is dropped, one set by
-        hand is taken in, and writes to the host views reach the master and the device copy first."""
-        written = False
-        with torch.no_grad():
-            for p in c.params:
-                g = p.grad
-                if g is None:
-                    if id(p) in self.host_grads:  # dropped by the user
-                        self.host_grads.discard(id(p))
-                        self.with_grad.discard(id(p))
-                elif g.data_ptr() != self.host_view("grad", p, c).data_ptr():  # set by hand
-                    with self.alloc.host_context():
-                        self.host_view("grad", p, c).copy_(g)
-                    self.host_grads.add(id(p))
-                    self.with_grad.add(id(p))
-                    p.grad = self.host_view("grad", p, c)
-                written |= p._version != self._host_versions.get(id(p), p._version)
-            if written:
-                self._take_host_writes(c)
-        self._bind_compute(c)
-        self.host_bound.discard(c.index)
-
-    def _bind_compute(self, c: Chunk) -> None:
-        """``c``'s parameters while computing: their chunk views when its buffer is on the device, else a
-        stand-in of the parameter's shape on the device that reads as NaN (see [Note: absent parameters])."""
-        with torch.no_grad():
-            for p in c.params:
-                p.data = self.data_view(p) if c.data is not None else self.absent_view(p, c)
-                self._host_versions[id(p)] = p._version
-
-    def absent_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
-        """[Note: absent parameters]
-        While computing, a parameter whose chunk's buffer is off the device (its parameters live on the host,
-        :mod:`memsched.runtime.param_fetch`) is a view of one NaN element of its dtype on the device, expanded
-        to its shape: its device and dtype stay those of the parameter, so autograd's gradient accumulator is
-        kept (it is reset when a parameter's data changes device), and its data holds nothing of the chunk.
-        Every read is preceded by the chunk's fetch (module hooks, the read guard, the saved-tensor hooks); a
-        read that escaped them would compute with NaN, never with stale values."""
-        c = c or self.param_chunk[id(p)]
-        key = (c.dtype, c.device)
-        one = self._absent.get(key)
-        if one is None:
-            with self.alloc.host_context() if c.device.type == "cpu" else contextlib.nullcontext():
-                one = self._absent[key] = torch.full((1,), float("nan"), dtype=c.dtype, device=c.device)
-        return one.reshape(()).expand(p.shape)
-
-    def bind_resident(self, c: Chunk) -> None:
-        """While computing: ``c``'s parameters become their chunk views (its buffer is on the device; a chunk
-        host-bound since the forward's end takes in writes made to its host views first)."""
-        if c.index in self.host_bound:
-            if any(p._version != self._host_versions.get(id(p), p._version) for p in c.params):
-                self._take_host_writes(c)
-            self.host_bound.discard(c.index)
-        with torch.no_grad():
-            for p in c.params:
-                p.data = self.data_view(p)
-                self._host_versions[id(p)] = p._version
-
-    def bind_absent(self, c: Chunk) -> None:
-        """While computing: ``c``'s parameters (its buffer off the device) become absent views, on the device
-        (see [Note: absent parameters]): backward's gradients need them there."""
-        self.host_bound.discard(c.index)
-        self._bind_compute(c)
-
     def resident(self, c: Chunk) -> bool:
         """Whether ``c``'s compute buffer (its parameters' device copy) is on the device."""
         return c.data is not None
-
-    def attach_data(self, c: Chunk, data: torch.Tensor) -> None:
-        """``c``'s compute buffer is ``data`` again (a fetch allocated it; the caller copies the values
-        in)."""
-        c.data = data
-        for p in c.params:
-            self._views.pop(("data", id(p)), None)
-
-    def detach_data(self, c: Chunk) -> None:
-        """``c``'s compute buffer leaves the device: while computing its parameters become absent views (see
-        [Note: absent parameters]), between steps they are host views already. A device write to them since
-        they were bound goes to the host first. The buffer is freed once nothing else holds it (an op still
-        reading it, a copy in flight: on CUDA their streams are recorded on it)."""
-        if c.data is None:
-            return
-        if c.index not in self.host_bound and any(
-                p._version != self._host_versions.get(id(p), p._version) for p in c.params):
-            self.before_host_write(c)
-            c.wait_h2d()
-            with torch.no_grad(), self.alloc.host_context():
-                c.param_host.copy_(c.data[c.lo:c.hi])
-        if c.index not in self.host_bound and not self.computing:
-            self.bind_host(c)  # between steps parameters whose buffer is away are host views
-        elif c.index not in self.host_bound:
-            with torch.no_grad():
-                for p in c.params:
-                    p.data = self.absent_view(p, c)
-                    self._host_versions[id(p)] = p._version
-        for p in c.params:
-            self._views.pop(("data", id(p)), None)
-        c.data = None
-        c.h2d_event = None
-
-    def drop_data(self, c: Chunk) -> None:
-        """ZeRO-3: ``c``'s compute buffer leaves the device (this rank's shard was kept,
-        :mod:`memsched.distributed.sharded_params`); its parameters become absent views (see [Note: absent
-        parameters]), while computing and between steps alike. The buffer is freed once nothing else holds
-        it (an op still reading it, a saved tensor's token resolved to it)."""
-        with torch.no_grad():
-            for p in c.params:
-                p.data = self.absent_view(p, c)
-                self._host_versions[id(p)] = p._version
-                self._views.pop(("data", id(p)), None)
-        c.data = None
-
-    def _take_host_writes(self, c: Chunk) -> None:
-        """The host values of ``c`` were written since it was host-bound: the fp32 master takes them (under
-        mixed precision where they differ from the master's rounding, as
-        :meth:`memsched.optim.grads.GradChecks.sync_user_param_writes` does), and the device copy is
-        refreshed."""
-        self.before_host_write(c)
-        c.wait_h2d()
-        with self.alloc.host_context():
-            if c.staging is not None:
-                new = c.staging
-                c.master.copy_(torch.where(new != c.master.to(new.dtype), new.float(), c.master))
-        if c.data is not None:  # else its next fetch copies the host values
-            c.data[c.lo:c.hi].copy_(c.param_host)
-
-    def leave_compute(self) -> None:
-        """Backward's end (or a step with none): the host chunks become host-bound (their gradients were
-        offloaded first by the store's observers). Idempotent."""
-        if not self.computing:
-            return
-        self.computing = False
-        for c in self.chunks:
-            if self.offloads(c) and c.index not in self.host_bound:
-                self.bind_host(c)
 
     def _grads_to_device(self, c: Chunk) -> None:
         """``c``'s host gradients go into its device gradient buffer (a chunk placed on the device, or
@@ -757,13 +534,8 @@ class ChunkStore:
         if placement == DEVICE and c.data is None and not getattr(self.dp, "shards_params", False):
             raise RuntimeError(f"chunk {c.index}'s parameters are off the device: fetch them before its "
                                "optimizer state moves there")
-        if c.index in self.host_bound:  # to the device: device-bound first, with any host writes taken in
-            if any(p._version != self._host_versions.get(id(p), p._version) for p in c.params):
-                self._take_host_writes(c)
-            for p in c.params:
-                p.data = self.data_view(p)
-                self._host_versions[id(p)] = p._version
-            self.host_bound.discard(c.index)
+        if self.bindings.host_bound(c):  # to the device: device-bound first, with any host writes taken in
+            self.bindings.to_device(c)
         if placement != HOST:
             self._grads_to_device(c)  # while its host gradients still exist
         moved = c.move_to(placement, self.alloc)
@@ -774,15 +546,15 @@ class ChunkStore:
         self.note_placements()
         if self.offloads(c):
             self._grads_to_host(c)
-            if not self.computing:
-                self.bind_host(c)
+            if not self.bindings.computing:
+                self.bindings.to_host(c)
         return moved
 
     def values(self, c: Chunk) -> torch.Tensor:
         """The values ``c``'s parameters show now, flat over its shard (``[hi - lo]``, compute dtype): the
         host copy while host-bound (written there by ``load_state_dict`` between steps), else the device
         buffer."""
-        if c.index in self.host_bound or (c.data is None and c.param_shard is None):
+        if self.bindings.host_bound(c) or (c.data is None and c.param_shard is None):
             return c.param_host  # host-bound, or (ZeRO-3) away with its part on the host
         return c.param_part()
 
@@ -804,21 +576,17 @@ class ChunkStore:
         if self.in_backward or self.aborted:
             # between steps again: parameters whose buffer is away read their host values, not the absent
             # views' NaN (the refusal stands until zero_grad())
-            self.leave_compute()
+            self.bindings.leave_compute()
             raise RuntimeError(
                 "memsched: the last backward did not finish (it raised, or this runs inside it): its "
                 "gradients are partly on the host and partly on the device, so a clip_grad_norm_ over "
                 "model.parameters() or this step would see only part of them. Nothing was updated; call "
                 "optimizer.zero_grad() (or model.zero_grad()) and run the backward again")
-        if self.computing or any(self.offloads(c) and c.grad is not None for c in self.chunks):
+        if self.bindings.computing or any(self.offloads(c) and c.grad is not None for c in self.chunks):
             for observer in self._backward_end_observers:
                 observer()
-            self.computing = True
-            self.leave_compute()
-
-    def host_bound_chunk(self, p: torch.nn.Parameter) -> bool:
-        """Whether ``p``'s chunk is host-bound now (its ``.grad`` is a host view or None)."""
-        return self.param_chunk[id(p)].index in self.host_bound
+            self.bindings.computing = True
+            self.bindings.leave_compute()
 
     # -- gradients ------------------------------------------------------------------------------------------
     def _pre_grad_hook(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
@@ -838,10 +606,11 @@ class ChunkStore:
             c = self.param_chunk.get(id(p))
             if c is None:
                 return
-            if not self.computing:  # a backward with no forward since the last one ended (retain_graph)
-                self.enter_compute()
-            elif c.index in self.host_bound:  # away from the device since the forward's end
-                self.bind_absent(c) if c.data is None else self.bind_resident(c)
+            bindings = self.bindings
+            if not bindings.computing:  # a backward with no forward since the last one ended (retain_graph)
+                bindings.enter_compute()
+            elif bindings.host_bound(c):  # away from the device since the forward's end
+                bindings.to_absent(c) if c.data is None else bindings.to_device(c)
             g = p.grad
             if is_sharded(g):  # ZeRO-2: reduced already; this backward's gradients go to a new buffer
                 p.grad = g = None
@@ -900,7 +669,7 @@ class ChunkStore:
         for None (fill missing gradients with zeros, skip unused parameters) then behaves as with
         ``torch.optim.AdamW``. The view comes back before the next forward (:meth:`bind_dropped_grads`) or at
         the step. Then the observers finish the gradients' offload, and the host chunks become host-bound
-        (:meth:`leave_compute`).
+        (:meth:`ChunkBindings.leave_compute`).
 
         A backward nested in another (``torch.utils.checkpoint(use_reentrant=True)`` runs one per block inside
         the outer backward) announces its complete chunks and lets the observers finish their offload, but
@@ -921,7 +690,7 @@ class ChunkStore:
         for observer in self._backward_end_observers:
             observer()
         self.in_backward = self.aborted = False
-        self.leave_compute()
+        self.bindings.leave_compute()
 
     def note_running(self) -> None:
         """A backward (or ``torch.autograd.grad``) runs on this thread and read a saved parameter: it is known
@@ -964,7 +733,7 @@ class ChunkStore:
             observer()
         self.in_backward = False
         self.aborted = True  # settle() refuses the partial gradients until zero_grad or a whole backward
-        self.leave_compute()
+        self.bindings.leave_compute()
         return True
 
     def observe_backward_end(self, observer: Callable[[], None]) -> None:
@@ -985,13 +754,18 @@ class ChunkStore:
             v = self._views["data", id(p)] = self.slot(c.data, off, p)
         return v
 
+    def forget_views(self, c: Chunk, kind: str) -> None:
+        """Drop the cached ``kind`` views (``"data"``, ``"grad"``) of ``c``'s parameters (a new buffer)."""
+        for p in c.params:
+            self._views.pop((kind, id(p)), None)
+
     def unbound(self, *, quick: bool = False) -> torch.nn.Parameter | None:
         """The first parameter that is no longer the view into its chunk that attach made it (new storage,
         dtype, device or memory format), or ``None`` when every parameter still is. ``quick``: compare the
         storage address and the dtype only (a conversion changes one of them; strides changed in place on the
         same storage are left to the full check), about three times cheaper: the check before each forward."""
         for p in self.params():
-            view = self.expected_view(p)
+            view = self.bindings.expected_view(p)
             if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
                 return p
             if not quick and (p.stride() != view.stride() or p.device != view.device):
@@ -1010,7 +784,7 @@ class ChunkStore:
         p = self.unbound()
         if p is None:
             return
-        view = self.expected_view(p)
+        view = self.bindings.expected_view(p)
         name = names.get(id(p), f"of shape {tuple(p.shape)}")
         if p.dtype != view.dtype:
             unsupported = "" if p.dtype in TRAINABLE_DTYPES else (
@@ -1176,7 +950,7 @@ class ChunkStore:
         (``model.zero_grad()``) frees its buffer here, before the forward's peak."""
         if self.lazy_grads:
             for c in self.chunks:
-                if c.index in self.host_bound:  # enter_compute takes care of host-bound gradients
+                if self.bindings.host_bound(c):  # enter_compute takes care of host-bound gradients
                     continue
                 for p in c.params:
                     if p.grad is None:
@@ -1238,8 +1012,8 @@ class ChunkStore:
                     p.grad = None
                 # See [Note: host binding]: with no gradient left on the host, parameters whose values are on
                 # the device read as device tensors again, as they would on plain torch
-                if c.index in self.host_bound and c.data is not None and not self.computing:
-                    self._leave_host(c)
+                if self.bindings.host_bound(c) and c.data is not None and not self.bindings.computing:
+                    self.bindings.leave_host(c)
             return
         with torch.no_grad():
             for c in self.chunks:
@@ -1269,9 +1043,7 @@ class ChunkStore:
         gradient-noise estimate) keeps its values, as in torch, where the next backward makes a new tensor:
         it gets storage of its own before the next backward writes the chunk's host gradients again. Held is
         told by the reference count: the only other references are this loop's and the view cache's."""
-        for c in self.chunks:
-            if c.index not in self.host_bound:
-                continue
+        for c in self.bindings.host_chunks():
             for p in c.params:
                 g = p.grad
                 if g is None or id(p) not in self.host_grads:
@@ -1300,8 +1072,13 @@ class ChunkStore:
         for c in self.chunks:
             if c.data is not None:
                 continue
-            if c.index not in self.host_bound:
-                self.bind_host(c)
+            if self.bindings.state(c) is Binding.SHARDED:
+                # ZeRO-3 after a failed collective (close() gathers every chunk first, and warned that
+                # it could not): the other ranks' parts cannot come; its parameters stay absent views
+                # (NaN), never a buffer whose other parts hold garbage
+                continue
+            if not self.bindings.host_bound(c):
+                self.bindings.to_host(c)
             try:
                 data = self.alloc.device_empty(c.numel, c.dtype)
             except OUT_OF_MEMORY:
@@ -1309,23 +1086,24 @@ class ChunkStore:
                 continue
             with torch.no_grad():
                 data[c.lo:c.hi].copy_(c.param_host)
-            self.attach_data(c, data)
-        self.enter_compute()
+            self.bindings.data_arrived(c, data)
+        self.bindings.enter_compute()
         for c in self.chunks:
             if c.data is None:
                 continue
             try:
                 self._grads_to_device(c)
             except OUT_OF_MEMORY:  # its parameters and gradients do not fit together: both stay on the host
-                self.computing = False
-                self.bind_host(c)
-                self.detach_data(c)
-                self.computing = True
+                self.bindings.computing = False
+                self.bindings.to_host(c)
+                self.bindings.data_leaves(c)
+                self.bindings.computing = True
                 stayed += c.data_bytes
         if stayed:
             warnings.warn(f"memsched: close(): {stayed} bytes of parameters stay on the host with their "
                           "gradients: they do not fit on the device beside the rest of the model",
                           RuntimeWarning, stacklevel=4)
+
 
     def close(self) -> None:
         """Remove the gradient hooks (parameters stay views into the chunks). Without them nothing tells which

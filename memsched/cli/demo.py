@@ -247,13 +247,15 @@ def _run(args: argparse.Namespace, console: Console, out: Path, device: str, par
 
     step_summary = sched.step_timeline.mean_summary()
     summary["step_timeline"] = step_summary
+    summary["predicted_step"] = sched.predicted_step
     usage = sched.host_usage()
     summary["host_memory"] = usage.to_dict()
     report: dict[str, Any] = {"plan": sched.plan, "transfers": sched.transfers.as_dict(),
                               "step_summary": step_summary, "plan_history": sched.plan_history,
                               "host_usage": usage}
     if not args.json:
-        render_report(sched.timeline, console=console, problem=sched.problem, **report)
+        render_report(sched.timeline, console=console, problem=sched.problem,
+                      predicted_step=sched.predicted_step, **report)
         losses = summary["losses"]
         console.print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}; held-out loss {val_before:.3f} -> "
                       f"{summary['val_loss_after']:.3f} (nats per byte)")

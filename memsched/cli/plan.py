@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         with console.status(f"tracing one training step with fake tensors{label} ...") \
                 if not args.json and console.is_terminal else contextlib.nullcontext():
             prediction = trace_step(build, dtype=dtype or (torch.float32 if args.model else None),
-                                    attention=args.attention, count_flops=gpu is not None)
+                                    attention=args.attention)
         cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
                                   host_capacity_bytes=host[0], host_capacity_source=host[1])
         result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)

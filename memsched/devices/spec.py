@@ -9,6 +9,10 @@ means ``"cuda"`` when CUDA is available, else ``"cpu"``.
 well as the real machine's available memory, see :mod:`memsched.devices.host_memory`), so the host-memory
 check can be exercised on any machine, whatever its RAM.
 
+``"sim:8GiB,gpu=h200"`` names the GPU the stand-in stands for (:mod:`memsched.devices.gpus`): the step-time
+prediction after warmup then uses that GPU's FLOP/s (:mod:`memsched.planning.step_model`), as it does on a
+real GPU found in the table. It changes nothing else (the capacity is the given size).
+
 ``"sim:8GiB,link=25GBps"`` models the host link: the stand-in's H2D and D2H copies then run on copy threads,
 one per direction, and each takes ``bytes / bandwidth`` (:mod:`memsched.devices.transfers`), so the cost of
 the transfers and the stalls they cause show on a machine without a GPU. Bandwidths are bytes per second,
@@ -27,8 +31,9 @@ import torch
 
 from policies.units import parse_positive_bytes
 
-ALLOWED = ("'cuda', 'cuda:N', 'cpu', 'sim:SIZE', optionally with ',host=SIZE' and ',link=BANDWIDTH' (e.g. "
-           "'sim:8GiB', 'sim:8GiB,host=2GiB', 'sim:8GiB,link=25GBps'; units B, KiB, MiB, GiB, KB, MB, GB; "
+ALLOWED = ("'cuda', 'cuda:N', 'cpu', 'sim:SIZE', optionally with ',host=SIZE', ',link=BANDWIDTH' and "
+           "',gpu=NAME' (e.g. 'sim:8GiB', 'sim:8GiB,host=2GiB', 'sim:8GiB,link=25GBps', 'sim:8GiB,gpu=h200'; "
+           "units B, KiB, MiB, GiB, KB, MB, GB; "
            "bandwidths 25GBps, 25GB/s, 12GiBps, 12GiB/s, 800MBps) or None")
 LINK_FORMS = ("a number of bytes per second: 25GBps, 25GB/s, 12GiBps, 12GiB/s, 800MBps (KB, MB, GB, TB are "
               "powers of 10**3; KiB, MiB, GiB, TiB of 2**10; B alone is bytes)")
@@ -49,6 +54,8 @@ class DeviceSpec:
             elsewhere (the real machine's memory is read when planning, :mod:`memsched.devices.host_memory`).
         link_bytes_per_s: the stand-in's modelled host link (``sim:SIZE,link=25GBps``), bytes per second;
             ``None``: copies are synchronous (and on CUDA the real link is used).
+        gpu: the GPU table's name of this device (:mod:`memsched.devices.gpus`): CUDA's, when the table
+            knows it; the stand-in's ``gpu=NAME``; else ``None``.
     """
 
     kind: str
@@ -57,6 +64,7 @@ class DeviceSpec:
     name: str
     host_capacity_bytes: int | None = None
     link_bytes_per_s: float | None = None
+    gpu: str | None = None
 
     @property
     def is_sim(self) -> bool:
@@ -128,17 +136,17 @@ def parse_bandwidth(text: str) -> float:
 
 
 def _parse_sim(device: str, spec: str) -> DeviceSpec:
-    """``SIZE`` then any of ``,host=SIZE`` and ``,link=BANDWIDTH`` after ``sim:``."""
+    """``SIZE`` then any of ``,host=SIZE``, ``,link=BANDWIDTH`` and ``,gpu=NAME`` after ``sim:``."""
     size, sep, rest = spec.partition(",")
     cap = _parse_size(device, "the capacity", size)
     options: dict[str, str] = {}
     for item in rest.split(",") if sep else []:
         key, eq, value = item.partition("=")
         key = key.strip().lower()
-        if key not in ("host", "link") or not eq:
+        if key not in ("host", "link", "gpu") or not eq:
             raise ValueError(f"bad device {device!r}: after the size the stand-in takes only 'host=SIZE' "
-                             f"(its host memory) and 'link=BANDWIDTH' (its modelled host link), got "
-                             f"{item.strip()!r}; allowed: {ALLOWED}")
+                             f"(its host memory), 'link=BANDWIDTH' (its modelled host link) and 'gpu=NAME' "
+                             f"(the GPU it stands for), got {item.strip()!r}; allowed: {ALLOWED}")
         if key in options:
             raise ValueError(f"bad device {device!r}: {key}= is given twice; allowed: {ALLOWED}")
         options[key] = value
@@ -152,10 +160,18 @@ def _parse_sim(device: str, spec: str) -> DeviceSpec:
             link = parse_bandwidth(options["link"])
         except ValueError as e:
             raise ValueError(f"bad device {device!r}: the host link (link=BANDWIDTH): {e}") from None
+    gpu = None
+    if "gpu" in options:
+        from memsched.devices.gpus import GPUS, gpu_names
+
+        gpu = options["gpu"].strip().lower()
+        if gpu not in GPUS:
+            raise ValueError(f"bad device {device!r}: unknown GPU {options['gpu'].strip()!r} in gpu=NAME; "
+                             f"known GPUs: {', '.join(gpu_names())}")
     from memsched.devices import sim_backend
 
     sim_backend.load()
-    return DeviceSpec("sim", torch.device(sim_backend.NAME, 0), cap, "sim:0", host, link)
+    return DeviceSpec("sim", torch.device(sim_backend.NAME, 0), cap, "sim:0", host, link, gpu)
 
 
 def parse_device(device: str | torch.device | None) -> DeviceSpec:
@@ -197,5 +213,8 @@ def parse_device(device: str | torch.device | None) -> DeviceSpec:
 
         sim_backend.check_cuda_autograd()
         dev = torch.device("cuda", index)
-        return DeviceSpec("cuda", dev, cuda_capacity_bytes(dev), str(dev))
+        from memsched.devices.gpus import gpu_for_device_name
+
+        known = gpu_for_device_name(torch.cuda.get_device_name(dev))
+        return DeviceSpec("cuda", dev, cuda_capacity_bytes(dev), str(dev), gpu=known.name if known else None)
     raise ValueError(f"bad device {device!r}; allowed: {ALLOWED}")

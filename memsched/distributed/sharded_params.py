@@ -110,7 +110,7 @@ class ParamShards:
         self.wait(c)
         store = self.store
         if c.param_host is not None:
-            if any(p._version != store._host_versions.get(id(p), p._version) for p in c.params):
+            if store.bindings.written(c):
                 store.before_host_write(c)
                 c.wait_h2d()
                 with torch.no_grad(), store.alloc.host_context():

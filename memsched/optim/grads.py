@@ -59,7 +59,7 @@ class GradChecks:
                        if p._version != self._param_versions.get(id(p), p._version)]
             if not changed or c.master is None:
                 continue  # fp32 on the device: the compute buffer is the master already
-            if c.index in store.host_bound and not c.mixed:
+            if store.bindings.host_bound(c) and not c.mixed:
                 # fp32 host-bound: the parameters are views of the master itself, written already; the
                 # state's version counter says so (an update made during backward from the old values is
                 # then not committed: memsched.optim.early_update)
@@ -94,7 +94,7 @@ class GradChecks:
             c = store.param_chunk[id(p)]
             if is_sharded(g) and c.grad_shard is not None:  # ZeRO-2: reduced into the chunk's shard
                 continue
-            host_bound = c.index in store.host_bound
+            host_bound = store.bindings.host_bound(c)
             if host_bound or c.grad is not None:
                 view = store.host_view("grad", p, c) if host_bound else store.grad_view(p, c)
                 if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
@@ -109,7 +109,7 @@ class GradChecks:
                 )
             fixes.append((p, g))
         for p, g in fixes:  # gradients set by hand into a chunk without a buffer: allocated before any write
-            if g is not None and not store.host_bound_chunk(p):
+            if g is not None and not store.bindings.param_host_bound(p):
                 store.alloc_grad(store.param_chunk[id(p)])
         return fixes
 

@@ -218,7 +218,7 @@ class HybridAdamW(torch.optim.Optimizer):
         # ---- no failure expected below this line: in-place writes start ------------------------------------
         with_grad = store.with_grad
         for p, g in fixes:
-            host_bound = store.host_bound_chunk(p)
+            host_bound = store.bindings.param_host_bound(p)
             if g is None:  # p.grad = None (e.g. model.zero_grad()): no gradient, not updated (torch's rule)
                 if not host_bound and store.param_chunk[id(p)].grad is not None:
                     store.grad_view(p).zero_()  # a later backward writes its gradient from zero
@@ -425,7 +425,7 @@ class HybridAdamW(torch.optim.Optimizer):
         done = self.early_updates.commit(host_chunks, hps, inv_host, coefs, self._active, grads_equal)
         for c in host_chunks:
             if c.index in done:
-                self.store.refresh_host(c)
+                self.store.bindings.refresh_host(c)
         return done
 
     def _submit_host(self, host_chunks: list[Chunk], hps: list[dict[str, Any]],

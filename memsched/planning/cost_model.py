@@ -27,34 +27,36 @@ from memsched.telemetry.step_timeline import CPU_UPDATE, StepRecord
 @dataclass(frozen=True)
 class WarmupCosts:
     """Measured in the last warmup step: ``forward_s``, ``backward_s`` (seconds) and the CPU AdamW throughput
-    ``cpu_elements_per_s`` (``None`` when nothing was updated on the host)."""
+    ``cpu_elements_per_s`` (``None`` when nothing was updated on the host); over the warmup, the FLOPs of one
+    step (``flops``, the tracer's count, ``tracer.MemoryTimeline.meta["flops"]``; 0 when not counted)."""
 
     forward_s: float
     backward_s: float
     cpu_elements_per_s: float | None
+    flops: int = 0
 
     @classmethod
-    def from_record(cls, record: StepRecord, host_elements: int) -> WarmupCosts:
+    def from_record(cls, record: StepRecord, host_elements: int, flops: int = 0) -> WarmupCosts:
         """From a warmup step's record, in which ``host_elements`` (every chunk's shard) were updated on the
-        CPU."""
+        CPU, and the FLOPs of one step."""
         phases = record.phase_seconds()
         update = sum(s.seconds for s in record.spans if s.track == CPU_UPDATE and s.name == "update")
         rate = host_elements / update if update > 0 and host_elements > 0 else None
-        return cls(phases["forward"], phases["backward"], rate)
+        return cls(phases["forward"], phases["backward"], rate, int(flops))
 
     def with_steady_phases(self, summary: dict[str, Any]) -> WarmupCosts:
         """The same CPU throughput with the forward and backward of steady-state steps
         (:meth:`memsched.telemetry.step_timeline.StepTimeline.mean_summary`), untraced: the better model once
         a few steps ran."""
         return WarmupCosts(summary["phases_s"]["forward"], summary["phases_s"]["backward"],
-                           self.cpu_elements_per_s)
+                           self.cpu_elements_per_s, self.flops)
 
     def predict(self, host_elements: int, overlap: bool) -> dict[str, Any]:
         """The modelled step (seconds) for a plan with ``host_elements`` on the host: ``step_s``,
         ``cpu_update_s``, ``exposed_cpu_s``, ``forward_s``, ``backward_s``, ``overlap``."""
         cpu = host_elements / self.cpu_elements_per_s if self.cpu_elements_per_s else 0.0
         exposed = max(0.0, cpu - self.forward_s) if overlap else cpu
-        return {"step_s": self.forward_s + self.backward_s + exposed, "cpu_update_s": cpu,
+        return {"model": "warmup", "step_s": self.forward_s + self.backward_s + exposed, "cpu_update_s": cpu,
                 "exposed_cpu_s": exposed, "forward_s": self.forward_s, "backward_s": self.backward_s,
                 "overlap": overlap}
 

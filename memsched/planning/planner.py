@@ -21,6 +21,7 @@ import torch
 import policies
 from memsched.chunks import Allocator, ChunkLayout, ChunkStore, chunk_bytes, pinned_bytes
 from memsched.config import SchedulerConfig
+from memsched.devices.gpus import get_gpu
 from memsched.devices.host_memory import check_initial_host_state, host_budget
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import TransferStats
@@ -29,6 +30,7 @@ from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
 from memsched.planning.reads import chunk_accesses, grad_working_bytes, reordered, scaled
+from memsched.planning.step_model import predict_step
 from policies.plans import make_plan, schedule_for
 from policies.schedule import schedule_sharded
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
@@ -229,14 +231,35 @@ class Planner:
                                                   "reads, for a step whose peak is not known yet",))
 
     def _with_predicted_step(self, plan: PlacementPlan) -> PlacementPlan:
-        """``plan`` with its predicted step among its reasons (:mod:`memsched.planning.cost_model`); the
-        prediction is :attr:`predicted_step`."""
-        if self.warmup_costs is None:
+        """``plan`` with its predicted step among its reasons; the prediction is :attr:`predicted_step`.
+
+        On a GPU the table knows (CUDA's name, or the stand-in's ``gpu=NAME``), in a calibrated dtype, the
+        roofline of :mod:`memsched.planning.step_model` (the warmup's FLOPs at the GPU's calibrated share of
+        its peak, plus the exposed CPU update at the rate the warmup measured), the model ``memsched plan``
+        uses: the traced warmup's own phases overstate a GPU step several times (a first, traced step).
+        Elsewhere, the warmup's phases (:mod:`memsched.planning.cost_model`)."""
+        costs = self.warmup_costs
+        if costs is None:
             return plan
         host = [c for c, where in zip(self._store.chunks, plan.placement, strict=True) if where == HOST]
         elements = sum(c.hi - c.lo for c in host)
-        self.predicted_step = self.warmup_costs.predict(elements, self._config.overlap)
-        text = self.warmup_costs.reason(elements, len(host), self._config.overlap)
+        overlap: bool | str = "backward" if self._config.early_update else bool(self._config.overlap)
+        roofline = None
+        if self._device.gpu is not None and costs.flops > 0 and costs.cpu_elements_per_s:
+            roofline = predict_step(costs.flops, get_gpu(self._device.gpu), self._config.compute_dtype,
+                                    elements, costs.cpu_elements_per_s, overlap)
+        if roofline is None:
+            self.predicted_step = costs.predict(elements, self._config.overlap)
+            text = costs.reason(elements, len(host), self._config.overlap)
+        else:
+            self.predicted_step = {"model": "roofline", "gpu": self._device.gpu, **roofline.as_dict()}
+            mode = {False: "serial", True: "overlapped", "backward": "overlapped from backward"}[overlap]
+            text = (f"Predicted step {roofline.step_s * 1e3:.1f} ms on {self._device.gpu} ({mode} CPU "
+                    f"update): compute {roofline.compute_s * 1e3:.1f} ms ({roofline.flops / 1e12:.2f} TFLOP "
+                    f"at {roofline.efficiency:.2f} of {roofline.peak_flops / 1e12:.0f} TFLOP/s) + CPU update "
+                    f"of {len(host)} host chunks {roofline.cpu_update_s * 1e3:.1f} ms at "
+                    f"{roofline.cpu_elements_per_s / 1e6:.0f} M elements/s measured in warmup, of which "
+                    f"{roofline.exposed_cpu_s * 1e3:.1f} ms exposed.")
         return dataclasses.replace(plan, reasons=(*plan.reasons, text))
 
     def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:

@@ -87,8 +87,8 @@ class Prediction:
         param_order: trainable parameters in first-use order (modules in first-call order).
         elapsed_s: wall time of build + trace, seconds.
         flops: floating-point operations of the step's forward and backward (matrix products, convolutions,
-            attention: ``torch.utils.flop_counter.FlopCounterMode``'s count), for the step-time model
-            (:mod:`memsched.planning.step_model`); 0 unless the trace counted them.
+            attention: torch's ``torch.utils.flop_counter`` formulas, counted by the tracer), for the
+            step-time model (:mod:`memsched.planning.step_model`).
         reads: the parameter reads of the step (:class:`tracer.param_reads.ParamReads`), from which a plan
             schedules the fetches of parameters kept on the host.
     """
@@ -158,7 +158,7 @@ WorkloadFn = Callable[[torch.device], "Workload | tuple[torch.nn.Module, LossFn]
 
 def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fake: bool = True,
                device: torch.device | str | None = None, attention: str = "default",
-               count_flops: bool = False) -> Prediction:
+) -> Prediction:
     """Build the workload and trace one forward + backward inside :class:`tracer.MemoryTracer`.
 
     Args:
@@ -167,16 +167,12 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
         fake: run under ``FakeTensorMode`` (no memory is allocated); ``False`` runs for real (tests compare).
         device: the device to build on; default :func:`fake_device` when ``fake``, else the CPU.
         attention: ``"gpu"``, ``"default"`` or ``"math"`` (see :func:`attention_kernel`).
-        count_flops: also count the step's FLOPs (:attr:`Prediction.flops`; ``FlopCounterMode`` sees every
-            op, which makes the trace about a quarter slower).
 
     Raises:
         ValueError / TypeError / FileNotFoundError: from the TARGET (see
             :func:`memsched.target.build_workload`), an unknown ``attention``, ``"gpu"`` for real tensors off
             CUDA (those CUDA kernels exist on a GPU only), or a loss that is not a scalar requiring grad.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     from tracer import MemoryTracer
 
     if attention not in ATTENTION:
@@ -205,8 +201,7 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
             workload.name = build
         try:
             with attention_kernel(attention, dev), MemoryTracer(workload.model, device=str(dev)) as tr, \
-                    ParamReads(workload.model, lambda: tr.sample_count) as reads, \
-                    (FlopCounterMode(display=False) if count_flops else contextlib.nullcontext()) as counted:
+                    ParamReads(workload.model, lambda: tr.sample_count) as reads:
                 loss = workload.loss()
                 loss.backward()
         except _fake_errors() as e:
@@ -218,7 +213,7 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
     return Prediction(timeline=timeline, model=workload.model, device=traced, fake=fake, attention=attention,
                       param_order=first_use_order(workload.model, timeline),
                       elapsed_s=time.perf_counter() - t0, reads=reads.reads,
-                      flops=counted.get_total_flops() if counted is not None else 0)
+                      flops=int(timeline.meta.get("flops", 0)))
 
 
 def _fake_errors() -> tuple[type[Exception], ...]:

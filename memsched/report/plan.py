@@ -252,3 +252,20 @@ def host_memory_table(usage: Any) -> Table:
     table.add_row("pageable now (rest of the process)", fmt(max(0, pageable)), "-")
     table.add_row("process peak (resident set)", fmt(usage.max_rss_bytes), "-")
     return table
+
+
+def plan_check_table(check: Any) -> Table:
+    """The runtime plan against ``memsched plan``'s (:class:`memsched.planning.plan_check.PlanCheck`): one row
+    per compared figure, then whether they agree, or each difference."""
+    verdict = "agree" if check.agrees else "differ"
+    table = Table(title=f"Plan check: this run against memsched plan ({check.policy}): they {verdict}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("what")
+    table.add_column("memsched plan", justify="right")
+    table.add_column("this run", justify="right")
+    for what, cli, run in check.rows:
+        table.add_row(what, cli, run)
+    if not check.agrees:
+        table.caption = "\n".join(f"- {d}" for d in check.differences)
+        table.caption_justify = "left"
+    return table

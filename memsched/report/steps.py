@@ -12,10 +12,11 @@ from rich.table import Table
 from memsched.telemetry.step_timeline import PHASES
 
 
-def step_table(summary: Mapping[str, Any]) -> Table:
+def step_table(summary: Mapping[str, Any], predicted: Mapping[str, Any] | None = None) -> Table:
     """A table of the mean step: its phases, the CPU update (total and exposed), the waits, the ideal step
     and the overlap efficiency (ideal / measured); on the stand-in's modelled link, the copies and the waits
-    for them. Times in milliseconds."""
+    for them; with ``predicted`` (:attr:`memsched.Scheduler.predicted_step`), the plan's predicted step
+    beside it and measured / predicted. Times in milliseconds."""
     step = summary["step_s"]
     mode = "overlapped" if summary.get("overlap") else "serial"
     title = f"Step time (mean of {summary.get('steps', 1)} steps after warmup, {mode} CPU update)"
@@ -37,6 +38,12 @@ def step_table(summary: Mapping[str, Any]) -> Table:
         row("H2D copies on the modelled link", summary["h2d_s"])
         row("D2H copies on the modelled link", summary["d2h_s"])
         row("  the training thread waited for copies", summary["copy_wait_s"])
-    table.caption = (f"overlap efficiency {summary['overlap_efficiency']:.2f} (ideal / measured); host "
-                     "clocks: on CUDA, GPU work not yet reached is not in them")
+    caption = (f"overlap efficiency {summary['overlap_efficiency']:.2f} (ideal / measured); host clocks: on "
+               "CUDA, GPU work not yet reached is not in them")
+    if predicted is not None and predicted.get("step_s"):
+        how = (f"roofline on {predicted['gpu']}" if predicted.get("model") == "roofline"
+               else "from the traced warmup step")
+        row(f"predicted step ({how})", predicted["step_s"])
+        caption += f"; measured / predicted step {step / predicted['step_s']:.2f}"
+    table.caption = caption
     return table

@@ -25,7 +25,7 @@ from rich.text import Text
 
 from memsched.report.category_bars import ABOVE, CATEGORY_ORDER, CategoryLegend, StackedBar
 from memsched.report.console import make_console
-from memsched.report.plan import host_memory_table, plan_panel, transfer_table
+from memsched.report.plan import host_memory_table, plan_check_table, plan_panel, transfer_table
 from policies.types import PlacementPlan
 from policies.units import format_bytes
 from tracer.timeline import MemoryTimeline, Sample
@@ -78,6 +78,8 @@ def report_renderables(
     plan_history: Sequence[Any] | None = None,
     problem: Any = None,
     host_usage: Any = None,
+    plan_check: Any = None,
+    predicted_step: Mapping[str, Any] | None = None,
 ) -> list[RenderableType]:
     """The report's sections as rich renderables, for :func:`render_report` or to embed elsewhere.
 
@@ -98,6 +100,10 @@ def report_renderables(
         problem: the :class:`policies.PlacementProblem` the plan was made for: the plan panel then shows the
             capacity, peak non-model data, resident model data, GPU margin and budget, as the PNG does.
         host_usage: host memory beside the plan (:meth:`memsched.Scheduler.host_usage`), shown as a table.
+        plan_check: the plan against ``memsched plan``'s (:class:`memsched.planning.plan_check.PlanCheck`),
+            shown as a table.
+        predicted_step: the plan's predicted step (:attr:`memsched.Scheduler.predicted_step`), shown in the
+            step-time table beside the measured one.
 
     Raises:
         ValueError: ``top`` or ``rows`` is not an integer >= 1, or ``transfers`` lacks a key / holds a
@@ -112,6 +118,8 @@ def report_renderables(
     ]
     if plan is not None:
         out.append(plan_panel(plan, problem))
+    if plan_check is not None:
+        out.append(plan_check_table(plan_check))
     if transfers is not None:
         out.append(transfer_table(transfers))
     if host_usage is not None:
@@ -123,7 +131,7 @@ def report_renderables(
     if step_summary is not None:
         from memsched.report.steps import step_table
 
-        out.append(step_table(step_summary))
+        out.append(step_table(step_summary, predicted_step))
     return out
 
 
@@ -138,6 +146,8 @@ def render_report(
     plan_history: Sequence[Any] | None = None,
     problem: Any = None,
     host_usage: Any = None,
+    plan_check: Any = None,
+    predicted_step: Mapping[str, Any] | None = None,
 ) -> None:
     """Print the report (see :func:`report_renderables`) to ``console`` (default: a new stdout console).
 
@@ -145,7 +155,8 @@ def render_report(
         ValueError: as :func:`report_renderables`.
     """
     parts = report_renderables(timeline, plan=plan, transfers=transfers, top=top, step_summary=step_summary,
-                               plan_history=plan_history, problem=problem, host_usage=host_usage)
+                               plan_history=plan_history, problem=problem, host_usage=host_usage,
+                               plan_check=plan_check, predicted_step=predicted_step)
     console = console or make_console()
     for part in parts:
         console.print(part)

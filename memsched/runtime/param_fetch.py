@@ -316,7 +316,7 @@ class ParamFetcher:
         if not (self._installed and self.active):
             self._pop_between()  # nothing on the host, nothing recorded: no saved tensor to replace
             return
-        if not self.store.computing:  # between steps: from here to the next forward
+        if not self.store.bindings.computing:  # between steps: from here to the next forward
             self._push_between()
         store = self.store
         if self.recording is not None:  # when each gradient is made, for the gradients in flight
@@ -407,7 +407,7 @@ class ParamFetcher:
             for i in self.offloaded:
                 c = self.store.chunks[i]
                 if not self.store.resident(c):
-                    self.store.bind_host(c)
+                    self.store.bindings.to_host(c)
         elif not self.store.in_backward:
             # An evaluation: no backward follows, so the model is between steps again: the chunks the
             # schedule keeps stay, the parameters of the others are host views (not their absent views' NaN)
@@ -426,7 +426,7 @@ class ParamFetcher:
         parameter): they are read together; those of chunks this fetcher does not own wait as the H2D
         waits say."""
         mine = [(i, p) for i, p in found if self.owns(i)]
-        if self.shards is not None and not self.store.computing and not self.holding:
+        if self.shards is not None and not self.store.bindings.computing and not self.holding:
             away = [(i, p) for i, p in mine if not self.store.resident(self.store.chunks[i])]
             if away:
                 i, p = away[0]
@@ -478,7 +478,7 @@ class ParamFetcher:
         """The end of a :meth:`hold`: between steps, the chunks the schedule does not keep leave again (this
         rank's part of what was written to them meanwhile stays in its shard)."""
         self.holding -= 1
-        if not self.holding and self.offloaded and not self.store.computing:
+        if not self.holding and self.offloaded and not self.store.bindings.computing:
             with torch._C.DisableTorchFunction():
                 self._settle()
 
@@ -504,7 +504,7 @@ class ParamFetcher:
             for i in list(self._lru):
                 c = self.store.chunks[i]
                 self.shards.wait(c)
-                self.store.bind_resident(c)
+                self.store.bindings.to_device(c)
 
     def _push_between(self) -> None:
         """[Note: saved tensors between steps]
@@ -667,8 +667,8 @@ class ParamFetcher:
         self._lru.pop(c.index, None)
         self._lru[c.index] = None
         self._res_min = min(self._res_min, self._resident_bytes())
-        if self.store.computing:  # host-bound since the forward's end, or absent: its device views now
-            self.store.bind_resident(c)
+        if self.store.bindings.computing:  # host-bound since the forward's end, or absent: its device views
+            self.store.bindings.to_device(c)
         # the read guard keeps watching its parameters: the schedule follows every read of them, as the
         # recording saw them all
 
@@ -695,7 +695,7 @@ class ParamFetcher:
         if self.on_alloc is not None:
             self.on_alloc(data)
         if self.shards is not None:  # ZeRO-3: every rank's shard, all-gathered
-            self.store.attach_data(c, data)
+            self.store.bindings.data_arrived(c, data)
             self._lru[c.index] = None
             if c.param_shard is None and c.param_host is not None:  # this rank's part is on the host
                 with self.store.alloc.host_context():
@@ -710,7 +710,7 @@ class ParamFetcher:
         if c.hi - c.lo < c.numel:  # the padding beyond the shard is never read; zero it for determinism
             data[c.hi:].zero_()
             data[:c.lo].zero_()
-        self.store.attach_data(c, data)
+        self.store.bindings.data_arrived(c, data)
         self._lru[c.index] = None  # on the device (a prefetch too, until it is read or leaves)
         with self.store.alloc.host_context():
             nbytes = c.start_h2d(self.streams, c.param_host)
@@ -728,9 +728,9 @@ class ParamFetcher:
         if self.shards is not None:  # ZeRO-3: this rank's shard stays on the device
             self._wait_update(c.index)
             self.shards.release(c)
-            self.store.drop_data(c)
+            self.store.bindings.to_sharded(c)
         else:
-            self.store.detach_data(c)
+            self.store.bindings.data_leaves(c)
         if self._lru.pop(c.index, "away") is None:  # fetched (counted as moving); not: resident until now
             self.on_move(-c.data_bytes)
         self._res_min = min(self._res_min, self._resident_bytes())
@@ -760,9 +760,9 @@ class ParamFetcher:
         c, host = self._storage.get(sid), False
         if c is not None and (c.data is None or id(c.data.untyped_storage()) != sid):
             c = None  # a buffer that has left since: not a chunk's any more
-        if c is None and store.host_bound:  # between steps: a host view ([Note: saved tensors between steps])
-            c = next((store.chunks[i] for i in store.host_bound if store.chunks[i].param_host is not None
-                      and id(store.chunks[i].param_host.untyped_storage()) == sid), None)
+        if c is None:  # between steps: a host view ([Note: saved tensors between steps])
+            c = next((h for h in store.bindings.host_chunks() if h.param_host is not None
+                      and id(h.param_host.untyped_storage()) == sid), None)
             host = c is not None
         if c is None:
             return _Plain(t.detach(), t._version)
@@ -799,8 +799,8 @@ class ParamFetcher:
                 "parameters live on the host)")
         if saved.values is not None:  # its host values when saved (nothing writes them before the step)
             return saved.values
-        if not self.store.computing:  # a backward with no forward since the last one ended (retain_graph)
-            self.store.enter_compute()
+        if not self.store.bindings.computing:  # a backward with no forward since the last one ended
+            self.store.bindings.enter_compute()  # (retain_graph)
         self.store.note_running()  # should it raise before its end ([Note: a backward that raised])
         c = self.store.param_chunk[id(p)]
         if self.recording is not None:

@@ -206,7 +206,7 @@ class H2DWaits:
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
             self.store.end_aborted_backward()  # the last backward raised: end it before this forward
             if self.store.lazy_grads:  # frees unused gradient buffers; a copy in flight keeps its own alive
-                self.store.enter_compute()
+                self.store.bindings.enter_compute()
                 self.store.bind_dropped_grads()
                 return
             dropped = any(p.grad is None for p in self.store.params())
@@ -271,7 +271,7 @@ def _compiled_root_eager(waits: H2DWaits) -> None:
     waits.synchronize()
     if waits.store.offloading:
         with torch._C.DisableTorchFunction():
-            waits.store.enter_compute()
+            waits.store.bindings.enter_compute()
 
 
 # [Note: the root hook's graph break]

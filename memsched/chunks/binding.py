@@ -1,0 +1,349 @@
+"""Where each chunk's parameters point: one owner for their ``.data`` (and, host-bound, their ``.grad``), with
+an explicit lifecycle per chunk.
+
+A trainable parameter is always a view, never storage of its own: of its chunk's compute buffer on the
+device, of a stand-in that reads as NaN while that buffer is away, or of the chunk's host buffers between
+steps. Which one is the chunk's :class:`Binding`; every change of it goes through :class:`ChunkBindings`,
+which checks it against the lifecycle (:data:`TRANSITIONS`) and keeps what the change must carry with it
+(writes made to the old views, gradients set by hand, the views' version counters). FSDP2's ``FSDPParam``
+owns its sharded and unsharded views the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.autograd.graph import increment_version
+
+from memsched.chunks.chunk import Chunk
+from memsched.chunks.sharded_grad import is_sharded
+
+
+class ChunkViews(Protocol):
+    """What the bindings read of :class:`memsched.chunks.store.ChunkStore` (a protocol: the store owns its
+    bindings): the chunks, the views of each parameter's slots, and the gradients it keeps on the host."""
+
+    chunks: list[Chunk]
+    param_chunk: dict[int, Chunk]
+    alloc: Any  # memsched.chunks.buffers.Allocator
+    host_grads: set[int]
+    with_grad: set[int]
+    closed: bool
+    before_host_write: Callable[[Chunk], None]
+
+    def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor: ...
+
+    def data_view(self, p: torch.nn.Parameter) -> torch.Tensor: ...
+
+    def forget_views(self, c: Chunk, kind: str) -> None: ...
+
+    def offloads(self, c: Chunk) -> bool: ...
+
+
+class Binding(enum.Enum):
+    """What a chunk's parameters are views of now.
+
+    * ``DEVICE``: its compute buffer on the device (``chunk.data``): built, fetched, gathered (ZeRO-3).
+    * ``ABSENT``: while computing, its buffer is off the device (its values are in ``param_host``): each
+      parameter is an absent view ([Note: absent parameters]) until the chunk's fetch.
+    * ``HOST``: between steps (one rank): its host buffers, ``param_host`` and, for parameters with a host
+      gradient, ``grad_host`` ([Note: host binding]).
+    * ``SHARDED``: ZeRO-3, its buffer left the device and this rank keeps its shard: absent views, between
+      steps too (nothing whole is on the host to bind to) until the chunk is gathered again.
+    """
+
+    DEVICE = "device"
+    ABSENT = "absent"
+    HOST = "host"
+    SHARDED = "sharded"
+
+
+#: The lifecycle: the bindings each one may change into (a change to itself re-binds, e.g. new buffers).
+TRANSITIONS: dict[Binding, frozenset[Binding]] = {
+    Binding.DEVICE: frozenset(Binding),
+    Binding.ABSENT: frozenset({Binding.ABSENT, Binding.DEVICE, Binding.HOST}),
+    Binding.HOST: frozenset({Binding.HOST, Binding.DEVICE, Binding.ABSENT}),
+    Binding.SHARDED: frozenset({Binding.SHARDED, Binding.DEVICE}),
+}
+
+
+class ChunkBindings:
+    """The binding of every chunk of ``store`` (:class:`Binding`), and the phase they follow: ``computing``
+    from a forward's start to its backward's end (parameters on the device, present or absent), between
+    steps otherwise (host chunks' parameters host-bound).
+
+    Raises (every transition):
+        RuntimeError: a change the lifecycle does not allow (an internal error: nothing was re-bound).
+    """
+
+    def __init__(self, store: ChunkViews) -> None:
+        self._store = store
+        self._state: dict[int, Binding] = {}  # chunk index -> binding (chunks built bound to the device)
+        self._versions: dict[int, int] = {}  # each parameter's version counter when last bound
+        self._absent: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [Note: absent parameters]
+        self.computing = False  # between a forward's start and its backward's end
+
+    # -- the state ------------------------------------------------------------------------------------------
+    def state(self, c: Chunk) -> Binding:
+        return self._state.get(c.index, Binding.DEVICE)
+
+    def host_bound(self, c: Chunk) -> bool:
+        """Whether ``c``'s parameters (and their ``.grad``) are host views now."""
+        return self._state.get(c.index) is Binding.HOST
+
+    def param_host_bound(self, p: torch.nn.Parameter) -> bool:
+        """Whether ``p``'s chunk is host-bound now (its ``.grad`` is a host view or None)."""
+        return self.host_bound(self._store.param_chunk[id(p)])
+
+    def host_chunks(self) -> Iterator[Chunk]:
+        """The host-bound chunks."""
+        return (c for c in self._store.chunks if self._state.get(c.index) is Binding.HOST)
+
+    def reset(self) -> None:
+        """The chunks are built anew (re-packing): every chunk starts bound to the device."""
+        self._state.clear()
+
+    def _set(self, c: Chunk, new: Binding) -> None:
+        old = self.state(c)
+        if new not in TRANSITIONS[old]:
+            raise RuntimeError(f"memsched internal error: chunk {c.index}'s parameters cannot go from "
+                               f"{old.value} views to {new.value} views")
+        self._state[c.index] = new
+
+    def _check(self, c: Chunk, new: Binding) -> None:
+        if new not in TRANSITIONS[self.state(c)]:
+            self._set(c, new)  # raises
+
+    def written(self, c: Chunk) -> bool:
+        """Whether any parameter of ``c`` was written in place since it was last bound."""
+        return any(p._version != self._versions.get(id(p), p._version) for p in c.params)
+
+    def note_bound(self, p: torch.nn.Parameter) -> None:
+        """``p`` was re-bound by the store itself (a new memory format): its writes count from here."""
+        self._versions[id(p)] = p._version
+
+    def _point(self, c: Chunk, view: str) -> None:
+        """Every parameter of ``c`` becomes its ``view`` (``data``: its chunk view; ``absent``)."""
+        store = self._store
+        with torch.no_grad():
+            for p in c.params:
+                p.data = store.data_view(p) if view == "data" else self.absent_view(p, c)
+                self._versions[id(p)] = p._version
+
+    def expected_view(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The view ``p`` must be now: its host slot while its chunk is host-bound, else its chunk view (or,
+        the chunk's buffer being off the device, its absent view)."""
+        store = self._store
+        c = store.param_chunk[id(p)]
+        if self.host_bound(c):
+            return store.host_view("data", p, c)
+        return store.data_view(p) if c.data is not None else self.absent_view(p, c)
+
+    def absent_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
+        """[Note: absent parameters]
+        While computing, a parameter whose chunk's buffer is off the device (its parameters live on the host,
+        :mod:`memsched.runtime.param_fetch`) is a view of one NaN element of its dtype on the device, expanded
+        to its shape: its device and dtype stay those of the parameter, so autograd's gradient accumulator is
+        kept (it is reset when a parameter's data changes device), and its data holds nothing of the chunk.
+        Every read is preceded by the chunk's fetch (module hooks, the read guard, the saved-tensor hooks); a
+        read that escaped them would compute with NaN, never with stale values."""
+        c = c or self._store.param_chunk[id(p)]
+        key = (c.dtype, c.device)
+        one = self._absent.get(key)
+        if one is None:
+            host = self._store.alloc.host_context() if c.device.type == "cpu" else contextlib.nullcontext()
+            with host:
+                one = self._absent[key] = torch.full((1,), float("nan"), dtype=c.dtype, device=c.device)
+        return one.reshape(()).expand(p.shape)
+
+    # -- between steps: host views --------------------------------------------------------------------------
+    def to_host(self, c: Chunk) -> None:
+        """[Note: host binding]
+        One rank: a host chunk's gradients leave the device as backward completes them
+        (:mod:`memsched.chunks.grad_offload`), so from backward's end to the next forward its parameters and
+        their ``.grad`` are views into the chunk's host buffers (``param_host``, ``grad_host``): torch's
+        ``clip_grad_norm_(model.parameters())``, ``model.state_dict()``, ``torch.save`` and anything else
+        between steps see every gradient and the current values, and torch requires a gradient on its
+        parameter's device. ``zero_grad(set_to_none=True)`` (no gradient left) or the next forward binds
+        them to the device again (:meth:`enter_compute`), where writes made to the host views meanwhile are
+        taken in; parameters whose values live on the host only (parameter offload) stay host views until
+        the forward that fetches them. FSDP2's ``CPUOffloadPolicy`` keeps its sharded
+        parameters and their gradients on the host between steps in the same way."""
+        store = self._store
+        self._check(c, Binding.HOST)
+        with torch.no_grad():
+            if c.data is not None and not self.host_bound(c) and any(
+                    p._version != self._versions.get(id(p), -1) for p in c.params):
+                # Written on the device since it was device-bound (or never bound before): the host values
+                # take the device's (the fp32 master itself in fp32; under mixed precision the master follows
+                # at the step, GradChecks.sync_user_param_writes).
+                store.before_host_write(c)
+                c.wait_h2d()
+                with store.alloc.host_context():
+                    c.param_host.copy_(c.data[c.lo:c.hi])
+                if not c.mixed:
+                    increment_version(c.master)  # the state changed (memsched.optim.early_update)
+            for p in c.params:
+                self._take_hand_set_grad(p, c)
+                p.data = store.host_view("data", p, c)
+                kept = id(p) in store.host_grads and c.grad_host is not None
+                p.grad = store.host_view("grad", p, c) if kept else None
+                self._versions[id(p)] = p._version
+        self._set(c, Binding.HOST)
+
+    def _take_hand_set_grad(self, p: torch.nn.Parameter, c: Chunk) -> None:
+        """A gradient set by hand on ``p`` (``p.grad = g`` after ``torch.autograd.grad``: SAM, PCGrad, MAML)
+        replaces its host gradient, as torch's ``p.grad = g`` replaces the gradient; it is not a view of the
+        chunk's device or host gradients.
+
+        Raises:
+            ValueError: ``g`` is sparse or not shaped like ``p`` (names the shapes); nothing was written.
+        """
+        store = self._store
+        g = p.grad
+        if g is None or is_sharded(g) or c.grad_host is None:  # (ZeRO: no whole host gradients to take it)
+            return
+        if g.data_ptr() == store.host_view("grad", p, c).data_ptr():
+            return
+        if c.grad is not None and g.untyped_storage().data_ptr() == c.grad.untyped_storage().data_ptr():
+            return  # the chunk's own device gradients (offloaded by the store's observers)
+        if g.is_sparse or g.shape != p.shape:
+            raise ValueError(f"a gradient set by hand on a parameter of shape {tuple(p.shape)} in chunk "
+                             f"{c.index} has shape {tuple(g.shape)}{' (sparse)' if g.is_sparse else ''}; "
+                             "expected a dense gradient shaped like the parameter")
+        with torch.no_grad(), store.alloc.host_context():
+            store.host_view("grad", p, c).copy_(g)
+        store.host_grads.add(id(p))
+        store.with_grad.add(id(p))
+
+    def refresh_host(self, c: Chunk) -> None:
+        """``c``'s host buffers were replaced (an update made during backward was swapped in): host-bound
+        parameters and gradients point at the new ones."""
+        if self.host_bound(c):
+            self.to_host(c)
+
+    def leave_host(self, c: Chunk) -> None:
+        """``c`` stops being host-bound: its parameters become their device views (absent views when its
+        buffer is away); host gradients stay where they are, one dropped by the user is dropped, one set by
+        hand is taken in, and writes to the host views reach the master and the device copy first."""
+        store = self._store
+        self._check(c, Binding.DEVICE if c.data is not None else Binding.ABSENT)
+        written = False
+        with torch.no_grad():
+            for p in c.params:
+                g = p.grad
+                if g is None:
+                    if id(p) in store.host_grads:  # dropped by the user
+                        store.host_grads.discard(id(p))
+                        store.with_grad.discard(id(p))
+                elif g.data_ptr() != store.host_view("grad", p, c).data_ptr():  # set by hand
+                    with store.alloc.host_context():
+                        store.host_view("grad", p, c).copy_(g)
+                    store.host_grads.add(id(p))
+                    store.with_grad.add(id(p))
+                    p.grad = store.host_view("grad", p, c)
+                written |= p._version != self._versions.get(id(p), p._version)
+            if written:
+                self.take_host_writes(c)
+        self._point(c, "data" if c.data is not None else "absent")
+        self._set(c, Binding.DEVICE if c.data is not None else Binding.ABSENT)
+
+    def take_host_writes(self, c: Chunk) -> None:
+        """The host values of ``c`` were written since it was host-bound: the fp32 master takes them (under
+        mixed precision where they differ from the master's rounding, as
+        :meth:`memsched.optim.grads.GradChecks.sync_user_param_writes` does), and the device copy is
+        refreshed."""
+        store = self._store
+        store.before_host_write(c)
+        c.wait_h2d()
+        with store.alloc.host_context():
+            if c.staging is not None:
+                new = c.staging
+                c.master.copy_(torch.where(new != c.master.to(new.dtype), new.float(), c.master))
+        if c.data is not None:  # else its next fetch copies the host values
+            c.data[c.lo:c.hi].copy_(c.param_host)
+
+    # -- the phases ---------------------------------------------------------------------------------------
+    def enter_compute(self) -> None:
+        """Before a forward (or a backward that finds parameters host-bound): every parameter becomes its
+        chunk view on the device again. Host-bound gradients stay where they are (backward adds a new
+        micro-batch's on the host); a gradient set to None meanwhile (``model.zero_grad()``) is dropped, and
+        one set by hand is taken into the host gradients. Writes to the host views (``load_state_dict``,
+        ``nn.init``, ``p.copy_(...)``: their version counters moved) reach the fp32 master and the device
+        copy first. Idempotent."""
+        if self.computing:
+            return
+        self.computing = True
+        for c in list(self.host_chunks()):
+            if self._store.closed and c.data is None:
+                continue
+            self.leave_host(c)
+
+    def leave_compute(self) -> None:
+        """Backward's end (or a step with none): the host chunks become host-bound (their gradients were
+        offloaded first by the store's observers). Idempotent."""
+        if not self.computing:
+            return
+        self.computing = False
+        for c in self._store.chunks:
+            if self._store.offloads(c) and not self.host_bound(c):
+                self.to_host(c)
+
+    # -- while computing: the device ------------------------------------------------------------------------
+    def to_device(self, c: Chunk) -> None:
+        """``c``'s parameters become their chunk views (its buffer is on the device; a chunk host-bound
+        since the forward's end takes in writes made to its host views first)."""
+        self._check(c, Binding.DEVICE)
+        if self.host_bound(c) and self.written(c):
+            self.take_host_writes(c)
+        self._point(c, "data")
+        self._set(c, Binding.DEVICE)
+
+    def to_absent(self, c: Chunk) -> None:
+        """While computing: ``c``'s parameters (its buffer off the device) become absent views, on the device
+        (see [Note: absent parameters]): backward's gradients need them there."""
+        self._check(c, Binding.ABSENT)
+        self._point(c, "absent")
+        self._set(c, Binding.ABSENT)
+
+    def data_arrived(self, c: Chunk, data: torch.Tensor) -> None:
+        """``c``'s compute buffer is ``data`` again (a fetch allocated it; the caller copies the values in,
+        and binds the parameters at their read: :meth:`to_device`)."""
+        c.data = data
+        self._store.forget_views(c, "data")
+
+    def data_leaves(self, c: Chunk) -> None:
+        """``c``'s compute buffer leaves the device: while computing its parameters become absent views (see
+        [Note: absent parameters]), between steps host views. A device write to them since they were bound
+        goes to the host first. The buffer is freed once nothing else holds it (an op still reading it, a
+        copy in flight: on CUDA their streams are recorded on it)."""
+        if c.data is None:
+            return
+        store = self._store
+        if not self.host_bound(c) and self.written(c):
+            store.before_host_write(c)
+            c.wait_h2d()
+            with torch.no_grad(), store.alloc.host_context():
+                c.param_host.copy_(c.data[c.lo:c.hi])
+        if not self.host_bound(c) and not self.computing:
+            self.to_host(c)  # between steps parameters whose buffer is away are host views
+        elif not self.host_bound(c):
+            self.to_absent(c)
+        store.forget_views(c, "data")
+        c.data = None
+        c.h2d_event = None
+
+    def to_sharded(self, c: Chunk) -> None:
+        """ZeRO-3: ``c``'s compute buffer leaves the device (this rank's shard was kept,
+        :mod:`memsched.distributed.sharded_params`); its parameters become absent views (see [Note: absent
+        parameters]), while computing and between steps alike. The buffer is freed once nothing else holds
+        it (an op still reading it, a saved tensor's token resolved to it)."""
+        self._check(c, Binding.SHARDED)
+        self._point(c, "absent")
+        self._store.forget_views(c, "data")
+        c.data = None
+        self._set(c, Binding.SHARDED)
