@@ -41,7 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import policies
 from memsched.chunks import Allocator, ChunkStore, build_layout
 from memsched.chunks.grad_offload import GradOffload
-from memsched.chunks.store import own_storage_for_tied
+from memsched.chunks.state_entries import own_storage_entries
 from memsched.config import SchedulerConfig, make_config
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
@@ -213,7 +213,7 @@ class Scheduler:
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
         installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
-        installed.add_handle(model.register_state_dict_post_hook(own_storage_for_tied))
+        installed.add_handle(model.register_state_dict_post_hook(own_storage_entries))
         self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
                               self.optimizer.timeline, drain_after_forward=self.dp.world > 1,
                               needed=self.streams.asynchronous or config.overlap, fetcher=self.params)
@@ -346,6 +346,7 @@ class Scheduler:
             self.elastic.after_step()
         if self.phase is not Phase.WARMUP:
             self._revise_fetches()
+            self.waits.guard_between_steps()  # [Note: reads between steps wait]
             return
         if self.steps < self.warmup_steps:
             if self.params is not None and self.params.recording is not None:
@@ -488,8 +489,9 @@ class Scheduler:
 
     def synchronize(self) -> None:
         """Wait for every pending update of the parameters: the overlapped CPU update (``overlap=True``; the
-        host blocks) and the H2D copies (CUDA; the current stream waits). Call it before reading or writing
-        parameters outside the model's forward (an EMA that reads ``p`` directly, ``nn.init``); forwards,
+        host blocks) and the H2D copies (CUDA; the current stream waits). Only reads from another thread need
+        it: on the training thread a read between an overlapped step and the next forward waits for its
+        chunk ([Note: reads between steps wait] in :mod:`memsched.runtime.waits`), and forwards,
         ``model.state_dict()``, ``model.load_state_dict()``, the optimizer's ``step()``/``state_dict()`` and
         ``close()`` wait by themselves.
 

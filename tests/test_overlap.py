@@ -417,3 +417,48 @@ def test_a_read_before_its_module_waits_at_the_read_and_the_guard_leaves(slow_wo
             for p, q in zip(model.parameters(), ref.parameters(), strict=True):
                 assert same(p, q)
     assert stack() == 0
+
+
+@pytest.mark.parametrize("placement", ["cpu", "auto"])
+def test_reads_right_after_an_overlapped_step_wait_without_synchronize(slow_worker, placement):
+    """Issue 28, item 6: an EMA (``AveragedModel``) updated right after ``step()``, a logged norm and a clone
+    read the updated parameters, with no ``sched.synchronize()``: each read waits for its chunk's update (a
+    ``waits`` span says so). A step followed by code that reads no parameter keeps the overlap: the update
+    is still running when ``zero_grad()`` returns."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = tiny_gpt()
+    ref = Reference(model)
+    with uncounted():
+        ema_ref = AveragedModel(ref.model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema = None
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap=True,
+                         **PLACEMENTS[placement]) as sched:
+        for step, b in enumerate(gpt_batches(4)):
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(b, gpt_loss, None)
+            if step == 0:  # warmup: serial; the EMA is made from the updated model
+                with paused(sched):
+                    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+                continue
+            if step == 1:
+                assert sched.optimizer.host_updates.pending  # nothing read: still overlapped
+            with paused(sched):
+                ema.update_parameters(model)
+                ema_ref.update_parameters(ref.model)
+                norm = torch.stack([p.detach().norm() for p in model.parameters()]).norm()
+                ref_norm = torch.stack([p.detach().norm() for p in ref.model.parameters()]).norm()
+                clones = [p.detach().clone() for p in model.parameters()]
+            assert same(norm.cpu(), ref_norm.cpu()), f"step {step}"
+            for c, r in zip(clones, ref.model.parameters(), strict=True):
+                assert same(c.cpu(), r.detach().cpu()), f"step {step}"
+        waits = [s.name for r in sched.step_timeline.records for s in r.spans if s.track == "waits"]
+        assert any("(read between steps)" in w for w in waits), waits
+    with paused(sched):
+        for a, r in zip(ema.module.parameters(), ema_ref.module.parameters(), strict=True):
+            assert same(a.detach().cpu(), r.detach().cpu())
+    # nothing memsched installs outlives it: no torch function mode left on this thread's stack
+    assert torch._C._len_torch_function_stack() == 0

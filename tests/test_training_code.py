@@ -317,3 +317,62 @@ def test_progressive_unfreezing_by_re_attach_equals_add_param_group(mode):
                     [p.detach().clone() for p in model.parameters()])
     finally:
         sched.close()
+
+
+@pytest.mark.parametrize("model_fn", [Tied, mlp], ids=["tied", "untied"])
+@pytest.mark.parametrize("mode", MODES)
+def test_safetensors_save_model_and_load_model_round_trip(mode, model_fn, tmp_path):
+    """Issue 28, item 12: safetensors' ``save_model`` / ``load_model`` (which refuse an entry that does not
+    cover its storage) save an attached model, tied or not, and load it back into it and into a plain one;
+    Accelerate's cleaning for safetensors (``save_state``'s default) keeps every parameter, where it kept one
+    per chunk. No entry is a copy: each aliases its parameter's bytes."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    model = model_fn()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=1200, **MODES[mode]) as sched:
+        dev = sched.device.torch_device
+        x = torch.randint(0, 10, (4, 5)) if model_fn is Tied else torch.randn(8, 16)
+        for _ in range(2):
+            model(x.to(dev)).pow(2).mean().backward()
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        state = model.state_dict()
+        for k, p in model.named_parameters():  # aliases, not copies
+            assert state[k].data_ptr() == p.data_ptr(), k
+        saved = {k: v.detach().cpu().clone() for k, v in state.items()}
+        path = str(tmp_path / "model.safetensors")
+        safetensors_torch.save_model(model, path)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        missing, unexpected = safetensors_torch.load_model(model, path)
+        assert not missing and not unexpected
+        for k, v in model.state_dict().items():
+            assert same(v.cpu(), saved[k]), k
+        other = model_fn()
+        safetensors_torch.load_model(other, path)
+        for k, v in other.state_dict().items():
+            assert same(v, saved[k]), k
+        # Accelerate's save_state (safetensors) keeps one name per storage, as accelerate.utils.modeling's
+        # id_tensor_storage tells them: every parameter must be its own, tied names one
+        modeling = pytest.importorskip("accelerate.utils.modeling")
+        storages: dict = {}
+        for k, v in model.state_dict().items():
+            storages.setdefault(modeling.id_tensor_storage(v), set()).add(k)
+        tied = {frozenset({"emb.weight", "head.weight"})} if model_fn is Tied else set()
+        assert {frozenset(names) for names in storages.values() if len(names) > 1} == tied
+
+
+def write_through_state_dict(model, opt, step):
+    """Weight surgery through ``model.state_dict()``'s tensors (they alias the parameters, in torch)."""
+    x, y = data(step)
+    if step == 1:
+        with torch.no_grad():
+            model.state_dict()["2.weight"].mul_(0.5)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_write_through_a_state_dict_entry_reaches_the_model(mode):
+    assert_same(run_torch(write_through_state_dict), run_memsched(write_through_state_dict, mode))

@@ -23,6 +23,12 @@ from memsched.chunks.chunk import Chunk
 from memsched.chunks.sharded_grad import is_sharded
 
 
+def _bookkeeping() -> torch._C.DisableTorchFunction:
+    """Re-binding a parameter (``p.data = ...``, ``p.grad = ...``) is no read of it: torch function modes (the
+    read guards of :mod:`memsched.runtime.read_guard`) do not see it."""
+    return torch._C.DisableTorchFunction()
+
+
 class ChunkViews(Protocol):
     """What the bindings read of :class:`memsched.chunks.store.ChunkStore` (a protocol: the store owns its
     bindings): the chunks, the views of each parameter's slots, and the gradients it keeps on the host."""
@@ -129,7 +135,7 @@ class ChunkBindings:
     def _point(self, c: Chunk, view: str) -> None:
         """Every parameter of ``c`` becomes its ``view`` (``data``: its chunk view; ``absent``)."""
         store = self._store
-        with torch.no_grad():
+        with torch.no_grad(), _bookkeeping():
             for p in c.params:
                 p.data = store.data_view(p) if view == "data" else self.absent_view(p, c)
                 self._versions[id(p)] = p._version
@@ -175,7 +181,7 @@ class ChunkBindings:
         parameters and their gradients on the host between steps in the same way."""
         store = self._store
         self._check(c, Binding.HOST)
-        with torch.no_grad():
+        with torch.no_grad(), _bookkeeping():
             if c.data is not None and not self.host_bound(c) and any(
                     p._version != self._versions.get(id(p), -1) for p in c.params):
                 # Written on the device since it was device-bound (or never bound before): the host values
@@ -215,7 +221,7 @@ class ChunkBindings:
             raise ValueError(f"a gradient set by hand on a parameter of shape {tuple(p.shape)} in chunk "
                              f"{c.index} has shape {tuple(g.shape)}{' (sparse)' if g.is_sparse else ''}; "
                              "expected a dense gradient shaped like the parameter")
-        with torch.no_grad(), store.alloc.host_context():
+        with torch.no_grad(), _bookkeeping(), store.alloc.host_context():
             store.host_view("grad", p, c).copy_(g)
         store.host_grads.add(id(p))
         store.with_grad.add(id(p))
@@ -233,7 +239,7 @@ class ChunkBindings:
         store = self._store
         self._check(c, Binding.DEVICE if c.data is not None else Binding.ABSENT)
         written = False
-        with torch.no_grad():
+        with torch.no_grad(), _bookkeeping():
             for p in c.params:
                 g = p.grad
                 if g is None:
@@ -327,7 +333,7 @@ class ChunkBindings:
         if not self.host_bound(c) and self.written(c):
             store.before_host_write(c)
             c.wait_h2d()
-            with torch.no_grad(), store.alloc.host_context():
+            with torch.no_grad(), _bookkeeping(), store.alloc.host_context():
                 c.param_host.copy_(c.data[c.lo:c.hi])
         if not self.host_bound(c) and not self.computing:
             self.to_host(c)  # between steps parameters whose buffer is away are host views

@@ -1118,28 +1118,6 @@ class ChunkStore:
         self.with_grad.update(id(p) for p in self.params())
 
 
-def own_storage_for_tied(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
-                         _local_metadata: Any) -> None:
-    """A ``state_dict`` post-hook (the root model's, installed by attach): names that share one parameter
-    (tied weights) get one tensor of their own storage, the same object under each name.
-
-    The parameters are views into chunks, so no tied parameter covers its whole storage, and safetensors
-    (``save_model``, Accelerate's and Trainer's default) then refuses to save or load the model (it keeps one
-    name of a shared tensor only when that tensor covers its storage). The copy costs the tied parameters'
-    bytes, on their device, during the save. ``keep_vars=True`` (parameters themselves) is left alone."""
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
-    for k, v in state_dict.items():
-        if not k.startswith(prefix) or not isinstance(v, torch.Tensor) or isinstance(v, torch.nn.Parameter):
-            continue
-        seen.setdefault((v.data_ptr(), v.storage_offset(), tuple(v.shape), v.stride()), []).append(k)
-    for names in seen.values():
-        if len(names) > 1:
-            first = state_dict[names[0]]
-            own = first if first.untyped_storage().nbytes() == first.nbytes else first.clone()
-            for k in names:
-                state_dict[k] = own
-
-
 @functools.cache
 def _unheld_grad_refs() -> int:
     """The reference count ``sys.getrefcount`` gives for a parameter's ``.grad``, read into a local, when it

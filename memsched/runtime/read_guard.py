@@ -12,8 +12,9 @@ waits for the chunk of any such parameter before the function runs. It is entere
 pre-hook, left at the first module wait after which every guarded chunk was waited for, else at the root's
 forward hook.
 
-Not covered: reads outside the root's forward (a loss term computed before ``model(x)``, an EMA after
-``step()``): call ``sched.synchronize()`` first (:meth:`memsched.Scheduler.synchronize`). Not in compiled
+Between an overlapped ``step()`` and the next forward a guard of its own waits for the chunks still being
+updated (:meth:`memsched.runtime.waits.H2DWaits.guard_between_steps`). Not covered: reads from another thread
+(call ``sched.synchronize()`` first, :meth:`memsched.Scheduler.synchronize`). Not in compiled
 code: there the root (or each compiled region) waits for every chunk before it starts
 (:mod:`memsched.runtime.waits`). DeepSpeed ZeRO-3 meets the same problem with ``register_external_parameter``,
 declared by the user; here the reads find themselves.

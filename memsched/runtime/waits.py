@@ -7,9 +7,9 @@ Forward pre-hooks make the compute stream wait for a chunk's H2D copy at the fir
 its parameters (:mod:`memsched.planning.first_use`). Before the trace exists (warmup) every module holding
 chunk parameters, and the root, waits for all chunks. A parameter read earlier in the root's forward than its
 module's wait waits at the read (:mod:`memsched.runtime.read_guard`). ``model.state_dict()`` and
-``model.load_state_dict()`` wait for all chunks too. Anything else that reads or writes parameters outside the
-root's forward (an EMA, a loss term computed before it, ``nn.init`` under ``no_grad``) calls
-:meth:`H2DWaits.synchronize` (``sched.synchronize()``) first.
+``model.load_state_dict()`` wait for all chunks too. Between an overlapped step and the next forward, reads
+of chunks still being updated wait at the read ([Note: reads between steps wait]); reads from another thread
+call :meth:`H2DWaits.synchronize` (``sched.synchronize()``) first.
 
 Under ``torch.compile`` these hooks are traced into the model's graph. Where waits are needed (CUDA, or
 ``overlap=True``) the per-module waits compile to nothing and the root waits for every chunk, eagerly, before
@@ -73,6 +73,7 @@ class H2DWaits:
         else:
             self.guard = ReadGuard(self._wait_read)
         self._guarded = False  # the guard is entered (a plain flag: Dynamo reads it in the root's hooks)
+        self._between: ReadGuard | None = None  # reads between an overlapped step and the next forward
 
     def install(self, traced: Sequence[str], *, needed: bool | None = None) -> None:
         """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup).
@@ -140,10 +141,49 @@ class H2DWaits:
                     self.guard.pop()
         return wait
 
+    def guard_between_steps(self) -> None:
+        """[Note: reads between steps wait]
+        ``optimizer.step()`` with ``overlap=True`` returns while the CPU worker still updates the host chunks,
+        and code between steps reads parameters (an EMA or ``AveragedModel`` right after the step, a norm
+        for logging, a clone, ``p.copy_(...)``): a read of a chunk not yet updated would see, or write, the
+        old values. So from the step's end a :class:`memsched.runtime.read_guard.ReadGuard` of this thread
+        guards the parameters of the chunks still being updated: a torch function that receives one waits for
+        that chunk's update first (a ``waits`` span of the step timeline), and code that reads nothing keeps
+        the overlap. Once every guarded chunk was waited for the guard only forwards calls; it is left at the
+        next forward's start (or ``synchronize()``, ``state_dict()``, the next step, ``close()``), where it
+        is not inside one of its own calls. Reads from other threads are not seen (they call
+        ``sched.synchronize()`` first)."""
+        self._leave_between()
+        if torch.compiler.is_compiling() or not self.updates.pending:
+            return
+        pending = set(self.updates.unfinished())
+        unwaited = {id(p): c.index for c in self.store.chunks if c.index in pending for p in c.params}
+        if unwaited:
+            self._between = ReadGuard(self._wait_between)
+            self._between.push(unwaited)
+
+    def _wait_between(self, i: int, what: str) -> None:
+        """Between steps a torch function (``what``) reads a parameter of chunk ``i``, still being updated."""
+        t0 = time.perf_counter()
+        if self.updates.wait([i]) > 0:
+            self.timeline.span(WAITS, f"{what} (read between steps) <- chunk {i}", t0, time.perf_counter(),
+                               chunks=[i])
+        if self._between is not None:
+            self._between.waited(self.store.chunks[i].params)
+
+    def _leave_between(self) -> None:
+        """Leave the guard of reads between steps (inert if something entered on top of it stays there)."""
+        guard, self._between = self._between, None
+        if guard is not None:
+            guard.pop()
+
     def _guard_begin(self) -> None:
         """The root's forward starts: the host chunks with an update or H2D copy still to wait for are guarded
         against reads before their module's wait (:mod:`memsched.runtime.read_guard`)."""
-        if torch.compiler.is_compiling() or self._guarded:
+        if torch.compiler.is_compiling():
+            return
+        self._leave_between()
+        if self._guarded:
             return
         pending = set(self.updates.unfinished())
         unwaited = {id(p): c.index for c in self.store.chunks
@@ -243,11 +283,14 @@ class H2DWaits:
                 self.timeline.span(WAITS, "synchronize() <- all chunks", t0, time.perf_counter())
         self.streams.wait([c.h2d_event for c in self.store.chunks], "synchronize() <- all chunks")
         self._mark_waited(range(len(self.store.chunks)))
+        if not torch.compiler.is_compiling():
+            self._leave_between()
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._leave_between()
         if self._guarded:  # removed during a forward (close() in it, a failed forward)
             self._guarded = False
             self.guard.pop()
