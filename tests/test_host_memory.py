@@ -92,7 +92,8 @@ def test_stand_in_device_string_takes_a_host_size() -> None:
 
 
 @pytest.mark.parametrize(("device", "match"), [
-    ("sim:8GiB,gpu=1", r"takes only 'host=SIZE'.*got 'gpu=1'"),
+    ("sim:8GiB,cores=1", r"takes only 'host=SIZE'.*got 'cores=1'"),
+    ("sim:8GiB,gpu=1", r"unknown GPU '1' in gpu=NAME; known GPUs: .*h200"),
     ("sim:8GiB,", r"takes only 'host=SIZE'.*got ''"),
     ("sim:8GiB,host=", r"lacks a size for the host memory"),
     ("sim:8GiB,host=0", r"the host memory \(host=SIZE\): size must be > 0 bytes"),

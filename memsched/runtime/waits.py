@@ -39,6 +39,7 @@ from memsched.devices.transfers import Streams
 from memsched.optim.host_updates import HostUpdates
 from memsched.planning.first_use import first_use_owners
 from memsched.runtime.read_guard import ReadGuard
+from memsched.teardown import weak_method
 from memsched.telemetry.step_timeline import WAITS, StepTimeline
 from policies.types import HOST
 from tracer.hook_handles import Detachable
@@ -74,6 +75,7 @@ class H2DWaits:
             self.guard = ReadGuard(self._wait_read)
         self._guarded = False  # the guard is entered (a plain flag: Dynamo reads it in the root's hooks)
         self._between: ReadGuard | None = None  # reads between an overlapped step and the next forward
+        self._compiled_forwards = False  # a compiled root forward ran (it waits for every chunk at its start)
 
     def install(self, traced: Sequence[str], *, needed: bool | None = None) -> None:
         """(Re)install the hooks for the modules ``traced`` saw run, in first-call order (empty: warmup).
@@ -158,9 +160,21 @@ class H2DWaits:
             return
         pending = set(self.updates.unfinished())
         unwaited = {id(p): c.index for c in self.store.chunks if c.index in pending for p in c.params}
-        if unwaited:
-            self._between = ReadGuard(self._wait_between)
-            self._between.push(unwaited)
+        if not unwaited:
+            return
+        if torch._C._len_torch_function_stack() > 0 or self._compiled_forwards:
+            # A mode of the caller's is active around the step (``with torch.device(...)``): a mode pushed
+            # now would outlive the step under it, and its exit would pop ours instead. Compiled forwards: a
+            # mode on the stack at a compiled frame's entry changes what Dynamo traces, and they wait for
+            # every chunk at their start anyway (no overlap with them). Correct first: the step waits for its
+            # update, as the serial step does.
+            t0 = time.perf_counter()
+            if self.updates.wait_all() > 0:
+                why = "compiled forwards" if self._compiled_forwards else "a torch function mode is active"
+                self.timeline.span(WAITS, f"step end <- all chunks ({why})", t0, time.perf_counter())
+            return
+        self._between = ReadGuard(weak_method(self._wait_between))  # an inert guard keeps nothing alive
+        self._between.push(unwaited)
 
     def _wait_between(self, i: int, what: str) -> None:
         """Between steps a torch function (``what``) reads a parameter of chunk ``i``, still being updated."""
@@ -172,10 +186,16 @@ class H2DWaits:
             self._between.waited(self.store.chunks[i].params)
 
     def _leave_between(self) -> None:
-        """Leave the guard of reads between steps (inert if something entered on top of it stays there)."""
+        """Leave the guard of reads between steps. A mode entered on top of it since stays on top: the guard
+        then only forwards calls, and comes off once it is on top again (:func:`_drain_stale`)."""
         guard, self._between = self._between, None
         if guard is not None:
-            guard.pop()
+            guard.waited_all()
+            if guard.on_top():
+                guard.__exit__(None, None, None)
+            else:
+                _STALE.append(guard)
+        _drain_stale()
 
     def _guard_begin(self) -> None:
         """The root's forward starts: the host chunks with an update or H2D copy still to wait for are guarded
@@ -296,6 +316,21 @@ class H2DWaits:
             self.guard.pop()
 
 
+#: Guards of reads between steps left while a mode entered after them was on top (see _leave_between).
+_STALE: list[ReadGuard] = []
+
+
+def _drain_stale() -> None:
+    """Take off the top of this thread's torch function modes the stale guards of reads between steps."""
+    while _STALE:
+        n = torch._C._len_torch_function_stack()
+        top = torch._C._get_function_stack_at(n - 1) if n else None
+        if top is None or not any(top is g for g in _STALE):
+            return
+        _STALE.remove(top)
+        top.__exit__(None, None, None)
+
+
 def _in_flight(event: Any) -> bool:
     """A chunk's H2D copy (a CUDA event, a stand-in link's event, or ``None``) may still be running."""
     return event is not None and not event.query()
@@ -311,6 +346,7 @@ def _compiled_root_eager(waits: H2DWaits) -> None:
     # Set here, eagerly, before the graph break's resume function runs the rest of the root's forward:
     # Dynamo reads the real value when it traces that function.
     waits._root_compiled = True
+    waits._compiled_forwards = True
     waits.synchronize()
     if waits.store.offloading:
         with torch._C.DisableTorchFunction():
