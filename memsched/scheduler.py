@@ -341,6 +341,7 @@ class Scheduler:
         the plan made and applied. Only then does the optimizer enter its steady state (overlap, early D2H,
         updates during backward): none of them may run while chunks move."""
         self.steps += 1
+        self.waits.release_kept_guard()  # [Note: reads outside the forward]
         self.optimizer.timeline.step_end(self.steps)
         if self.elastic is not None:
             self.elastic.after_step()

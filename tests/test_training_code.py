@@ -244,17 +244,10 @@ def maml(model, opt, step):
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("mode", [
-    *[m for m in MODES if m != "params-on-host"],
-    pytest.param("params-on-host", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="issue 28, item 2, open: a chunk sent away during torch.autograd.grad leaves its parameters "
-               "absent (NaN) views until the next forward or backward, and p - lr * g outside the forward is "
-               "not fetched: the loss is NaN (silently). Binding them to host views instead breaks hand-set "
-               "gradients (p.grad = device tensor on a host parameter); fetching every read between a "
-               "forward and its backward costs the device memory the schedule freed")),
-])
+@pytest.mark.parametrize("mode", MODES)
 def test_maml_fast_weights_from_create_graph(mode):
+    """Issue 28, item 2: with parameters offloaded, a chunk sent away during ``torch.autograd.grad`` is
+    fetched again when ``p - lr * g`` reads it outside the forward ([Note: reads outside the forward])."""
     assert_same(run_torch(maml), run_memsched(maml, mode))
 
 

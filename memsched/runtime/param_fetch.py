@@ -382,11 +382,13 @@ class ParamFetcher:
         self.on_forward_begin()
 
     def _forward_end(self) -> None:
-        """The root's forward ends. Its read guard is left here (by the H2D waits): until backward fetches
-        them, the parameters of chunks away from the device are host views, so a read outside the forward
-        (a loss term) sees their values (on CUDA: refuses them, being on the host) instead of the NaN of
-        their absent views. With no backward to follow (an evaluation under ``no_grad``), the model is between
-        steps again (:meth:`memsched.chunks.ChunkStore.settle`)."""
+        """The root's forward ends. Where the read guard stays on ([Note: reads outside the forward]), the
+        parameters of chunks away from the device stay absent views, and a read of one outside the forward
+        (a loss term, MAML's ``p - lr * g`` after ``torch.autograd.grad``) fetches it, as a read inside the
+        forward would. Where it cannot stay, the guard is left here (by the H2D waits) and those parameters
+        become host views until backward fetches them: a read outside the forward sees their values (on
+        CUDA: refuses them, being on the host). With no backward to follow (an evaluation under
+        ``no_grad``), the model is between steps again (:meth:`memsched.chunks.ChunkStore.settle`)."""
         if torch.compiler.is_compiling():
             return
         if self._saved_hooks is not None:
@@ -404,6 +406,8 @@ class ParamFetcher:
                     self.store.settle()
             return
         if torch.is_grad_enabled():
+            if self.keeps_guard():
+                return
             for i in self.offloaded:
                 c = self.store.chunks[i]
                 if not self.store.resident(c):
@@ -426,6 +430,8 @@ class ParamFetcher:
         parameter): they are read together; those of chunks this fetcher does not own wait as the H2D
         waits say."""
         mine = [(i, p) for i, p in found if self.owns(i)]
+        if self.shards is None and not self.store.bindings.computing:
+            mine = []  # one rank, between steps: a chunk away is host-bound, read where its values are
         if self.shards is not None and not self.store.bindings.computing and not self.holding:
             away = [(i, p) for i, p in mine if not self.store.resident(self.store.chunks[i])]
             if away:
@@ -455,8 +461,21 @@ class ParamFetcher:
     def keeps_guard(self) -> bool:
         """ZeRO-3: the read guard stays on from the forward's begin (and from :meth:`use`) to ``close()``:
         until backward, a read of a chunk away is gathered on demand; between steps it is refused
-        ([Note: reads of sharded parameters])."""
-        return self.shards is not None and bool(self.offloaded)
+        ([Note: reads of sharded parameters]).
+
+        [Note: reads outside the forward]
+        One rank, at the end of a forward that records a graph: the guard stays on through the loss and
+        backward to the step (:meth:`memsched.runtime.waits.H2DWaits.release_kept_guard`), so that a read of
+        a chunk away made outside the forward (a loss term, ``p - lr * g`` from ``torch.autograd.grad`` in
+        MAML, a submodule called directly) fetches it, as reads inside the forward do: a read the schedule
+        did not expect is a miss, fetched on demand, and the plan is revised from the next step's reads. It
+        stays only when it is this thread's only torch function mode: a mode the caller entered before the
+        forward would otherwise be left under it, and the caller's exit would pop ours."""
+        if self.shards is not None:
+            return bool(self.offloaded)
+        return (bool(self.offloaded) and torch.is_grad_enabled() and self.active
+                and torch._C._len_torch_function_stack() == 1
+                and torch._C._get_function_stack_at(0) is self.guard)
 
     def hold(self) -> None:
         """ZeRO-3 (:meth:`memsched.Scheduler.gathered_params`): every chunk whole, and kept so, until as many

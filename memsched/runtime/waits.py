@@ -176,6 +176,13 @@ class H2DWaits:
         self._between = ReadGuard(weak_method(self._wait_between))  # an inert guard keeps nothing alive
         self._between.push(unwaited)
 
+    def release_kept_guard(self) -> None:
+        """The step's end: the read guard a forward left on for reads outside it ([Note: reads outside the
+        forward] in :mod:`memsched.runtime.param_fetch`) comes off, where it is on top."""
+        if self._guarded and self.fetcher is not None and self.fetcher.shards is None and self.guard.on_top():
+            self._guarded = False
+            self.guard.pop()
+
     def _wait_between(self, i: int, what: str) -> None:
         """Between steps a torch function (``what``) reads a parameter of chunk ``i``, still being updated."""
         t0 = time.perf_counter()
