@@ -278,3 +278,36 @@ def test_two_forwards_and_an_optimizer_state_round_trip_match_zero_2() -> None:
         for i, st in two[r]["state"].items():
             for k, v in st.items():
                 assert same(three[r]["state"][i][k], v), (r, i, k)
+
+
+# ---- issue 28, item 8: an evaluation on rank 0 only, inside gathered_params() ---------------------------
+def _rank0_eval(rank: int, world: int, evaluate: bool) -> dict:
+    model = Deep()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)).to("sim")
+    probe = torch.randn(2, 16, generator=torch.Generator().manual_seed(9)).to("sim")
+    out: dict = {"eval": None}
+    with memsched.attach(model, device="sim:64MiB", policy="cpu", zero_stage=3, chunk_numel=256,
+                         collective_timeout=5) as sched:
+        for step in range(4):
+            sched.backward(model(x).square().mean())
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            if evaluate and step == 1:
+                with sched.gathered_params():
+                    if rank == 0:  # the DDP habit, inside gathered_params(): no collective may be needed
+                        with torch.no_grad():
+                            out["eval"] = model(probe).cpu()
+        with sched.gathered_params():
+            out["params"] = [p.detach().cpu().clone() for p in model.parameters()]
+    return out
+
+
+def test_an_evaluation_on_rank_0_only_inside_gathered_params_needs_no_collective() -> None:
+    """``with sched.gathered_params(): if rank == 0: model(x)`` under ``no_grad``: every chunk is whole on
+    every rank, so the forward issues no collective; training goes on bit for bit as without it."""
+    with_eval = run_ranks(_rank0_eval, 2, True, timeout=120, pg_timeout_s=20)
+    without = run_ranks(_rank0_eval, 2, False, timeout=120, pg_timeout_s=20)
+    assert with_eval[0]["eval"] is not None and with_eval[1]["eval"] is None
+    for a, b in zip(with_eval, without, strict=True):
+        for p, q in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(p, q)

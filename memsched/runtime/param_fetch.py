@@ -402,6 +402,11 @@ class ParamFetcher:
             # is gathered on demand by the read guard, which stays (keeps_guard). With no backward to follow
             # (an evaluation), the model is between steps again.
             if not torch.is_grad_enabled() and not self.store.in_backward:
+                if self.holding:
+                    # Inside gathered_params() every chunk is whole and stays so: an evaluation has nothing
+                    # to settle, and may run on some ranks only (rank 0's), so it issues no collective
+                    self.store.bindings.leave_compute()
+                    return
                 with torch.inference_mode(False):
                     self.store.settle()
             return
