@@ -301,3 +301,29 @@ def test_building_chunks_of_a_model_already_on_the_device_peaks_near_its_final_s
     chunk_bytes_ = store.layout.chunk_numel * 4  # the compute buffer of one chunk
     assert final == store.layout.total_numel * 4  # the old parameter storages are gone
     assert peak[0] <= final + param_bytes / 16 + chunk_bytes_ < 2.5 * param_bytes
+
+
+def test_bindings_follow_the_lifecycle_and_refuse_what_it_does_not_allow():
+    """memsched.chunks.binding: every chunk starts bound to its device buffer; a sharded chunk (ZeRO-3) comes
+    back only by a gather (to DEVICE), never to host views of this rank's part; a refused change re-binds
+    nothing."""
+    from memsched.chunks.binding import Binding
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    store = make_store(model, chunk_numel=20)
+    bindings = store.bindings
+    c = store.chunks[0]
+    assert [bindings.state(k) for k in store.chunks] == [Binding.DEVICE] * len(store.chunks)
+    data = c.data
+    bindings.to_sharded(c)
+    assert bindings.state(c) is Binding.SHARDED and c.data is None
+    views = [p.data for p in c.params]
+    assert all(torch.isnan(v).all() and v.stride() == (0,) * v.dim() for v in views)  # absent views
+    with pytest.raises(RuntimeError, match="cannot go from sharded views to host views"):
+        bindings.to_host(c)
+    assert bindings.state(c) is Binding.SHARDED
+    assert all(p.data.data_ptr() == v.data_ptr() for p, v in zip(c.params, views, strict=True))
+    bindings.data_arrived(c, data)  # a gather brought the whole buffer back
+    bindings.to_device(c)
+    assert bindings.state(c) is Binding.DEVICE
+    assert all(p.data_ptr() == store.data_view(p).data_ptr() for p in c.params)

@@ -88,13 +88,17 @@ def _clamp(p: torch.Tensor) -> None:
     p.grad.clamp_(-0.01, 0.01)
 
 
-def clamped_by_hooks(model, opt, step):
-    if not hasattr(model, "hooked"):
-        model.hooked = [p.register_post_accumulate_grad_hook(_clamp) for p in model.parameters()]
+def plain_step(model, opt, step):
     x, y = data(step)
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
+
+
+def clamped_by_hooks(model, opt, step):
+    if not hasattr(model, "hooked"):
+        model.hooked = [p.register_post_accumulate_grad_hook(_clamp) for p in model.parameters()]
+    plain_step(model, opt, step)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -251,13 +255,6 @@ def test_maml_fast_weights_from_create_graph(mode):
     assert_same(run_torch(maml), run_memsched(maml, mode))
 
 
-def unfreeze_step(model, opt, step):
-    x, y = data(step)
-    nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_progressive_unfreezing_by_re_attach_equals_add_param_group(mode):
     """Issue 28, item 15: memsched refuses ``add_param_group`` after attach (the chunks are built once). The
@@ -277,7 +274,7 @@ def test_progressive_unfreezing_by_re_attach_equals_add_param_group(mode):
             for p in head:
                 p.requires_grad_(True)
             opt.add_param_group({"params": head, "lr": LR * 2})
-        unfreeze_step(ref, opt, s)
+        plain_step(ref, opt, s)
         lr_sched.step()
 
     model = mlp()
@@ -304,7 +301,7 @@ def test_progressive_unfreezing_by_re_attach_equals_add_param_group(mode):
                 lr_sched.load_state_dict(sched_state)
                 # torch's new group starts at its own lr, not the scheduled one: as add_param_group does
                 sched.optimizer.param_groups[1]["lr"] = LR * 2
-            unfreeze_step(model, sched.optimizer, s)
+            plain_step(model, sched.optimizer, s)
             lr_sched.step()
         assert_same([p.detach().clone() for p in ref.parameters()],
                     [p.detach().clone() for p in model.parameters()])
@@ -357,13 +354,10 @@ def test_safetensors_save_model_and_load_model_round_trip(mode, model_fn, tmp_pa
 
 def write_through_state_dict(model, opt, step):
     """Weight surgery through ``model.state_dict()``'s tensors (they alias the parameters, in torch)."""
-    x, y = data(step)
     if step == 1:
         with torch.no_grad():
             model.state_dict()["2.weight"].mul_(0.5)
-    nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
+    plain_step(model, opt, step)
 
 
 @pytest.mark.parametrize("mode", MODES)

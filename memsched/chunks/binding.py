@@ -113,16 +113,16 @@ class ChunkBindings:
         """The chunks are built anew (re-packing): every chunk starts bound to the device."""
         self._state.clear()
 
-    def _set(self, c: Chunk, new: Binding) -> None:
+    def _check(self, c: Chunk, new: Binding) -> None:
+        """Refuse a change the lifecycle does not allow, before anything is re-bound."""
         old = self.state(c)
         if new not in TRANSITIONS[old]:
             raise RuntimeError(f"memsched internal error: chunk {c.index}'s parameters cannot go from "
                                f"{old.value} views to {new.value} views")
-        self._state[c.index] = new
 
-    def _check(self, c: Chunk, new: Binding) -> None:
-        if new not in TRANSITIONS[self.state(c)]:
-            self._set(c, new)  # raises
+    def _set(self, c: Chunk, new: Binding) -> None:
+        self._check(c, new)
+        self._state[c.index] = new
 
     def written(self, c: Chunk) -> bool:
         """Whether any parameter of ``c`` was written in place since it was last bound."""
