@@ -461,9 +461,14 @@ class Scheduler:
         frozen = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
                      if id(t) not in trainable and t.device == dev)
         chunks = self.store.chunks
+        requested = oom_bytes(exc)[0] or 0
+        # a chunk's gradient buffer that failed to allocate is gradients, not the step's activations
+        grads = sum(c.data_bytes for c in chunks if c.grad is not None)
+        grads += requested if getattr(exc, "memsched_gradient_buffer", None) else 0
         return warmup_oom_message(
-            capacity=self.device.capacity_bytes, in_use=in_use, requested=oom_bytes(exc)[0] or 0,
+            capacity=self.device.capacity_bytes, in_use=in_use, requested=requested,
             chunk_params_on_device=sum(c.data_bytes for c in chunks if c.data is not None),
+            chunk_grads_on_device=grads,
             frozen_and_buffers=frozen, largest_chunk=max((c.data_bytes for c in chunks), default=0),
             policy=self.config.placement.policy.name, params_on_host=self.warmup_params_on_host)
 

@@ -23,7 +23,7 @@ def test_the_failed_allocation_is_read_from_the_stand_ins_and_cudas_messages() -
     assert oom_bytes(RuntimeError("something else"))[0] is None
 
 
-@pytest.mark.parametrize("case", ["params", "frozen", "activations", "already"])
+@pytest.mark.parametrize("case", ["params", "frozen", "activations", "gradients", "already"])
 def test_each_cause_gets_its_own_message(case: str) -> None:
     base = {"capacity": 100 * MiB, "requested": 10 * MiB, "largest_chunk": 5 * MiB, "policy": "auto",
             "params_on_host": False}
@@ -41,6 +41,11 @@ def test_each_cause_gets_its_own_message(case: str) -> None:
                                **base)
         assert "activations and temporaries take at least 105.0 MiB" in m and "Reduce the batch size" in m
         assert "warmup_non_model_share" not in m
+    elif case == "gradients":  # whole-chunk gradient buffers, not activations (GPT-2 124M's 147 MiB chunks)
+        m = warmup_oom_message(in_use=98 * MiB, chunk_params_on_device=2 * MiB, frozen_and_buffers=1 * MiB,
+                               chunk_grads_on_device=80 * MiB, **base)
+        assert "gradient buffers take 80.0 MiB" in m and "activations and temporaries take 25.0 MiB" in m
+        assert "Reduce the batch size" not in m and "warmup_non_model_share" not in m
     else:  # the parameters are on the host already and that would fit: nothing more to say
         m = warmup_oom_message(in_use=85 * MiB, chunk_params_on_device=0, frozen_and_buffers=1 * MiB,
                                **{**base, "params_on_host": True, "requested": 1 * MiB})

@@ -827,10 +827,16 @@ class ChunkStore:
         """``c``'s gradient buffer, allocated (zeros) if it has none.
 
         Raises:
-            torch.OutOfMemoryError (or the stand-in's): the buffer does not fit; nothing changed.
+            torch.OutOfMemoryError (or the stand-in's): the buffer does not fit; nothing changed. Its
+                ``memsched_gradient_buffer`` attribute says the failed request was this buffer (bytes),
+                for the explanation of the error (:mod:`memsched.runtime.warmup_oom`).
         """
         if c.grad is None:
-            c.alloc_grad(self.alloc)
+            try:
+                c.alloc_grad(self.alloc)
+            except OUT_OF_MEMORY as e:
+                e.memsched_gradient_buffer = c.data_bytes
+                raise
             for p in c.params:  # views of a freed buffer
                 self._views.pop(("grad", id(p)), None)
         return c.grad

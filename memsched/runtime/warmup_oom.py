@@ -1,7 +1,8 @@
 """Why a warmup step ran out of memory, and the hint that would help, from the device's bytes at the failure.
 
 Before the first plan nothing is traced, so an out-of-memory error in warmup is explained from what the
-device held when it failed: the chunks' parameters, the frozen parameters and buffers (memsched keeps them
+device held when it failed: the chunks' parameters, the chunks' gradient buffers (one buffer of the chunk's
+size per chunk whose gradients backward is making), the frozen parameters and buffers (memsched keeps them
 on the device: only trainable parameters are chunked), and the rest, the step's activations and
 temporaries. Keeping the trainable parameters on the host during warmup (``auto``'s
 ``warmup_non_model_share=1.0``, ``static``'s ``offload_param_frac``) helps only when it frees enough; where
@@ -19,7 +20,7 @@ PARAMS_ON_HOST_HINT = {"auto": "policy_options={'warmup_non_model_share': 1.0}",
 
 def warmup_oom_message(*, capacity: int, in_use: int, requested: int, chunk_params_on_device: int,
                        frozen_and_buffers: int, largest_chunk: int, policy: str,
-                       params_on_host: bool) -> str | None:
+                       params_on_host: bool, chunk_grads_on_device: int = 0) -> str | None:
     """The explanation of a warmup step's out-of-memory error (all arguments bytes, but ``policy``, the
     placement policy's name, and ``params_on_host``: the warmup already keeps the trainable parameters on
     the host). ``None`` when there is nothing to say beyond the error.
@@ -41,10 +42,16 @@ def warmup_oom_message(*, capacity: int, in_use: int, requested: int, chunk_para
                f"policy {policy!r} keeps every parameter on the device; 'auto' can keep them on the host")
         return ("memsched: the warmup step ran out of memory with every parameter on the device (nothing is "
                 f"traced yet to plan from); {fix}")
-    rest = max(0, need - chunk_params_on_device - frozen_and_buffers)
+    rest = max(0, need - chunk_params_on_device - chunk_grads_on_device - frozen_and_buffers)
     head = ("memsched: the warmup step ran out of memory, and keeping the trainable parameters on the host "
             f"would not make room: it needs at least {format_bytes(without)} ({without} bytes) with them "
             f"there, on a device of {format_bytes(capacity)} ({capacity} bytes). ")
+    if chunk_grads_on_device >= max(rest, frozen_and_buffers):
+        return head + (f"The chunks' gradient buffers take {format_bytes(chunk_grads_on_device)}: backward "
+                       f"makes a chunk's gradients in one buffer of its size ({format_bytes(largest_chunk)} "
+                       "for the largest chunk, which holds at least the largest parameter whole); the "
+                       f"activations and temporaries take {format_bytes(rest)}. Use a larger device; smaller "
+                       "chunks (chunk_numel=) help only down to the largest parameter")
     if frozen_and_buffers >= rest:
         return head + (f"The frozen parameters and buffers take {format_bytes(frozen_and_buffers)}, and "
                        "memsched keeps them on the device (it chunks and offloads trainable parameters "
