@@ -43,7 +43,7 @@ tests)  # correctness and memory, in parallel (items 2, 3, 3b, 11, 12; the CUDA 
     step gpu_calibration 240 python3 bench/gpu_calibration.py &
     wait
     ;;
-timing)  # alone on the machine (items 4, 7, 6)
+timing)  # alone on the machine (items 4 and 13, 7, 6, 14)
     step gpu_step_time 300 python3 bench/gpu_step_time.py --mem-cap 13GiB --steps 6 --warmup 2 --timeout 75 \
         --policies cpu cpu+overlap cpu+backward auto auto+overlap auto+backward \
         --peers torch_adamw torchao_cpu_offload deepspeed_zero_offload
@@ -51,6 +51,7 @@ timing)  # alone on the machine (items 4, 7, 6)
         --timeout 70 --policies cuda cpu --peers torch_adamw --name gpu_step_time_read_guard
     step compile_step_small_cuda 100 python3 bench/compile_step.py --device cuda --size small \
         --name compile_step_small_cuda
+    step plan_check_cuda 150 python3 bench/plan_check_gpu.py
     ;;
 offload)  # item 9, alone
     step plan_760m_b1 60 memsched plan --model 760m --batch-size 1 --seq-len 1024 --capacity 13GiB --json

@@ -270,13 +270,14 @@ def test_a_span_that_reaches_the_timeline_after_its_step_closed_goes_to_that_ste
     tl.step_end(3)
     t2 = tl.records[-1].end_s
     mid1, mid2 = (t0 + t1) / 2, (t1 + t2) / 2
-    tl.span(CPU_UPDATE, "update", mid1 - 1e-9, mid1)  # ended in step 2, arrives after step 3 closed
+    start1 = mid1 - 1e-9  # on the clock's scale (seconds since boot) 1e-9 is a few ulps: compare what it is
+    tl.span(CPU_UPDATE, "update", start1, mid1)  # ended in step 2, arrives after step 3 closed
     tl.span(CPU_UPDATE, "update", mid1, mid2)  # ended in step 3, started in step 2
     tl.span(CPU_UPDATE, "update", t0 - 2.0, t0 - 1.0)  # ended before recording started: dropped
     first, second = tl.records
     assert [sp.end_s for sp in first.spans if sp.track == CPU_UPDATE] == [mid1]
     assert [sp.end_s for sp in second.spans if sp.track == CPU_UPDATE] == [mid2]
-    assert first.summary()["cpu_update_s"] == pytest.approx(1e-9, abs=1e-12)
+    assert first.summary()["cpu_update_s"] == pytest.approx(mid1 - start1, abs=1e-15) and 0 < mid1 - start1
     assert second.summary()["cpu_update_s"] == pytest.approx(mid2 - t1)
     assert tl._spans == []
 
