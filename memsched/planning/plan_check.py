@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memsched.planning.capacity import PEAK_ERROR_BAR
+from memsched.planning.capacity import SCHEMA as PLAN_SCHEMA
 from policies.types import DEVICE, HOST, PlacementPlan
 from policies.units import format_bytes
 
@@ -28,8 +29,6 @@ PEAK_ABOVE_BAR = 0.05
 #: Capacities closer than this are the same device (a per-process fraction rounds ``fraction x total``),
 #: bytes: the CUDA caching allocator's smallest segment.
 CAPACITY_SLACK = 2 << 20
-#: The schema ``memsched plan --json`` writes (:func:`memsched.planning.capacity.result_dict`).
-PLAN_SCHEMA = "memsched.plan"
 
 
 @dataclass(frozen=True)
