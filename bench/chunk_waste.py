@@ -10,15 +10,16 @@ demo's model, ResNet-18 and ResNet-50 shaped models built from torch layers (no 
 also with timm's two param groups: weight decay on the convolution and linear weights, none on norms and
 biases) and a LoRA model (a frozen GPT ``small`` with rank-8 adapters on every linear layer of its blocks:
 only the adapters are trained, so only they are packed). Per model: ``parameters`` (trainable elements),
-``chunk_numel``, ``chunks``, ``padding_numel`` and ``padding_pct`` (padding over the parameters, percent) and
-``largest_param`` (elements).
+``largest_param`` (elements), and for two layouts, ``exact`` (memsched with one rank: each chunk as long as
+what it holds, a parameter larger than the searched size in a chunk of its own, [Note: exact chunks] in
+:mod:`memsched.chunks.layout`) and ``uniform`` (every chunk of the searched size, as PatrickStar and Gemini
+do, and memsched with more ranks): ``chunk_numel`` (the searched size), ``chunks``, ``largest_chunk``,
+``smallest_chunk``, ``padding_numel`` and ``padding_pct`` (padding over the parameters, percent).
 
 Target (issue 31): padding at most 5 % of the parameter bytes for every model, unless one parameter alone is
-larger than the device allows for a chunk. The search today packs whole parameters into chunks of one size
-between the largest parameter and an eighth of the model: a model with one tensor much larger than the rest
-pays for it in every chunk. (Searching larger chunks instead meets 5 % for most of these models, but leaves
-ResNet-18 one chunk and makes ZeRO-3's working set of whole chunks larger: the fix is to let large
-parameters span chunks.)
+larger than the device allows for a chunk. Uniform chunks of a size between the largest parameter and an
+eighth of the model make a model with one tensor much larger than the rest pay for it in every chunk; exact
+chunks have no padding with one rank (alignment gaps only with more ranks, which keep uniform chunks).
 """
 
 from __future__ import annotations
@@ -126,12 +127,17 @@ def unique_trainable(params: list[nn.Parameter]) -> list[int]:
 
 def measure(name: str, groups: list[list[nn.Parameter]]) -> dict[str, Any]:
     numels = [g for g in (unique_trainable(g) for g in groups) if g]
-    layout = build_layout(numels)
-    used = layout.total_numel - layout.waste_numel
-    return {"model": name, "param_groups": len(numels), "parameters": used,
-            "largest_param": max(n for g in numels for n in g), "chunk_numel": layout.chunk_numel,
-            "chunks": layout.n_chunks, "padding_numel": layout.waste_numel,
-            "padding_pct": round(100 * layout.waste_numel / used, 2)}
+    row: dict[str, Any] = {"model": name, "param_groups": len(numels),
+                           "largest_param": max(n for g in numels for n in g)}
+    for key, exact in (("exact", True), ("uniform", False)):
+        layout = build_layout(numels, exact=exact)
+        used = layout.total_numel - layout.waste_numel
+        row["parameters"] = used
+        row[key] = {"chunk_numel": layout.chunk_numel, "chunks": layout.n_chunks,
+                    "largest_chunk": max(layout.numels), "smallest_chunk": min(layout.numels),
+                    "padding_numel": layout.waste_numel,
+                    "padding_pct": round(100 * layout.waste_numel / used, 2)}
+    return row
 
 
 def main() -> int:
@@ -145,8 +151,10 @@ def main() -> int:
         rows.append(measure("resnet-50, timm's two param groups", timm_groups(r50)))
         rows.append(measure("lora r=8 on a frozen gpt small", [list(lora_gpt("small").parameters())]))
     for row in rows:
-        print(f"{row['model']:<36} {row['chunks']:>3} chunks of {row['chunk_numel']:>11,}  padding "
-              f"{row['padding_pct']:6.2f} %  (largest parameter {row['largest_param']:,})")
+        e, u = row["exact"], row["uniform"]
+        print(f"{row['model']:<36} exact: {e['chunks']:>3} chunks of <= {e['largest_chunk']:>11,}, padding "
+              f"{e['padding_pct']:6.2f} %   uniform: {u['chunks']:>3} x {u['chunk_numel']:>11,}, padding "
+              f"{u['padding_pct']:6.2f} %")
     path = write_result("chunk_waste", {"target_padding_pct": 5.0, "models": rows})
     print(f"wrote {path}")
     return 0

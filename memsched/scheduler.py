@@ -154,7 +154,7 @@ class Scheduler:
                 sum(p.numel() for g in groups for p in g["params"]) * self.compute_dtype.itemsize)
             if self.warmup_params_on_host and alloc.pin:  # checked before anything is pinned
                 check_host_room(build_layout([[p.numel() for p in g["params"]] for g in groups],
-                                             chunk_numel=chunk_numel), config, alloc)
+                                             chunk_numel=chunk_numel, exact=True), config, alloc)
 
             def away(store: ChunkStore, c: Any) -> None:  # built: its host state, its parameters leave
                 c.init_state(HOST, alloc)
@@ -171,8 +171,8 @@ class Scheduler:
             self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
             self.dp.shard(self.store)  # each chunk's own shard
             if initial == HOST and alloc.pin and not self.warmup_params_on_host:  # before pinning
-                check_host_room(self.store.layout, config, alloc,
-                                shard_numel=max(c.hi - c.lo for c in self.store.chunks))
+                check_host_room(self.store.layout, config, alloc, shard_numel=None if self.store.exact
+                                else max(c.hi - c.lo for c in self.store.chunks))
             for c in self.store.chunks:
                 if c.placement is None:
                     c.init_state(initial, alloc)
@@ -394,7 +394,7 @@ class Scheduler:
         self.plan_check = check_plan(
             expected, self.plan, capacity_bytes=self.problem.capacity_bytes,
             peak_non_model_bytes=self.peak_non_model_bytes(), chunk_numel=self.store.layout.chunk_numel,
-            chunk_count=len(self.store.chunks))
+            chunk_count=len(self.store.chunks), total_numel=self.store.layout.total_numel)
         if not self.plan_check.agrees:
             warnings.warn(f"memsched: {self.plan_check.summary()}", RuntimeWarning, stacklevel=2)
 

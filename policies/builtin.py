@@ -65,10 +65,10 @@ def warmup_params_on_host(policy: str, options: dict[str, object], capacity_byte
     return False
 
 
-def _params_fit(p: PlacementProblem) -> bool:
-    """Whether the parameters can all stay on the device: the margin holds at least what every chunk on the
-    host adds there (the host chunks' gradient working set)."""
-    return p.margin_bytes >= p.device_bytes_of([HOST] * len(p.chunks))
+def _params_fit(p: PlacementProblem, reserve: int = 0) -> bool:
+    """Whether the parameters can all stay on the device: the margin, less ``reserve`` bytes, holds at least
+    what every chunk on the host adds there (the host chunks' gradient working set)."""
+    return p.margin_bytes - reserve >= p.device_bytes_of([HOST] * len(p.chunks))
 
 
 def _no_room_for_params(p: PlacementProblem, name: str) -> PlacementError:
@@ -415,7 +415,8 @@ def auto_policy(
     whose ``device_bytes`` fit the budget goes to the device (nothing when the budget is 0, so ratio 0
     places like ``cpu``), the rest to the host.
 
-    When even the parameters do not all fit (the margin is negative), every chunk's optimizer state goes to
+    When even the parameters do not all fit (the margin less the reserve cannot hold the host chunks'
+    gradients on their way to the host), every chunk's optimizer state goes to
     the host and the parameters of the fewest first-used chunks that make a schedule fit stay there too:
     at each read, ``gpu_margin_mem_ratio`` of what the capacity less the reserve leaves beside the non-model
     data and the model data on the device holds the fetched chunks, and never less than the read itself
@@ -430,7 +431,8 @@ def auto_policy(
     """
     p, chunks = problem, problem.chunks
     reserve = auto_reserve_bytes(p.capacity_bytes, reserve_frac, reserve_bytes, p.fragmentation_bytes)
-    if not _params_fit(p):
+    # the reserve holds for the parameters too: a margin that only just holds them is no margin
+    if not _params_fit(p, reserve if p.accesses else 0):
         if not p.accesses:
             raise _no_room_for_params(p, "auto")
         limit = p.capacity_bytes - reserve

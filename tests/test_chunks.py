@@ -166,7 +166,8 @@ def test_chunk_bytes_match_the_real_tensors(dtype):
     alloc = store.alloc
     for placement in (HOST, DEVICE):
         for c in store.chunks:
-            cb = chunk_bytes(80, compute_dtype=dtype, n_params=len(c.params))
+            assert c.numel == sum(n for _off, n in c.ranges)  # exact: no padding ([Note: exact chunks])
+            cb = chunk_bytes(c.numel, compute_dtype=dtype, n_params=len(c.params))
             expected = cb.host_state_bytes if placement == HOST else cb.device_state_bytes
             c.init_state(placement, alloc)
             real = sum(t.numel() * t.element_size() for t in c.state_tensors())
@@ -182,10 +183,11 @@ def test_moves_are_bit_exact_round_trips():
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
     store = make_store(m, chunk_numel=80)
     c = store.chunks[0]
-    c.init_state(HOST, store.alloc, exp_avg=torch.randn(80), exp_avg_sq=torch.rand(80),
+    assert c.numel == 72  # the first layer: 8 x 8 + 8
+    c.init_state(HOST, store.alloc, exp_avg=torch.randn(72), exp_avg_sq=torch.rand(72),
                  steps=[3] * len(c.params))
     snap = [t.clone() for t in (c.master, c.exp_avg, c.exp_avg_sq, c.steps)]
-    assert c.move_to(DEVICE, store.alloc) == 3 * 80 * 4
+    assert c.move_to(DEVICE, store.alloc) == 3 * 72 * 4
     assert c.master is None and c.host_grad is None
     assert same(c.data, snap[0]) and same(c.exp_avg, snap[1]) and same(c.steps, snap[3])
     c.move_to(HOST, store.alloc)
@@ -200,8 +202,8 @@ def test_repack_moves_state_with_parameters():
     m = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2))
     store = make_store(m, chunk_numel=42)
     for i, c in enumerate(store.chunks):
-        c.init_state(HOST if i % 2 else DEVICE, store.alloc, exp_avg=torch.randn(42),
-                     exp_avg_sq=torch.rand(42), steps=[5] * len(c.params))
+        c.init_state(HOST if i % 2 else DEVICE, store.alloc, exp_avg=torch.randn(c.numel),
+                     exp_avg_sq=torch.rand(c.numel), steps=[5] * len(c.params))
 
     def per_param():
         out = {}
@@ -233,24 +235,27 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     problem, layout = build_problem(meta, 1000, 10**6, gpu_margin_mem_ratio=0.5)
     store = make_store(real)
     assert layout == store.layout
-    # compute buffers and the buffer; the gradient buffers of the host chunks offloading at once (here both)
-    # count while any chunk is on the host
-    assert len(store.chunks) == 2
-    resident = sum(c.data.nbytes for c in store.chunks) + 40
+    # compute buffers and the buffer; the gradient buffers of the host chunks offloading at once (the two
+    # largest) count while any chunk is on the host
+    sizes = [c.data.nbytes for c in store.chunks]
+    assert len(sizes) == 3 and sizes == [4 * n for n in layout.numels]  # 512 and 256 in chunks of their own
+    resident = sum(sizes) + 40
     assert problem.resident_model_bytes == resident
-    assert problem.host_grad_working_bytes == sum(c.data.nbytes for c in store.chunks)
+    assert problem.host_grad_working_bytes == sum(sorted(sizes)[-2:])
     one, _ = build_problem(meta, 1000, 10**6, grad_working_chunks=1)
-    assert one.host_grad_working_bytes == store.chunks[0].data.nbytes
+    assert one.host_grad_working_bytes == max(sizes)
     assert problem.margin_bytes == 10**6 - 1000 - resident
     steps = [4 * len(slots) for slots in layout.chunks]  # one fp32 step count per parameter
     # on the device: moments and step counts, and the chunk's gradients stay there too (fp32)
-    assert [c.device_bytes for c in problem.chunks] == [layout.chunk_numel * (8 + 4) + s for s in steps]
+    assert [c.device_bytes for c in problem.chunks] == [n * (8 + 4) + s
+                                                        for n, s in zip(layout.numels, steps, strict=True)]
     mixed, _ = build_problem(meta, 0, 10**6, master_weights=True)
-    assert mixed.chunks[0].device_bytes == layout.chunk_numel * (12 + 2) + steps[0]
+    n0 = layout.numels[0]
+    assert mixed.chunks[0].device_bytes == n0 * (12 + 2) + steps[0]
     # fp32 master, moments, update gradients; bf16 host values and host gradients
-    assert mixed.chunks[0].host_bytes == layout.chunk_numel * (16 + 2 + 2) + steps[0]
-    zero2, _ = build_problem(meta, 0, 10**6, world_size=4)
-    assert zero2.chunks[0].device_bytes == -(-layout.chunk_numel // 4) * 8 + steps[0]
+    assert mixed.chunks[0].host_bytes == n0 * (16 + 2 + 2) + steps[0]
+    zero2, zlayout = build_problem(meta, 0, 10**6, world_size=4)  # more ranks: uniform chunks
+    assert zlayout.uniform and zero2.chunks[0].device_bytes == -(-zlayout.chunk_numel // 4) * 8 + steps[0]
     with pytest.raises(ValueError, match="world_size"):
         build_problem(meta, 0, 10**6, world_size=0)
 
@@ -269,7 +274,7 @@ def test_host_state_is_one_allocation_and_the_plan_counts_it_pinned(dtype):
     c.init_state(HOST, store.alloc)
     storages = {t.untyped_storage().data_ptr() for t in c.state_tensors()}
     assert len(storages) == 1  # master, moments, step, host gradient, staging: one (pinned) allocation
-    cb = chunk_bytes(80, compute_dtype=dtype, n_params=len(c.params))
+    cb = chunk_bytes(c.numel, compute_dtype=dtype, n_params=len(c.params))
     assert c.state_tensors()[0].untyped_storage().nbytes() == cb.host_state_bytes == c.state_nbytes()
     page = mmap.PAGESIZE  # pinned in whole pages (memsched.devices.pinned), not a power of two
     assert pinned_bytes(cb.host_state_bytes) == -(-cb.host_state_bytes // page) * page
@@ -327,3 +332,43 @@ def test_bindings_follow_the_lifecycle_and_refuse_what_it_does_not_allow():
     bindings.to_device(c)
     assert bindings.state(c) is Binding.DEVICE
     assert all(p.data_ptr() == store.data_view(p).data_ptr() for p in c.params)
+
+
+# ---- exact chunks (issue 31: padding at most 5 %) ----------------------------------------------------------
+def test_exact_chunks_hold_only_their_parameters_and_a_large_one_gets_a_chunk_of_its_own():
+    # an embedding three times an eighth of the model, in the middle of first-use order (as GPT-2's)
+    numels = [100] * 5 + [5000] + [300] * 40
+    exact = build_layout(numels, exact=True)
+    uniform = build_layout(numels)
+    assert uniform.chunk_numel >= 5000 and uniform.waste_numel > 0.2 * sum(numels)
+    assert exact.waste_numel == 0
+    assert exact.chunk_numel < 5000 and exact.chunk_numel <= -(-sum(numels) // 8)
+    assert exact.numels == tuple(exact.used_numel(i) for i in range(exact.n_chunks))
+    own = [i for i, slots in enumerate(exact.chunks) if [s.index for s in slots] == [5]]
+    assert own and exact.numels[own[0]] == 5000
+    # first-use order: the chunk holding parameters 0..4 (used before the embedding) comes before its chunk
+    first = [min(s.index for s in slots) for slots in exact.chunks]
+    assert first == sorted(first)
+    slots = [s for c in exact.chunks for s in c]
+    assert sorted(s.index for s in slots) == list(range(len(numels)))
+    assert all(s.chunk == i for i, c in enumerate(exact.chunks) for s in c)
+    assert all(s.offset + s.numel <= exact.numels[s.chunk] for s in slots)
+
+
+def test_a_given_chunk_size_is_exact_too_and_still_bounds_the_uniform_chunks():
+    exact = build_layout([8, 8, 3, 8], chunk_numel=16, exact=True)
+    assert exact.numels == (16, 11)
+    with pytest.raises(ValueError, match="largest parameter"):
+        build_layout([8, 20], chunk_numel=16)
+
+
+@pytest.mark.parametrize("size", ["tiny", "demo", "small", "gpt2-124m", "350m", "1.3b"])
+def test_every_gpt_preset_packs_without_padding_on_one_rank(size):
+    from memsched.models import config_for
+    from memsched.models.gpt import GPT
+
+    with torch.device("meta"):
+        numels = [p.numel() for p in GPT(config_for(size)).parameters()]
+    layout = build_layout(numels, exact=True)
+    assert layout.waste_numel == 0
+    assert layout.n_chunks >= 4  # the placement keeps its granularity

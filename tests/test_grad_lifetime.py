@@ -80,7 +80,8 @@ def test_the_device_peak_with_policy_cpu_is_no_higher_than_torch_adamw_beyond_ch
             sched.optimizer.zero_grad()
         peak = sched.sim.peak_bytes
         lay = sched.store.layout
-        unused = lay.n_chunks * lay.chunk_numel - sum(p.numel() for p in sched.store.params())
+        unused = lay.total_numel - sum(p.numel() for p in sched.store.params())
+        assert unused == lay.waste_numel == 0  # one rank: exact chunks ([Note: exact chunks])
         padding = unused * 4 * 2  # the chunks' room beyond their parameters: compute + gradient buffers
         freed = all(c.grad is None for c in sched.store.chunks)
     assert peak <= torch_peak + padding, (peak, torch_peak, padding)

@@ -43,7 +43,7 @@ def batches(n):
 PLACEMENTS = {
     "cpu": dict(policy="cpu", device="sim:64MiB"),
     "cuda": dict(policy="cuda", device="sim:64MiB"),
-    "static": dict(policy="static", device="sim:64MiB", policy_options={"offload_optim_frac": 0.5}),
+    "static": dict(policy="static", device="sim:64MiB", policy_options={"offload_optim_frac": 0.4}),
     "on-cpu": dict(policy="auto", device="cpu"),
 }
 

@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import memsched
@@ -15,7 +16,7 @@ from memsched.chunks import Allocator, ChunkStore
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import DEVICE, HOST
-from tests._numerics import same
+from tests._numerics import LR, SIM, WD, Reference, assert_same, same, to_dev
 
 RTOL = 1e-6
 
@@ -196,26 +197,26 @@ def run_attached(m: MLP, xs, lam, **kw) -> memsched.Scheduler:
 
 
 @functools.cache
-def base_and_chunks() -> tuple[int, int, int]:
-    """(capacity - margin, chunk device bytes, chunks) of the MLP run below, from a warmup on a roomy
-    device."""
+def base_and_chunks() -> tuple[int, tuple[int, ...]]:
+    """(capacity - margin, each chunk's device bytes in first-use order) of the MLP run below, from a warmup
+    on a roomy device."""
     torch.manual_seed(0)
     sched = run_attached(MLP(), [torch.randn(8, 16) for _ in range(2)], lambda s: 1.0, policy="cpu",
                          device="sim:1GiB")
     p = sched.problem
-    return p.capacity_bytes - p.margin_bytes, p.chunks[0].device_bytes, len(p.chunks)
+    return p.capacity_bytes - p.margin_bytes, tuple(c.device_bytes for c in p.chunks)
 
 
 @pytest.mark.parametrize("policy", ["cpu", "cuda", "static", "auto"])
 def test_attach_parity_every_policy_on_the_stand_in(policy):
-    base, chunk_dev, n = base_and_chunks()
-    assert n >= 3
+    base, chunk_dev = base_and_chunks()
+    assert len(chunk_dev) >= 3
     ratio = 0.8
-    # Room for two chunks of optimizer state within the ratio (one and a half was enough before the stand-in
-    # counted every device allocation, rounded to 512 B): auto must split, one chunk on the device.
-    capacity = base + int(2 * chunk_dev / ratio) + 1
+    # Room for the first two chunks of optimizer state within the ratio (one and a half was enough before the
+    # stand-in counted every device allocation, rounded to 512 B): auto must split.
+    capacity = base + int(sum(chunk_dev[:2]) / ratio) + 1
     if policy == "cuda":
-        capacity = base + n * chunk_dev + 1  # cuda needs everything on the device
+        capacity = base + sum(chunk_dev) + 1  # cuda needs everything on the device
     torch.manual_seed(0)
     m = MLP()
     ref = copy.deepcopy(m)
@@ -237,3 +238,50 @@ def test_attach_parity_every_policy_on_the_stand_in(policy):
     # Transfers: host chunks move their gradients down and parameters up each step after warmup.
     host_bytes = sum(c.numel * 4 for c in sched.store.chunks if c.placement == HOST)
     assert sched.transfers.last_h2d_bytes == host_bytes
+
+
+class BigEmbedding(nn.Module):
+    """An embedding and a head each eight times the blocks between them (GPT-2's shape in small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(2048, 32)
+        self.blocks = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+        self.head = nn.Linear(32, 2048, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.blocks(self.emb(x))))
+
+
+def _big_embedding_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("policy", ["cpu", "cuda"])
+def test_exact_chunks_train_bit_exactly_with_a_large_parameter_in_a_chunk_of_its_own(policy):
+    torch.manual_seed(0)
+    model = BigEmbedding()
+    ref = Reference(model, device=SIM)
+    g = torch.Generator().manual_seed(1)
+    batches = [to_dev((torch.randint(0, 2048, (2, 8), generator=g),
+                       torch.randint(0, 2048, (2, 8), generator=g))) for _ in range(3)]
+    with memsched.attach(model, policy=policy, device="sim:64MiB", lr=LR, weight_decay=WD,
+                         warmup_steps=1) as sched:
+        chunks = sched.store.chunks
+        # every chunk as long as what it holds; the embedding and the head alone in theirs
+        assert [c.numel for c in chunks] == [sum(n for _off, n in c.ranges) for c in chunks]
+        alone = [c.params for c in chunks if len(c.params) == 1]
+        assert any(ps[0] is model.emb.weight for ps in alone)
+        assert any(ps[0] is model.head.weight for ps in alone)
+        assert sched.store.layout.chunk_numel < model.emb.weight.numel()
+        for b in batches:
+            sched.backward(_big_embedding_loss(model, b))
+            norm = sched.clip_grad_norm_(0.01)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            assert float(norm) > 0.05  # the clip triggers
+            with sched.sim.paused():
+                ref.step(b, _big_embedding_loss, 0.01)
+                assert_same(model, ref, f"{policy}", sched.optimizer)
+        assert {c.placement for c in chunks} == {HOST if policy == "cpu" else DEVICE}

@@ -91,8 +91,9 @@ def test_target_prediction_matches_real_run(target: str) -> None:
 def test_model_data_follows_adamw_arithmetic(tiny_prediction) -> None:
     cp = plan_for_capacity(tiny_prediction, 2**30)
     md = cp.model_data
-    padded = cp.n_chunks * cp.chunk_numel
-    assert padded >= sum(p.numel() for p in tiny_prediction.model.parameters())
+    padded = sum(c.numel for c in cp.problem.chunks)
+    # one rank: exact chunks, no padding (tied weights once)
+    assert padded == sum(p.numel() for p in set(tiny_prediction.model.parameters()))
     assert md["parameter"] == md["gradient"] == 4 * padded  # fp32 compute parameters and gradients
     n_tensors = sum(1 for p in tiny_prediction.model.parameters() if p.requires_grad)
     # fp32 exp_avg + exp_avg_sq, one step count per parameter (as torch.optim.AdamW keeps)
@@ -103,7 +104,7 @@ def test_model_data_follows_adamw_arithmetic(tiny_prediction) -> None:
     assert sum(c.device_bytes for c in cp.problem.chunks) == md["optimizer_state"] + md["gradient"]
     # what at most two chunks' gradients on their way to the host add to the traced peak (at the turn from
     # forward to backward, the peak, no gradient exists yet)
-    assert 0 <= cp.problem.host_grad_working_bytes <= 2 * md["gradient"] // cp.n_chunks
+    assert 0 <= cp.problem.host_grad_working_bytes <= 2 * 4 * max(c.numel for c in cp.problem.chunks)
     assert cp.problem.peak_non_model_bytes == tiny_prediction.peak_non_model_bytes
 
 
@@ -122,12 +123,20 @@ def test_the_predicted_reads_cover_every_chunk_in_forward_and_backward(tiny_pred
 
 
 def test_chunk_padding_is_reported_apart_from_the_parameters(tiny_prediction, capsys) -> None:
-    cp = plan_for_capacity(tiny_prediction, 2**30)
     own = sum(p.numel() for p in tiny_prediction.model.parameters() if p.requires_grad)  # ties counted once
+    # one rank: exact chunks hold no padding
+    exact = plan_for_capacity(tiny_prediction, 2**30)
+    assert exact.padding == {"numel": 0, "parameter": 0, "gradient": 0, "optimizer_state": 0}
+    # ZeRO-1 over 2 ranks: uniform chunks, padded to the searched size
+    cp = plan_for_capacity(tiny_prediction, 2**30, world_size=2, zero_stage=1)
     pad = cp.n_chunks * cp.chunk_numel - own
     assert pad > 0
     assert cp.padding == {"numel": pad, "parameter": 4 * pad, "gradient": 4 * pad, "optimizer_state": 8 * pad}
     # The CLI: parameters without the padding, the padding on its own row, and both in the JSON.
+    one = _plan_json(capsys, "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--capacity", "1GiB")
+    assert one["chunks"]["padding"]["numel"] == 0 and one["chunks"]["total_numel"] == own
+    cp = plan_for_capacity(tiny_prediction, 2**30)
+    pad = 0
     argv = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--capacity", "1GiB"]
     r = _plan_json(capsys, *argv)
     assert r["chunks"]["padding"] == cp.padding
@@ -144,10 +153,11 @@ def test_bf16_adds_the_fp32_master_and_keeps_ties() -> None:
     assert pred.dtype == torch.bfloat16
     assert pred.model.lm_head.weight is pred.model.wte.weight
     cp = plan_for_capacity(pred, 2**30)
-    assert cp.model_data["parameter"] == 2 * cp.n_chunks * cp.chunk_numel
+    numel = sum(p.numel() for p in set(pred.model.parameters()))  # exact chunks, the tie once
+    assert cp.model_data["parameter"] == 2 * numel
     # fp32 master + exp_avg + exp_avg_sq (and one step count per parameter)
     n_tensors = sum(1 for p in pred.model.parameters() if p.requires_grad)
-    assert cp.model_data["optimizer_state"] == 12 * cp.chunk_numel * cp.n_chunks + STEP_BYTES * n_tensors
+    assert cp.model_data["optimizer_state"] == 12 * numel + STEP_BYTES * n_tensors
 
 
 def test_module_to_works_on_fake_models() -> None:
@@ -183,7 +193,7 @@ def test_verdicts_for_four_capacities(tiny_prediction) -> None:
                                                     for i in plan.param_host_chunks)
     assert short["peak_bytes"] == plan.peak_bytes <= base - 1000
     assert short["h2d_bytes_per_step"] >= plan.schedule.h2d_copies * probe.chunks[0].param_bytes
-    assert short["d2h_bytes_per_step"] == len(plan.placement) * tight.grad_bytes
+    assert short["d2h_bytes_per_step"] == sum(c.param_bytes for c in tight.problem.chunks)  # every chunk's
     cpu = verdict(tight, "cpu")
     assert cpu["status"] == "does_not_fit" and cpu["short_bytes"] == 1000
 
@@ -266,11 +276,13 @@ def test_cli_world_size_predicts_each_zero_stage_per_rank(capsys) -> None:
     assert [s["zero_stage"] for s in (s0, s1, s2, s3)] == [0, 1, 2, 3]
     assert s3["status"] == "fits" and s3["resident_model_bytes"] < s2["resident_model_bytes"]
     md, peak = one["model_data"], one["trace"]["peak_non_model_bytes"]
-    # ZeRO-0: one rank's whole state (the chunks unpadded); ZeRO-1: a quarter of it, same gradients;
-    # ZeRO-2: fewer gradient bytes
-    assert s0["device_state_bytes"] == md["optimizer_state"]
+    # ZeRO-0: one rank's whole state (uniform chunks with more ranks: the one-rank figures plus the padding
+    # of chunks of the searched size); ZeRO-1: a quarter of it, same gradients; ZeRO-2: fewer gradient bytes
+    n = r["workload"]["parameters"]
+    pad = s0["device_state_bytes"] - md["optimizer_state"]
+    assert pad % 8 == 0 and 0 <= pad < 8 * n  # fp32 moments of the padding
     assert one["plans"]["cuda"]["device_bytes"] == md["optimizer_state"] + md["gradient"]  # with its grads
-    assert s0["resident_model_bytes"] == md["parameter"] + md["gradient"] + md["other"]
+    assert s0["resident_model_bytes"] == md["parameter"] + md["gradient"] + md["other"] + pad
     assert s1["device_state_bytes"] < s0["device_state_bytes"] / 3
     assert s1["resident_model_bytes"] >= s0["resident_model_bytes"] > s2["resident_model_bytes"]
     for s in (s0, s1, s2, s3):
@@ -378,10 +390,10 @@ def test_positive_int_list() -> None:
 
 def test_cli_seq_len_sweep_json_has_every_size_and_the_largest_that_fits(capsys) -> None:
     r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "4,32,128,256",
-                   "--capacity", "3450KiB")
+                   "--capacity", "3400KiB")
     assert r["schema"] == "memsched.plan_sweep" and r["version"] == 2
     assert r["over"] == "seq_len" and r["values"] == [4, 32, 128, 256]
-    assert r["capacity_bytes"] == 3450 * 2**10 and r["gpu"] is None
+    assert r["capacity_bytes"] == 3400 * 2**10 and r["gpu"] is None
     sizes = r["sizes"]
     assert [s["seq_len"] for s in sizes] == [4, 32, 128, 256]
     peaks = [s["peak_non_model_bytes"] for s in sizes]
@@ -393,13 +405,13 @@ def test_cli_seq_len_sweep_json_has_every_size_and_the_largest_that_fits(capsys)
         assert s["result"]["trace"]["peak_non_model_bytes"] == s["peak_non_model_bytes"]
         assert set(s["verdicts"]) == {"auto", "cpu"}
     status = [s["verdicts"]["auto"]["status"] for s in sizes]
-    assert status == ["fits", "offload", "offload_params", "does_not_fit"]  # 3450 KiB shows all four
+    assert status == ["fits", "offload", "offload_params", "does_not_fit"]  # 3400 KiB shows all four
     assert [s["verdicts"]["cpu"]["status"] for s in sizes] == ["offload", "offload", "does_not_fit",
                                                                "does_not_fit"]
     assert r["largest_fitting"] == {"auto": 128, "cpu": 32, "auto_all_on_device": 4}
     # the sweep's figures are the single-size command's
     single = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "128",
-                        "--capacity", "3450KiB", "--no-largest-preset")
+                        "--capacity", "3400KiB", "--no-largest-preset")
     assert single["schema"] == "memsched.plan" and single["trace"]["peak_non_model_bytes"] == peaks[2]
     assert single["verdict"] == sizes[2]["verdicts"]["auto"]
     assert "largest_preset" not in single
@@ -530,7 +542,7 @@ def test_the_plan_predicts_the_step_on_a_named_gpu(capsys) -> None:
     compute = serial["flops"] / (gpu.fp32_flops * EFFICIENCY[torch.float32])
     assert serial["flops"] > 0 and serial["compute_s"] == pytest.approx(compute)
     host = serial["host_elements"]
-    assert host == r["chunks"]["count"] * r["chunks"]["numel"]  # policy cpu: every chunk on the host
+    assert host == r["chunks"]["total_numel"]  # policy cpu: every chunk on the host
     assert serial["step_s"] == pytest.approx(compute + host / 1e9)
     assert overlap["step_s"] == pytest.approx(compute + max(0.0, host / 1e9 - compute / 3))
     assert st["cpu_rate_source"] == "--cpu-adam-rate"

@@ -174,6 +174,7 @@ def test_check_plan_names_a_placement_difference(cli_plan) -> None:
     plan = PlacementPlan("auto", tuple(placement), 0, 0, cli["margin_bytes"], 0)
     check = check_plan(load_expected_plan(cli_plan), plan, capacity_bytes=cli_plan["capacity_bytes"],
                        peak_non_model_bytes=cli_plan["trace"]["peak_non_model_bytes"],
-                       chunk_numel=cli_plan["chunks"]["numel"], chunk_count=cli_plan["chunks"]["count"])
+                       chunk_numel=cli_plan["chunks"]["numel"], chunk_count=cli_plan["chunks"]["count"],
+                       total_numel=cli_plan["chunks"]["total_numel"])
     assert not check.agrees
     assert len(check.differences) == 1 and check.differences[0].startswith("optimizer state and gradients")

@@ -84,12 +84,13 @@ def test_first_use_order_and_problem_match_the_model():
         assert p.capacity_bytes == 64 * 2**20
         # resident: the compute buffers (a chunk placed on the device would add its gradient buffer); the host
         # chunks' gradients on their way to the host add what the warmup trace saw them add to its peak
-        chunk = sched.store.chunks[0].data.nbytes
-        assert p.resident_model_bytes == chunk * len(sched.store.chunks)
+        buffers = sum(c.data.nbytes for c in sched.store.chunks)
+        assert buffers == 4 * sum(q.numel() for q in m.parameters())  # exact chunks: no padding
+        assert p.resident_model_bytes == buffers
         timeline = sched.timeline
         assert p.peak_non_model_bytes == timeline.peak_non_model_bytes()
         working = timeline.peak_non_model_grad_bytes() - timeline.peak_non_model_bytes()
-        assert p.host_grad_working_bytes == working and 0 < working <= chunk * len(sched.store.chunks)
+        assert p.host_grad_working_bytes == working and 0 < working <= buffers
         assert set(sched.plan.placement) == {HOST}
         assert sched.plan.device_bytes == working
 

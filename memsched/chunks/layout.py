@@ -1,8 +1,19 @@
-"""Packing parameters into chunks of one size, from their numels only (runs on meta and fake tensors).
+"""Packing parameters into chunks, from their numels only (runs on meta and fake tensors).
 
 PatrickStar's chunk-size search (arXiv 2108.05818, section 4.1): greedy packing in first-use order, the size
 that wastes the fewest elements. Also the shard arithmetic every rank uses: which part of each parameter falls
 in a shard ``[lo, hi)`` of a chunk.
+
+[Note: exact chunks]
+PatrickStar and Gemini give every chunk the searched size, so each chunk pays for the room its parameters
+leave free: up to 69 % more memory than the parameters, on the device, in pinned host memory and over the link
+(issue 31). With one rank, memsched's chunks are *exact*: the search picks the size parameters are packed
+to, and each chunk is then as long as what it holds. A parameter larger than the searched size (an embedding
+much larger than a block) gets a chunk of its own, so the size can follow the model's eighth
+(``min_chunks``) rather than its largest tensor. Chunks of different lengths cost nothing at runtime (each
+buffer is allocated for its own chunk); the plan counts each chunk's own bytes. With more ranks every chunk
+keeps the searched size: a rank owns the same share ``[r * s, (r + 1) * s)`` of every chunk
+(:mod:`memsched.distributed.layout`).
 """
 
 from __future__ import annotations
@@ -31,21 +42,36 @@ class Slot:
 
 @dataclass(frozen=True)
 class ChunkLayout:
-    """A packing of parameters into chunks of one size.
+    """A packing of parameters into chunks.
 
     Attributes:
-        chunk_numel: elements per chunk (capacity, including the padding at the end).
+        chunk_numel: the size parameters are packed to (elements): every chunk's capacity when the chunks
+            are uniform; with exact chunks the longest a chunk of several parameters may be (a parameter
+            larger than it has a chunk of its own).
         chunk_groups: param group of each chunk.
         chunks: the slots of each chunk, in packing order.
+        numels: each chunk's capacity (elements, padding included); empty = ``chunk_numel`` for every chunk.
     """
 
     chunk_numel: int
     chunk_groups: tuple[int, ...]
     chunks: tuple[tuple[Slot, ...], ...]
+    numels: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.numels:
+            object.__setattr__(self, "numels", (self.chunk_numel,) * len(self.chunks))
+        elif len(self.numels) != len(self.chunks):
+            raise ValueError(f"{len(self.numels)} chunk sizes for {len(self.chunks)} chunks")
 
     @property
     def n_chunks(self) -> int:
         return len(self.chunks)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every chunk has ``chunk_numel`` elements."""
+        return all(n == self.chunk_numel for n in self.numels)
 
     def used_numel(self, chunk: int) -> int:
         return sum(s.numel for s in self.chunks[chunk])
@@ -53,7 +79,7 @@ class ChunkLayout:
     @property
     def total_numel(self) -> int:
         """Elements of all chunks, padding included."""
-        return self.chunk_numel * self.n_chunks
+        return sum(self.numels)
 
     @property
     def waste_numel(self) -> int:
@@ -81,25 +107,29 @@ def _aligned(offset: int, align: int) -> int:
 
 
 def _greedy_waste(groups: list[list[int]], c: int, align: int = 1) -> int:
-    """Padding elements of the greedy packing into chunks of ``c`` elements (alignment gaps included)."""
+    """Padding elements of the greedy packing into chunks of ``c`` elements (alignment gaps included); a
+    parameter larger than ``c`` has a chunk of its own, without padding ([Note: exact chunks])."""
     chunks = total = 0
     for g in groups:
         used = 0
         for n in g:
+            if n > c:
+                continue
             start = _aligned(used, align)
             if start + n > c and used:
                 chunks += 1
                 start = 0
             used = start + n
             total += n
-        if g:
+        if used:
             chunks += 1
     return chunks * c - total
 
 
 def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
                       min_chunks: int = DEFAULT_MIN_CHUNKS,
-                      max_candidates: int = DEFAULT_MAX_CANDIDATES, align: int = 1) -> int:
+                      max_candidates: int = DEFAULT_MAX_CANDIDATES, align: int = 1,
+                      exact: bool = False) -> int:
     """Choose the chunk size (elements) that minimises padding, PatrickStar-style (arXiv 2108.05818, 4.1).
 
     Method: parameters are packed greedily in the given order (a new chunk starts when the next parameter does
@@ -110,10 +140,17 @@ def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
     ``ceil((hi - lo) / max_candidates)``, so the cost is O(n * max_candidates) and the search is exact when
     ``hi - lo <= max_candidates``. Ties go to the smaller size.
 
+    ``exact`` (chunks as long as what they hold, [Note: exact chunks]): when the largest parameter is larger
+    than ``ceil(total / min_chunks)``, the candidates lie in ``[ceil(total / (4 * min_chunks)),
+    ceil(total / min_chunks)]`` instead and every parameter larger than a candidate has a chunk of its own
+    (no padding); ties then go to the larger size (fewer chunks). The padding of the uniform packing measures
+    how unevenly the parameters fill their chunks.
+
     Args:
         numels: parameter sizes (elements) in packing order, one flat sequence or one sequence per group.
         align: every parameter starts at a multiple of ``align`` elements in its chunk (see
             :func:`build_layout`).
+        exact: the size is for exact chunks (:func:`build_layout`'s ``exact``).
 
     Raises:
         ValueError: a size is not a positive integer, there are no parameters, or ``min_chunks`` /
@@ -125,16 +162,20 @@ def search_chunk_size(numels: Sequence[int] | Sequence[Sequence[int]], *,
     lo = max(n for g in groups for n in g)
     total = sum(n for g in groups for n in g)
     hi = max(lo, math.ceil(total / min_chunks))
+    own = exact and lo > math.ceil(total / min_chunks)
+    if own:  # the largest parameters get chunks of their own: the size follows the model, not them
+        hi = math.ceil(total / min_chunks)
+        lo = max(1, math.ceil(total / (4 * min_chunks)))
     step = max(1, math.ceil((hi - lo) / max_candidates))
     candidates = list(range(lo, hi + 1, step))
     if candidates[-1] != hi:
         candidates.append(hi)
-    return min(candidates, key=lambda c: (_greedy_waste(groups, c, align), c))
+    return min(candidates, key=lambda c: (_greedy_waste(groups, c, align), -c if own else c))
 
 
 def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel: int | None = None,
-                 min_chunks: int = DEFAULT_MIN_CHUNKS, align: int = 1) -> ChunkLayout:
-    """Pack parameters (given by their numels, in order, per group) greedily into chunks of one size.
+                 min_chunks: int = DEFAULT_MIN_CHUNKS, align: int = 1, exact: bool = False) -> ChunkLayout:
+    """Pack parameters (given by their numels, in order, per group) greedily into chunks.
 
     Args:
         numels: parameter sizes (elements), one flat sequence or one sequence per param group.
@@ -142,34 +183,42 @@ def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel
         align: every parameter starts at a multiple of ``align`` elements (ZeRO uses
             :data:`SHARD_ALIGN`, so that shard boundaries cut parameters where torch's CPU AdamW kernel
             would also start a vector: bit-exact updates of parameter shards).
+        exact: each chunk is as long as what it holds, and a searched size may be below the largest
+            parameter, which then has a chunk of its own ([Note: exact chunks]; one rank). Otherwise every
+            chunk has ``chunk_numel`` elements.
 
     Raises:
-        ValueError: bad numels, or ``chunk_numel`` smaller than the largest parameter (names both).
+        ValueError: bad numels, or ``chunk_numel`` smaller than the largest parameter without ``exact``
+            (names both).
     """
     groups = _as_groups(numels)
     largest = max(n for g in groups for n in g)
     if chunk_numel is None:
-        chunk_numel = search_chunk_size(groups, min_chunks=min_chunks, align=align)
-    elif isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < largest:
+        chunk_numel = search_chunk_size(groups, min_chunks=min_chunks, align=align, exact=exact)
+    elif isinstance(chunk_numel, bool) or not isinstance(chunk_numel, int) or chunk_numel < 1 or (
+            chunk_numel < largest and not exact):
         raise ValueError(f"chunk_numel must be an integer >= the largest parameter ({largest} elements), "
                          f"got {chunk_numel!r}")
-    chunks: list[tuple[Slot, ...]] = []
-    chunk_groups: list[int] = []
+    # Each chunk in the order of its first parameter (first use): a chunk of its own for a large parameter
+    # comes after the chunk open beside it, which holds parameters used before it.
+    drafts: list[tuple[int, list[tuple[int, int, int]]]] = []  # (group, [(index, offset, numel)])
     for gi, g in enumerate(groups):
-        cur: list[Slot] = []
+        cur: list[tuple[int, int, int]] | None = None
         used = 0
         for i, n in enumerate(g):
+            if n > chunk_numel:  # exact only (uniform chunks are >= every parameter): a chunk of its own
+                drafts.append((gi, [(i, 0, n)]))
+                continue
             start = _aligned(used, align)
-            if start + n > chunk_numel and cur:
-                chunks.append(tuple(cur))
-                chunk_groups.append(gi)
+            if cur is None or (start + n > chunk_numel and cur):
                 cur, start = [], 0
-            cur.append(Slot(gi, i, len(chunks), start, n))
+                drafts.append((gi, cur))
+            cur.append((i, start, n))
             used = start + n
-        if cur:
-            chunks.append(tuple(cur))
-            chunk_groups.append(gi)
-    return ChunkLayout(chunk_numel, tuple(chunk_groups), tuple(chunks))
+    chunks = tuple(tuple(Slot(gi, i, ci, off, n) for i, off, n in slots)
+                   for ci, (gi, slots) in enumerate(drafts))
+    sizes = tuple(slots[-1][1] + slots[-1][2] if exact else chunk_numel for _gi, slots in drafts)
+    return ChunkLayout(chunk_numel, tuple(gi for gi, _ in drafts), chunks, sizes)
 
 
 @dataclass(frozen=True)

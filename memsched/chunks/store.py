@@ -110,8 +110,10 @@ class ChunkStore:
         # correspondence matters, and torch's fused kernel walks a dense tensor in memory order, as the
         # update of a flat slot does. More ranks: contiguous (shards cut parameters in logical order).
         self._strides: dict[int, tuple[int, ...]] = {}
+        # One rank: chunks as long as what they hold ([Note: exact chunks] in memsched.chunks.layout)
+        self.exact = self.dp.world == 1
         self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel,
-                                   align=self.align)
+                                   align=self.align, exact=self.exact)
         self.chunks: list[Chunk] = []
         self.param_chunk: dict[int, Chunk] = {}
         self._hooks: list = []
@@ -167,17 +169,18 @@ class ChunkStore:
 
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
                      groups: list[list[torch.nn.Parameter]], keep_initial: bool, grads: bool = True) -> Chunk:
-        data = self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+        numel = layout.numels[ci]
+        data = self.alloc.device_zeros(numel, self.compute_dtype)
         params = [groups[s.group][s.index] for s in slots]
         has_grad = [grads and p.grad is not None and p.grad.shape == p.shape for p in params]
-        grad = (self.alloc.device_zeros(layout.chunk_numel, self.compute_dtype)
+        grad = (self.alloc.device_zeros(numel, self.compute_dtype)
                 if any(has_grad) or not self.lazy_grads else None)
         ranges = [(s.offset, s.numel) for s in slots]
         # Mixed precision: the fp32 master starts from the parameters' full-precision values, not from their
         # compute-dtype rounding (kept on the host until the optimizer state is made).
         initial = None
         if self.compute_dtype != torch.float32 and keep_initial:
-            initial = self.alloc.host_zeros(layout.chunk_numel, torch.float32)
+            initial = self.alloc.host_zeros(numel, torch.float32)
         for p, (off, _n) in zip(params, ranges, strict=True):
             src = p.data
             if self.dp.world == 1:
@@ -194,7 +197,7 @@ class ChunkStore:
                 p.grad = self.slot(grad, off, p)
             else:
                 p.grad = None
-        chunk = Chunk(ci, layout.chunk_groups[ci], layout.chunk_numel, params, ranges, data, grad,
+        chunk = Chunk(ci, layout.chunk_groups[ci], numel, params, ranges, data, grad,
                       initial_master=initial)
         chunk.offload_grads = self.backward_offload
         chunk.private_grads = self.private_grads
@@ -230,8 +233,8 @@ class ChunkStore:
         """
         new_groups = ordered_groups(self.groups, order)
         layout = build_layout([[p.numel() for p in g] for g in new_groups], chunk_numel=chunk_numel,
-                              align=self.align)
-        same = (layout.chunk_numel == self.layout.chunk_numel
+                              align=self.align, exact=self.exact)
+        same = (layout.numels == self.layout.numels
                 and all(a is b for ga, gb in zip(new_groups, self.groups, strict=True)
                         for a, b in zip(ga, gb, strict=True)))
         if same:

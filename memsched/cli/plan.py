@@ -182,7 +182,7 @@ def _step_time(args: argparse.Namespace, prediction: Any, cplan: CapacityPlan, g
     plan = cplan.plans.get(args.policy)
     if plan is None or isinstance(plan, str):
         return {"reason": f"no plan for policy {args.policy!r}"}
-    host = len(plan.host_chunks) * cplan.chunk_numel
+    host = sum(cplan.problem.chunks[i].numel for i in plan.host_chunks)
     out: dict[str, Any] = {"gpu": table.name, "cpu_rate_source": rate[1]}
     for mode, overlap in (("serial", False), ("overlap", True)):
         step = predict_step(prediction.flops, table, prediction.dtype, host, rate[0], overlap)
@@ -239,10 +239,11 @@ def render(result: dict[str, Any], console: Console) -> None:
     # The chunks' padding is allocated with the parameters, gradients and optimizer states but holds no
     # parameter: its own row, so a small model's parameter bytes are its parameters'.
     pad = chunks.get("padding") or {"numel": 0, "parameter": 0, "gradient": 0, "optimizer_state": 0}
-    elements = chunks["count"] * chunks["numel"]
+    elements = chunks["total_numel"]
     share = f", {100 * pad['numel'] / elements:.1f} % padding" if elements else ""
-    data = Table(title=f"Model data ({chunks['count']} chunks of {chunks['numel']:,} elements{share})",
-                 title_justify="left")
+    sizes = (f"of {chunks['numel']:,} elements" if elements == chunks["count"] * chunks["numel"] else
+             f"of up to {chunks['largest_numel']:,} elements, {elements:,} in all")
+    data = Table(title=f"Model data ({chunks['count']} chunks {sizes}{share})", title_justify="left")
     data.add_column("category")
     data.add_column("bytes", justify="right")
     data.add_column("where")

@@ -40,7 +40,9 @@ class CapacityPlan:
     Attributes:
         problem: the placement problem (from :func:`memsched.planning.problem.build_problem`), with the
             traced step's chunk accesses (parameters may stay on the host).
-        chunk_numel: chunk size, elements; ``n_chunks``: number of chunks.
+        chunk_numel: the searched chunk size, elements (one rank: each chunk as long as what it holds, a
+            larger parameter in a chunk of its own: ``problem.chunks[i].numel``); ``n_chunks``: number of
+            chunks.
         model_data: bytes by category: ``parameter`` and ``gradient`` (the chunks' compute and gradient
             buffers, padding included), ``optimizer_state`` (every chunk's optimizer state as it would be on
             the device: ``exp_avg``, ``exp_avg_sq``, the fp32 master under mixed precision, step counts),
@@ -49,7 +51,7 @@ class CapacityPlan:
         padding: the chunks' padding (the elements past the last parameter of each chunk, allocated but
             holding no parameter): ``numel`` (elements) and the bytes it adds to ``parameter``, ``gradient``
             and ``optimizer_state`` of ``model_data``.
-        grad_bytes: one chunk's gradient buffer, bytes (what a host chunk sends D2H per micro-batch).
+        grad_bytes: the largest chunk's gradient buffer, bytes.
     """
 
     problem: PlacementProblem
@@ -96,7 +98,8 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
     # The trace is of plain torch, whose gradients stay on the device; memsched's leave it chunk by chunk:
     # the gradients in flight follow from the recorded gradient events in this packing (memsched.planning.
     # reads), and so what they add to the peak.
-    grad_bytes = chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master).grad_bytes
+    # one chunk's gradient buffer, the largest (as the runtime's planner counts it)
+    grad_bytes = chunk_bytes(max(layout.numels), compute_dtype=dtype, master_weights=master).grad_bytes
     accesses: list[Any] = []
     if prediction.reads and not ranks:
         chunks = layout_param_chunks(model, layout, order)
@@ -107,12 +110,11 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
         if working is not None:
             problem = dataclasses.replace(problem, host_grad_working_bytes=working)
     problem = dataclasses.replace(problem, accesses=tuple(accesses))
-    per_chunk = [chunk_bytes(layout.chunk_numel, compute_dtype=dtype, master_weights=master,
-                             n_params=len(slots)) for slots in layout.chunks]
-    cb = per_chunk[0]
+    per_chunk = [chunk_bytes(numel, compute_dtype=dtype, master_weights=master, n_params=len(slots))
+                 for slots, numel in zip(layout.chunks, layout.numels, strict=True)]
     model_data = {
-        "parameter": layout.n_chunks * cb.compute_bytes,
-        "gradient": layout.n_chunks * cb.grad_bytes,
+        "parameter": sum(c.compute_bytes for c in per_chunk),
+        "gradient": sum(c.grad_bytes for c in per_chunk),
         "optimizer_state": sum(c.device_state_bytes for c in per_chunk),
         "other": resident_extra_bytes(model, trainable_groups(model)),
     }
@@ -128,7 +130,7 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
         except policies.PlacementError as e:
             plans[name] = str(e)
     return CapacityPlan(problem=problem, chunk_numel=layout.chunk_numel, n_chunks=layout.n_chunks,
-                        model_data=model_data, plans=plans, padding=padding, grad_bytes=cb.grad_bytes)
+                        model_data=model_data, plans=plans, padding=padding, grad_bytes=grad_bytes)
 
 
 def link_bytes(cplan: CapacityPlan, plan: PlacementPlan) -> dict[str, int]:
@@ -145,7 +147,8 @@ def link_bytes(cplan: CapacityPlan, plan: PlacementPlan) -> dict[str, int]:
     if plan.schedule is not None:
         per = max(c.param_bytes for c in chunks)
         h2d += plan.schedule.h2d_copies * per
-    return {"h2d": h2d, "d2h": len(plan.host_chunks) * cplan.grad_bytes}
+    # a chunk's gradient buffer is as large as its compute buffer
+    return {"h2d": h2d, "d2h": sum(chunks[i].param_bytes for i in plan.host_chunks)}
 
 
 def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:
@@ -242,7 +245,9 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
     ``peak_non_model_bytes``, ``peak_module``, ``peak_phase``, ``elapsed_s``; ``model_data``: bytes by
     category (see :class:`CapacityPlan`; chunk padding included) plus ``resident_bytes`` and
     ``host_grad_working_bytes`` (what the host chunks' gradients add to the peak); ``chunks``:
-    ``numel`` and ``count``, and ``padding``: the padding's ``numel`` and its bytes in ``parameter``,
+    ``numel`` (the searched size), ``count``, ``total_numel`` and ``largest_numel`` (one rank: chunks as long
+    as what they hold, [Note: exact chunks] in :mod:`memsched.chunks.layout`; more ranks: ``count x numel``
+    and ``numel``), and ``padding``: the padding's ``numel`` and its bytes in ``parameter``,
     ``gradient`` and ``optimizer_state`` (subtract them from ``model_data`` for the parameters' own bytes);
     ``capacity_bytes``, ``gpu`` (table name or ``None``), ``gpu_margin_mem_ratio``, ``margin_bytes``;
     ``plans``: policy name -> :meth:`PlacementPlan.to_dict` or ``{"error": message}``; ``verdict``: see
@@ -261,7 +266,9 @@ def result_dict(prediction: Prediction, cplan: CapacityPlan, *, what: dict[str, 
                   "elapsed_s": round(prediction.elapsed_s, 3)},
         "model_data": {**cplan.model_data, "resident_bytes": p.resident_model_bytes,
                        "host_grad_working_bytes": p.host_grad_working_bytes},
-        "chunks": {"numel": cplan.chunk_numel, "count": cplan.n_chunks, "padding": dict(cplan.padding)},
+        "chunks": {"numel": cplan.chunk_numel, "count": cplan.n_chunks, "padding": dict(cplan.padding),
+                   "total_numel": sum(c.numel for c in p.chunks),
+                   "largest_numel": max((c.numel for c in p.chunks), default=0)},
         "capacity_bytes": p.capacity_bytes,
         "host_capacity_bytes": p.host_capacity_bytes,
         "host_capacity_source": p.host_capacity_source,

@@ -103,10 +103,11 @@ def load_expected_plan(expected: str | os.PathLike | Mapping[str, Any]) -> Mappi
 
 
 def check_plan(expected: Mapping[str, Any], plan: PlacementPlan, *, capacity_bytes: int,
-               peak_non_model_bytes: int, chunk_numel: int, chunk_count: int) -> PlanCheck:
+               peak_non_model_bytes: int, chunk_numel: int, chunk_count: int,
+               total_numel: int) -> PlanCheck:
     """Compare the runtime ``plan`` (made for ``capacity_bytes`` from a measured ``peak_non_model_bytes``,
-    over ``chunk_count`` chunks of ``chunk_numel`` elements) with ``expected``, the JSON of ``memsched plan
-    --json`` (one workload, not a sweep).
+    over ``chunk_count`` chunks packed to ``chunk_numel`` elements, ``total_numel`` in all) with
+    ``expected``, the JSON of ``memsched plan --json`` (one workload, not a sweep).
 
     Raises:
         ValueError: ``expected`` is not a ``memsched plan --json`` result of one workload, or has no plan for
@@ -140,11 +141,14 @@ def check_plan(expected: Mapping[str, Any], plan: PlacementPlan, *, capacity_byt
             "--attention math for the stand-in, which runs the math kernel)")
 
     chunks = expected["chunks"]
-    rows.append(("chunks", f"{chunks['count']} x {chunks['numel']} elements",
-                 f"{chunk_count} x {chunk_numel} elements"))
-    if (int(chunks["count"]), int(chunks["numel"])) != (chunk_count, chunk_numel):
-        diffs.append(f"the chunks differ ({chunks['count']} x {chunks['numel']} elements planned, "
-                     f"{chunk_count} x {chunk_numel} here): other parameters, param groups or chunk_numel")
+    total = total_numel
+    theirs_total = int(chunks.get("total_numel", int(chunks["count"]) * int(chunks["numel"])))
+    planned = f"{chunks['count']} chunks, {theirs_total:,} elements"
+    here = f"{chunk_count} chunks, {total:,} elements"
+    rows.append(("chunks", planned, here))
+    if (int(chunks["count"]), int(chunks["numel"]), theirs_total) != (chunk_count, chunk_numel, total):
+        diffs.append(f"the chunks differ ({planned} planned, packed to {chunks['numel']}; {here} here, "
+                     f"packed to {chunk_numel}): other parameters, param groups or chunk_numel")
 
     rows.append(("GPU margin", format_bytes(int(cli["margin_bytes"])), format_bytes(plan.margin_bytes)))
     for what, theirs, ours in (("optimizer state and gradients", cli["placement"], list(plan.placement)),

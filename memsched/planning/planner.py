@@ -45,8 +45,9 @@ def check_host_room(layout: ChunkLayout, config: SchedulerConfig, alloc: Allocat
     Raises:
         policies.PlacementError: the host budget is too small (names both sizes and the limit).
     """
-    sizes = [chunk_bytes(layout.chunk_numel, compute_dtype=config.compute_dtype, shard_numel=shard_numel,
-                         n_params=len(slots), private_grads=bool(config.overlap)) for slots in layout.chunks]
+    sizes = [chunk_bytes(numel, compute_dtype=config.compute_dtype, shard_numel=shard_numel,
+                         n_params=len(slots), private_grads=bool(config.overlap))
+             for slots, numel in zip(layout.chunks, layout.numels, strict=True)]
     need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin) for b in sizes)
     check_initial_host_state(need, host_budget(pinned=alloc.pin,
                                                stand_in_bytes=config.device.host_capacity_bytes,

@@ -142,6 +142,7 @@ def build_problem(
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     groups = ordered_groups(trainable_groups(model, param_groups), param_order)
     sizes = [[p.numel() for p in g] for g in groups]
+    exact = world_size == 1  # as the store packs: [Note: exact chunks] in memsched.chunks.layout
     grad_shards = param_shards = False
     if zero_stage is not None:
         from memsched.distributed.options import check_zero_options
@@ -161,35 +162,44 @@ def build_problem(
             if zero_stage == 0:
                 world_size = 1  # every rank keeps and updates the whole optimizer state
             offload_grads = False
-    layout = build_layout(sizes, chunk_numel=chunk_numel, align=align)
+    layout = build_layout(sizes, chunk_numel=chunk_numel, align=align, exact=exact)
     if compute_dtype is None:
         compute_dtype = next(p for g in groups for p in g).dtype  # a group may be empty (all frozen)
         if master_weights and compute_dtype == torch.float32:
             compute_dtype = torch.bfloat16
-    shard = math.ceil(layout.chunk_numel / world_size)
     # One rank: a host chunk's gradients go to the host as backward completes them, so only a working set of
     # gradient buffers is resident; a chunk whose optimizer state is on the device keeps its gradients there.
     offload = world_size == 1 if offload_grads is None else offload_grads
-    specs = []
-    for i, slots in enumerate(layout.chunks):  # the step counts make chunks differ by 4 bytes per parameter
-        cb = chunk_bytes(layout.chunk_numel, compute_dtype=compute_dtype, shard_numel=shard,
+    specs, per_chunk = [], []
+    for i, (slots, numel) in enumerate(zip(layout.chunks, layout.numels, strict=True)):
+        # the step counts make chunks differ by 4 bytes per parameter, and exact chunks by their lengths
+        shard = math.ceil(numel / world_size)
+        cb = chunk_bytes(numel, compute_dtype=compute_dtype, shard_numel=shard,
                          master_weights=master_weights or None, n_params=len(slots), offload_grads=offload,
                          private_grads=private_grads)
+        per_chunk.append((cb, shard))
         grads = cb.grad_bytes if offload else 0  # a device chunk keeps its gradients on the device
         specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes + grads,
                                host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
-                               numel=layout.chunk_numel, param_bytes=cb.compute_bytes))
-    resident = layout.n_chunks * cb.compute_bytes + resident_extra_bytes(model, groups)
+                               numel=numel, param_bytes=cb.compute_bytes))
+    params = sum(cb.compute_bytes for cb, _ in per_chunk)
+    grad_bufs = sum(cb.grad_bytes for cb, _ in per_chunk)
+    # the largest chunks' buffers bound any working set of whole buffers
+    largest_grads = sorted((cb.grad_bytes for cb, _ in per_chunk), reverse=True)
+    largest_params = sorted((cb.compute_bytes for cb, _ in per_chunk), reverse=True)
+    resident = params + resident_extra_bytes(model, groups)
     if param_shards:  # ZeRO-3: each chunk's part of the parameters, and the chunks whole around their reads
-        resident -= layout.n_chunks * cb.compute_bytes
-        resident += layout.n_chunks * (cb.compute_bytes // layout.chunk_numel * shard) + min(
-            SHARDED_PARAM_WORKING_CHUNKS, layout.n_chunks) * cb.compute_bytes
-    working = min(grad_working_chunks, layout.n_chunks) * cb.grad_bytes if offload else 0
+        resident -= params
+        resident += sum(cb.compute_bytes // n * shard for (cb, shard), n in zip(per_chunk, layout.numels,
+                                                                               strict=True))
+        resident += sum(largest_params[:SHARDED_PARAM_WORKING_CHUNKS])
+    working = sum(largest_grads[:grad_working_chunks]) if offload else 0
     if grad_shards:  # ZeRO-2: each chunk's gradient shard, and the whole buffers backward is filling
-        shard_grad = cb.grad_bytes // layout.chunk_numel * shard
-        resident += layout.n_chunks * shard_grad + min(grad_working_chunks, layout.n_chunks) * cb.grad_bytes
+        resident += sum(cb.grad_bytes // n * shard for (cb, shard), n in zip(per_chunk, layout.numels,
+                                                                            strict=True))
+        resident += sum(largest_grads[:grad_working_chunks])
     elif not offload:  # more ranks: every chunk's gradient buffer stays on the device
-        resident += layout.n_chunks * cb.grad_bytes
+        resident += grad_bufs
     problem = PlacementProblem(
         capacity_bytes=int(capacity_bytes),
         peak_non_model_bytes=int(peak_non_model_bytes),
