@@ -9,9 +9,9 @@ the stand-in (``device="sim:SIZE"``, whose device memory is host memory too), an
 batch 1 x 64 tokens. Two placements:
 
 * ``cpu``: every chunk's optimizer state and gradients on the host (the whole state, fully offloaded);
-* ``auto+params``: ``auto`` on a device of 75 % of the parameters' bytes plus 64 MiB for the activations and
-  the chunks fetched at a time, so the plan keeps some chunks' parameters on the host too, fetched for their
-  reads (the smallest models fit whole).
+* ``auto+params``: ``auto`` on the stand-in ``memsched demo`` sizes from the plan (:func:`memsched.cli.demo.
+  stand_in`: from a fake trace of the same step, a device on which ``auto``'s plan keeps some chunks'
+  parameters on the host, fetched for their reads).
 
 Per configuration (bytes): ``planned_pinned_bytes`` (the plan's ``host_bytes``) and ``pinned_bytes`` (the
 stand-in's pinned allocator after training), each per parameter; ``rss_*`` (resident set size, from
@@ -50,8 +50,17 @@ def _status_bytes(key: str) -> int:
     raise KeyError(key)
 
 
-def measure_one(size: str, placement: str) -> dict[str, Any]:
-    """One configuration in this (fresh) process; see the module docstring."""
+def auto_params_device(size: str) -> str:
+    """The stand-in for ``auto+params`` (see the module docstring), sized from a fake trace in this process
+    (the parent: the measured process allocates nothing before its start)."""
+    from memsched.cli.demo import stand_in
+
+    return f"sim:{stand_in(size, BATCH, SEQ).capacity_bytes}B"
+
+
+def measure_one(size: str, placement: str, device: str | None = None) -> dict[str, Any]:
+    """One configuration in this (fresh) process; see the module docstring (``device``: the stand-in of
+    ``auto+params``)."""
     import torch
 
     import memsched
@@ -62,14 +71,13 @@ def measure_one(size: str, placement: str) -> dict[str, Any]:
     sim_backend.load()
     rss_start = _status_bytes("VmRSS")
     torch.manual_seed(0)
-    model = GPT(config_for(size, block_size=SEQ))
+    model = GPT(config_for(size))  # what memsched plan traces (memsched.planning.prediction.gpt_workload)
     n_params = sum(p.numel() for p in model.parameters())
     rss_built = _status_bytes("VmRSS")
-    param_bytes = n_params * 4
     if placement == "cpu":
         kw: dict[str, Any] = {"policy": "cpu", "device": "sim:64GiB"}
     else:
-        kw = {"policy": "auto", "device": f"sim:{int(param_bytes * 0.75) + 64 * 2**20}B"}
+        kw = {"policy": "auto", "device": device or auto_params_device(size)}
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(3)]
     sched = memsched.attach(model, **kw)
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs="+", default=["tiny", "demo", "small", "gpt2-124m", "350m"])
     ap.add_argument("--placements", nargs="+", default=["cpu", "auto+params"], choices=["cpu", "auto+params"])
     ap.add_argument("--planned", nargs="*", default=["760m", "1.3b", "2.7b"])
-    ap.add_argument("--one", nargs=2, metavar=("SIZE", "PLACEMENT"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs="+", metavar="SIZE PLACEMENT [DEVICE]", help=argparse.SUPPRESS)
     ap.add_argument("--name", default="host_memory")
     args = ap.parse_args(argv)
     if args.one:
@@ -138,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for size in args.sizes:
         for placement in args.placements:
-            proc = subprocess.run([sys.executable, __file__, "--one", size, placement], capture_output=True,
-                                  text=True, check=False)
+            device = [auto_params_device(size)] if placement == "auto+params" else []
+            proc = subprocess.run([sys.executable, __file__, "--one", size, placement, *device],
+                                  capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 rows.append({"size": size, "placement": placement, "error": proc.stderr[-2000:]})
             else:

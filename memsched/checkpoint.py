@@ -52,7 +52,7 @@ def _local_parts(sched: Any) -> dict[str, list[tuple[int, int, Any, int]]]:
     """``param name -> [(param_start, numel, chunk, shard_start)]`` of the parts this rank holds."""
     store, names = sched.store, sched.names
     out: dict[str, list[tuple[int, int, Any, int]]] = {}
-    for c in store.chunks:
+    for c in store.trainable_chunks:
         for p, part in zip(c.params, param_shards(c.ranges, c.lo, c.hi), strict=True):
             parts = out.setdefault(names[id(p)], [])
             if part is not None:
@@ -69,7 +69,7 @@ def _make_sharded(local: list[tuple[int, torch.Tensor]], numel: int, rank: int, 
 
 
 def _opt_keys(sched: Any) -> tuple[str, ...]:
-    mixed = any(c.mixed for c in sched.store.chunks)
+    mixed = any(c.mixed for c in sched.store.trainable_chunks)
     return OPT_KEYS if mixed else OPT_KEYS[:2]
 
 
@@ -205,14 +205,14 @@ def _load(sched: Any, checkpoint_id: str | os.PathLike[str]) -> None:
         for name, t in [*sched.model.named_parameters(), *sched.model.named_buffers()]:
             t.copy_(sd[f"model.{name}"])
         with store.alloc.host_context():
-            for c in store.chunks:
+            for c in store.trainable_chunks:
                 c.wait_h2d()
                 for k, p in enumerate(c.params):
                     c.steps[k].fill_(steps[id(p)])
             for (_name, key), items in back.items():
                 for t, c, ss, n in items:
                     _state_tensor(c, key)[ss : ss + n].copy_(t)
-            for c in store.chunks:
+            for c in store.trainable_chunks:
                 if not c.mixed and c.master is not None:  # fp32 on the host: the master is the parameter
                     values = store.values(c)  # host-bound: the master itself, written above
                     if values.data_ptr() != c.master.data_ptr():

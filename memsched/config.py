@@ -27,7 +27,7 @@ from memsched.distributed.options import (
     check_zero_options,
 )
 from memsched.optim.early_update import check_overlap
-from memsched.optim.hyperparams import check_hyperparameters, hyperparameter_groups
+from memsched.optim.hyperparams import check_hyperparameters, frozen_given, hyperparameter_groups
 from memsched.optim.precision import check_dtype
 from memsched.planning.plan_check import load_expected_plan
 from policies.types import check_ratio
@@ -45,11 +45,14 @@ class PlacementConfig:
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    """AdamW's defaults (``lr``, ``betas``, ``eps``, ``weight_decay``) and the param groups (trainable
-    parameters only, each group's hyper-parameters checked against the defaults)."""
+    """AdamW's defaults (``lr``, ``betas``, ``eps``, ``weight_decay``), the param groups (trainable
+    parameters only, each group's hyper-parameters checked against the defaults) and the frozen parameters
+    given in them (``frozen_given``: a ``torch.optim.AdamW`` over the same groups would update them once they
+    have a gradient)."""
 
     defaults: dict[str, Any]
     groups: list[dict[str, Any]]
+    frozen_given: tuple[torch.nn.Parameter, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,8 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                                 check_ratio(gpu_margin_mem_ratio), _check_warmup(warmup_steps))
     compute_dtype = check_dtype(dtype)
     spec = parse_device(device)
+    if params is not None and not isinstance(params, (list, tuple)):
+        params = list(params)  # read twice (an iterator such as model.parameters() once only)
     groups = hyperparameter_groups(params, model)
     _check_dense_gradients(model, groups)
     _check_param_dtypes(model, groups)
@@ -175,5 +180,6 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
         except ValueError as e:
             raise ValueError(f"host_memory must be bytes (an int) or a size such as '64GiB': {e}") from None
     expected = load_expected_plan(expected_plan) if expected_plan is not None else None
-    return SchedulerConfig(placement, AdamWConfig(defaults, groups), dp, spec, compute_dtype, chunk_numel,
+    adamw = AdamWConfig(defaults, groups, tuple(frozen_given(params, model)))
+    return SchedulerConfig(placement, adamw, dp, spec, compute_dtype, chunk_numel,
                            overlap, replan, early_update, host_bytes, expected)

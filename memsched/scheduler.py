@@ -42,6 +42,7 @@ import policies
 from memsched.chunks import Allocator, ChunkStore, build_layout
 from memsched.chunks.grad_offload import GradOffload
 from memsched.chunks.state_entries import own_storage_entries
+from memsched.chunks.store import frozen_params
 from memsched.config import SchedulerConfig, make_config
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
 from memsched.devices.spec import DeviceSpec
@@ -108,9 +109,12 @@ class Scheduler:
         #: The warmup's plan against ``attach(expected_plan=...)`` (:mod:`memsched.planning.plan_check`)
         self.plan_check: PlanCheck | None = None
         groups = config.adamw.groups
-        claim(model, [p for g in groups for p in g["params"]])
+        trainable = [p for g in groups for p in g["params"]]
+        # frozen parameters are model data too: chunks of their own, placed by the plan (issue 31)
+        frozen = frozen_params(model, trainable, config.compute_dtype)
+        claim(model, trainable + frozen)
         try:
-            self._build(model, config, groups)
+            self._build(model, config, groups, frozen)
         except BaseException:
             # A refused attach leaves nothing installed: hooks on the parameters would keep the chunks (and
             # their device memory) alive with the model. The parameters keep their values, in the chunks.
@@ -118,10 +122,11 @@ class Scheduler:
             if installed is not None:
                 installed.track(store=getattr(self, "store", None))
                 installed.remove()
-            release([p for g in groups for p in g["params"]])
+            release(trainable + frozen)
             raise
 
-    def _build(self, model: torch.nn.Module, config: SchedulerConfig, groups: list[dict[str, Any]]) -> None:
+    def _build(self, model: torch.nn.Module, config: SchedulerConfig, groups: list[dict[str, Any]],
+               frozen: list[torch.nn.Parameter]) -> None:
         from memsched.distributed import make_engine
 
         self.dp: DataParallel = make_engine(config.data_parallel, self.device.torch_device)
@@ -130,16 +135,21 @@ class Scheduler:
         self.phase = Phase.WARMUP
         self.steps = 0
         self.transfers = TransferStats()
-        installed = self._installed = Installed(model, [p for g in groups for p in g["params"]])
+        installed = self._installed = Installed(model, [p for g in groups for p in g["params"]] + frozen)
         tdev = self.device.torch_device
+        # One rank: frozen parameters in chunks of their own; with more ranks each keeps its own copy.
+        frozen = frozen if self.dp.world == 1 else []
+        packed = [[p.numel() for p in g["params"]] for g in groups] + ([[p.numel() for p in frozen]]
+                                                                        if frozen else [])
 
         # ---- the stand-in device's accounting starts before any device buffer is made ---------------------
         self.sim: SimDevice | None = SimDevice(self.device.capacity_bytes) if self.device.is_sim else None
         installed.track(sim=self.sim)
-        trainable = {id(p) for g in groups for p in g["params"]}
+        trainable = {id(p) for g in groups for p in g["params"]} | {id(p) for p in frozen}  # chunk views
         try:
             if self.sim is not None:
-                # Model data made before attach (frozen parameters, buffers) is resident on the stand-in.
+                # Model data made before attach (buffers, parameters kept out of chunks) is resident on the
+                # stand-in.
                 self.sim.start([t for t in (*model.parameters(), *model.buffers()) if id(t) not in trainable])
             alloc = Allocator(tdev, host_context=self.sim.paused if self.sim is not None else None)
             self.dp.prepare_build([g["params"] for g in groups], chunk_numel, self.device, alloc,
@@ -150,11 +160,10 @@ class Scheduler:
             # yet to plan from): its chunks are built, given their host state and sent away one at a time.
             self.warmup_params_on_host = self.dp.world == 1 and initial == HOST and warmup_params_on_host(
                 self.config.placement.policy.name, dict(self.config.placement.policy.options),
-                self.device.capacity_bytes,
-                sum(p.numel() for g in groups for p in g["params"]) * self.compute_dtype.itemsize)
+                self.device.capacity_bytes, sum(map(sum, packed)) * self.compute_dtype.itemsize)
             if self.warmup_params_on_host and alloc.pin:  # checked before anything is pinned
-                check_host_room(build_layout([[p.numel() for p in g["params"]] for g in groups],
-                                             chunk_numel=chunk_numel, exact=True), config, alloc)
+                check_host_room(build_layout(packed, chunk_numel=chunk_numel, exact=True), config, alloc,
+                                frozen_group=len(groups) if frozen else None, frozen_on_host=True)
 
             def away(store: ChunkStore, c: Any) -> None:  # built: its host state, its parameters leave
                 c.init_state(HOST, alloc)
@@ -163,7 +172,7 @@ class Scheduler:
 
             self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
                                     chunk_numel=chunk_numel, dp=self.dp, private_grads=bool(config.overlap),
-                                    after_chunk=away if self.warmup_params_on_host else None)
+                                    after_chunk=away if self.warmup_params_on_host else None, frozen=frozen)
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views, or
             # host views when their parameters are on the host: those stay).
             model._apply(lambda t: t if t.device == tdev or id(t) in trainable
@@ -172,10 +181,11 @@ class Scheduler:
             self.dp.shard(self.store)  # each chunk's own shard
             if initial == HOST and alloc.pin and not self.warmup_params_on_host:  # before pinning
                 check_host_room(self.store.layout, config, alloc, shard_numel=None if self.store.exact
-                                else max(c.hi - c.lo for c in self.store.chunks))
+                                else max(c.hi - c.lo for c in self.store.chunks),
+                                frozen_group=len(groups) if frozen else None)
             for c in self.store.chunks:
-                if c.placement is None:
-                    c.init_state(initial, alloc)
+                if c.placement is None:  # a frozen chunk whose values stay has nothing to keep on the host
+                    c.init_state(DEVICE if c.frozen else initial, alloc)
             self.store.note_placements()
         except BaseException:
             if self.sim is not None:
@@ -195,6 +205,7 @@ class Scheduler:
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names,
             dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload)
         self.store.observe_grads_ready(self.optimizer.grads_ready)
+        self.optimizer.checks.frozen_given = config.adamw.frozen_given
         self.streams.trace_to(self.optimizer.timeline)
         # Parameters that live on the host come to the device for their reads (one rank, not on the CPU);
         self.params: ParamFetcher | None = None
@@ -311,9 +322,11 @@ class Scheduler:
         return self.warmup.traced_modules()
 
     def first_use_order(self) -> list[torch.nn.Parameter]:
-        """Trainable parameters in first-use order from the warmup trace (:mod:`memsched.planning.first_use`);
-        empty before the trace exists."""
-        return self.warmup.first_use_order(list(self.store.params()))
+        """The parameters in chunks in first-use order from the warmup trace
+        (:mod:`memsched.planning.first_use`): the trainable ones, then the frozen ones; empty before the trace
+        exists."""
+        return self.warmup.first_use_order(list(self.store.params())) + (
+            self.warmup.first_use_order(self.store.frozen) if self.store.frozen else [])
 
     def peak_non_model_bytes(self) -> int:
         """Peak non-model data of the warmup trace on the compute device, bytes."""
@@ -359,7 +372,7 @@ class Scheduler:
         self.warmup.stop()
         last = self.optimizer.timeline.take_last()
         if last is not None:
-            host = sum(c.hi - c.lo for c in self.store.chunks if c.placement == HOST)
+            host = sum(c.hi - c.lo for c in self.store.trainable_chunks if c.placement == HOST)
             meta = self.timeline.meta if self.timeline is not None else {}
             flops = int(meta.get("flops", 0)) // max(1, int(meta.get("steps", 1) or 1))
             self.planner.measure_warmup(WarmupCosts.from_record(last, host, flops))
@@ -457,9 +470,9 @@ class Scheduler:
             in_use = torch.cuda.memory_allocated(dev)
         else:
             return None
-        trainable = {id(p) for p in self.store.params()}
+        chunked = {id(p) for p in self.store.all_params()}
         frozen = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers())
-                     if id(t) not in trainable and t.device == dev)
+                     if id(t) not in chunked and t.device == dev)
         chunks = self.store.chunks
         requested = oom_bytes(exc)[0] or 0
         # a chunk's gradient buffer that failed to allocate is gradients, not the step's activations

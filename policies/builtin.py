@@ -89,16 +89,28 @@ def _no_room_for_params(p: PlacementProblem, name: str) -> PlacementError:
         f"exceed the device capacity ({fb(p.capacity_bytes)}) by {fb(short)} {what}; {fix}")
 
 
+def param_offload_order(p: PlacementProblem) -> list[int]:
+    """The order in which ``auto`` keeps chunks' parameters on the host: the chunks of frozen parameters
+    first, then the others, each in first-use order.
+
+    Frozen parameters first (issue 31): they cost one H2D copy per read and nothing else, while a trainable
+    chunk's parameters on the host add the copy of its updated values, and their gradients must leave the
+    device anyway; a LoRA's frozen base is 99 % of its model data. First-used first within each kind: forward
+    reads them first and backward last, so they are the farthest from the peak of non-model data (at the
+    turn from forward to backward), where they can be away."""
+    return ([c.index for c in p.chunks if c.frozen] + [c.index for c in p.chunks if not c.frozen])
+
+
 def _param_plan(p: PlacementProblem, k: int, limit: int, share: float,
                 max_prefetch: int) -> tuple[list[str], ParamSchedule]:
-    """Parameters of the first ``k`` chunks (first-use order) on the host, with every chunk's optimizer state
-    there, and their schedule within ``limit`` bytes (``share`` of the room at each read).
-
-    The first-used chunks go first: forward reads them first and backward last, so they are the farthest
-    from the peak of non-model data (at the turn from forward to backward), where they can be away."""
+    """Parameters of the first ``k`` chunks of :func:`param_offload_order` on the host, with every chunk's
+    optimizer state there, and their schedule within ``limit`` bytes (``share`` of the room at each
+    read)."""
     n = len(p.chunks)
     placement = [HOST] * n
-    params = [HOST] * k + [DEVICE] * (n - k)
+    params = [DEVICE] * n
+    for i in param_offload_order(p)[:k]:
+        params[i] = HOST
     return params, schedule_for(p, placement, params, limit, share=share, max_prefetch=max_prefetch)
 
 
@@ -107,18 +119,22 @@ def _param_reasons(p: PlacementProblem, params: list[str], sched: ParamSchedule,
     """The plan's sentences on the parameters kept on the host."""
     k = params.count(HOST)
     per = max(c.param_bytes for c in p.chunks)
+    away = sum(c.param_bytes for c, where in zip(p.chunks, params, strict=True) if where == HOST)
     at_peak = max(range(len(sched.accesses)), key=lambda j: sched.accesses[j].non_model_bytes, default=None)
     peak_part = (f", {len(sched.targets[at_peak])} at the read with the most non-model data"
                  if at_peak is not None else "")
+    frozen = sum(1 for c, where in zip(p.chunks, params, strict=True) if c.frozen and where == HOST)
+    which = (f"the {frozen} chunks of frozen parameters first, then the first-used others" if frozen else
+             "the first used")
     out = [
-        f"Parameters do not all fit: those of {k} of {len(p.chunks)} chunks ({fb(k * per)}), the first used, "
-        f"stay on the host (with every chunk's optimizer state and gradients); the device keeps "
+        f"Parameters do not all fit: those of {k} of {len(p.chunks)} chunks ({fb(away)}; {which}) stay on "
+        f"the host (with every chunk's optimizer state and gradients); the device keeps "
         f"{fb(fixed_bytes(p, [HOST] * len(p.chunks), params))} of model data and at most "
         f"{sched.max_resident} of those chunks at a time{peak_part}.",
         f"Schedule from the traced step's {len(p.accesses)} chunk reads: {sched.fetches} fetches per step, "
         f"{sched.prefetched} of them ahead of their read (up to the room left at every read), "
         f"{sched.demand_fetches} at it; the chunk read farthest ahead leaves first; {len(sched.keep)} stay "
-        f"cached across steps; {fb(sched.h2d_copies * per)} H2D per step for these parameters.",
+        f"cached across steps; at most {fb(sched.h2d_copies * per)} H2D per step for these parameters.",
     ]
     if peak is not None:
         out.append(f"Predicted device peak {fb(peak)} of {fb(p.capacity_bytes)}.")
@@ -148,7 +164,7 @@ def _prefix_bytes(p: PlacementProblem, k: int) -> int:
 
 def _split_reason(p: PlacementProblem, k: int) -> str:
     chunks = p.chunks
-    host = chunks[k:]
+    host = [c for c in chunks[k:] if not c.frozen]  # a frozen chunk stays with its parameters
     working = (f", plus {fb(p.host_grad_working_bytes)} of the host chunks' gradients on their way to the "
                "host" if host and p.host_grad_working_bytes else "")
     return (

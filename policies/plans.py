@@ -200,7 +200,8 @@ def make_plan(
     ``device_bytes`` (:meth:`PlacementProblem.device_bytes_of`) and ``host_bytes`` (sums over the chunks,
     bytes) and ``margin_bytes`` from ``problem``. With ``param_placement`` (chunks whose parameters stay on
     the host) and their ``schedule`` (:func:`schedule_for`), ``peak_bytes`` is the schedule's
-    (:func:`schedule_peak_bytes`).
+    (:func:`schedule_peak_bytes`). A chunk of frozen parameters (:attr:`ChunkSpec.frozen`) is placed where
+    its parameters are, whatever ``placement`` says.
     ``Policy.plan`` fills in ``policy`` and ``options``.
 
     Raises:
@@ -212,8 +213,12 @@ def make_plan(
             f"placement must hold one of {DEVICE!r}/{HOST!r} per chunk ({len(problem.chunks)}), "
             f"got {placement!r}"
         )
-    dev, host = _sums(problem, placement)
     param_placement = tuple(param_placement)
+    # A chunk of frozen parameters has no optimizer state: it lives where its parameters do (a host copy
+    # beside parameters kept on the device would be pinned memory for nothing).
+    placement = tuple((param_placement[i] if param_placement else DEVICE) if c.frozen else where
+                      for i, (c, where) in enumerate(zip(problem.chunks, placement, strict=True)))
+    dev, host = _sums(problem, placement)
     peak = (schedule_peak_bytes(problem, placement, param_placement, schedule)
             if schedule is not None and param_placement else None)
     return PlacementPlan(

@@ -63,6 +63,9 @@ class ChunkSpec:
         numel: parameters in the chunk (capacity, including padding).
         param_bytes: its parameters' compute buffer on the device, bytes (part of the problem's resident model
             data unless a plan keeps the parameters on the host).
+        frozen: a chunk of frozen parameters (issue 31): no gradients and no optimizer state
+            (``device_bytes`` 0), ``host_bytes`` the pinned copy of its parameters. Its placement is where
+            its parameters live (:func:`policies.plans.make_plan` makes it so).
     """
 
     index: int
@@ -70,6 +73,7 @@ class ChunkSpec:
     host_bytes: int
     numel: int = 0
     param_bytes: int = 0
+    frozen: bool = False
 
     def __post_init__(self) -> None:
         # Raises ValueError naming the field: a negative or fractional size would silently corrupt every sum.
@@ -231,9 +235,12 @@ class PlacementProblem:
 
     def device_bytes_of(self, placement: Sequence[str]) -> int:
         """What a placement (one ``DEVICE``/``HOST`` per chunk) adds on the device, bytes: the device-placed
-        chunks' ``device_bytes``, plus :attr:`host_grad_working_bytes` when any chunk is on the host."""
-        dev = sum(c.device_bytes for c, where in zip(self.chunks, placement, strict=True) if where == DEVICE)
-        return dev + (self.host_grad_working_bytes if HOST in placement else 0)
+        chunks' ``device_bytes``, plus :attr:`host_grad_working_bytes` when any chunk of trainable parameters
+        is on the host."""
+        pairs = list(zip(self.chunks, placement, strict=True))
+        dev = sum(c.device_bytes for c, where in pairs if where == DEVICE)
+        offloading = any(where == HOST and not c.frozen for c, where in pairs)
+        return dev + (self.host_grad_working_bytes if offloading else 0)
 
 
 @dataclass(frozen=True)

@@ -191,9 +191,12 @@ class ChunkBindings:
                 c.wait_h2d()
                 with store.alloc.host_context():
                     c.param_host.copy_(c.data[c.lo:c.hi])
-                if not c.mixed:
+                if not c.mixed and c.master is not None:
                     increment_version(c.master)  # the state changed (memsched.optim.early_update)
             for p in c.params:
+                if c.frozen:  # values only: a frozen parameter's .grad is not memsched's
+                    p.data = store.host_view("data", p, c)
+                    continue
                 self._take_hand_set_grad(p, c)
                 p.data = store.host_view("data", p, c)
                 kept = id(p) in store.host_grads and c.grad_host is not None
@@ -242,6 +245,9 @@ class ChunkBindings:
         with torch.no_grad(), _bookkeeping():
             for p in c.params:
                 g = p.grad
+                if c.frozen:
+                    written |= p._version != self._versions.get(id(p), p._version)
+                    continue
                 if g is None:
                     if id(p) in store.host_grads:  # dropped by the user
                         store.host_grads.discard(id(p))
@@ -267,7 +273,7 @@ class ChunkBindings:
         store.before_host_write(c)
         c.wait_h2d()
         with store.alloc.host_context():
-            if c.staging is not None:
+            if c.staging is not None and c.master is not None:  # a frozen chunk has no master
                 new = c.staging
                 c.master.copy_(torch.where(new != c.master.to(new.dtype), new.float(), c.master))
         if c.data is not None:  # else its next fetch copies the host values
@@ -296,7 +302,8 @@ class ChunkBindings:
             return
         self.computing = False
         for c in self._store.chunks:
-            if self._store.offloads(c) and not self.host_bound(c):
+            away = c.frozen and c.data is None and c.placement is not None  # its values are on the host only
+            if (self._store.offloads(c) or away) and not self.host_bound(c):
                 self.to_host(c)
 
     # -- while computing: the device ------------------------------------------------------------------------

@@ -41,6 +41,11 @@ class Chunk:
         ``landing``: ``[hi - lo]`` compute-dtype host buffer for a second micro-batch's gradients, added into
             ``grad_host`` on the CPU (allocated at the first accumulation, :meth:`landing_buffer`).
 
+    A chunk of frozen parameters (``frozen``, issue 31: ``requires_grad=False`` at attach, one rank) has no
+    gradient buffer and no optimizer state: placed on the host it keeps its parameters' values in ``staging``
+    (compute dtype, ``[hi - lo]``: its ``param_host``), on the device nothing besides ``data``. It is placed,
+    fetched for its reads and kept cached like any chunk, and never updated.
+
     The optimizer state of one placement is one allocation (:meth:`Allocator.arena`). The chunk owns its
     transitions: its shard (:meth:`set_shard`, :meth:`reshard`), its copies and their events
     (:meth:`start_d2h`, :meth:`start_h2d`, :meth:`wait_d2h`, :meth:`wait_h2d`), its placement
@@ -50,8 +55,9 @@ class Chunk:
 
     def __init__(self, index: int, group: int, numel: int, params: list[torch.nn.Parameter],
                  ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor | None, *,
-                 initial_master: torch.Tensor | None = None) -> None:
+                 initial_master: torch.Tensor | None = None, frozen: bool = False) -> None:
         self.index = index
+        self.frozen = frozen
         self.group = group
         self.numel = numel
         self.params = params
@@ -148,6 +154,14 @@ class Chunk:
         exp_avg_sq)`` slices (fp32, any device) copied into the new state at ``offset`` after the rest, so a
         caller assembling the state from parts needs no whole-chunk temporaries."""
         new = self._alloc_state(placement, alloc)
+        if self.frozen:
+            self.initial_master = None
+            if new["staging"] is not None:
+                ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
+                with torch.no_grad(), ctx:
+                    new["staging"].copy_(self.param_part())
+            self._install(placement, new)
+            return
         if master is None and self.initial_master is not None:
             master = self.initial_master[self.lo:self.hi]
         self.initial_master = None
@@ -181,6 +195,12 @@ class Chunk:
     def _alloc_state(self, placement: str, alloc: Allocator) -> dict[str, torch.Tensor | None]:
         n = self.shard_numel
         host = placement == HOST
+        keys = ("master", "exp_avg", "exp_avg_sq", "steps", "host_grad", "staging", "grad_host")
+        if self.frozen:  # the parameters' host values only, on the host
+            out: dict[str, torch.Tensor | None] = dict.fromkeys(keys)
+            if host:
+                out["staging"] = alloc.arena(HOST, [("staging", self.compute_dtype, n)])["staging"]
+            return out
         f32 = torch.float32
         parts = [("exp_avg", f32, n), ("exp_avg_sq", f32, n)]
         if host or self.mixed:
@@ -193,8 +213,7 @@ class Chunk:
         if host and self.offload_grads and (self.mixed or self.private_grads):
             parts.append(("grad_host", self.compute_dtype, n))
         views = alloc.arena(placement, parts)
-        out = {k: views.get(k) for k in ("master", "exp_avg", "exp_avg_sq", "steps", "host_grad", "staging",
-                                         "grad_host")}
+        out = {k: views.get(k) for k in keys}
         for k in ("host_grad", "grad_host"):  # gradients are not state: their own version counters
             if out[k] is not None:
                 out[k] = out[k].data
@@ -265,7 +284,9 @@ class Chunk:
 
     def state_version(self) -> int:
         """The version counter of the state's allocation (all its parts but the gradients are views of one
-        arena sharing it, so any in-place write to any of them moves it)."""
+        arena sharing it, so any in-place write to any of them moves it); a frozen chunk's host values'."""
+        if self.frozen:
+            return self.staging._version if self.staging is not None else 0
         assert self.exp_avg is not None
         return self.exp_avg._version
 
@@ -290,6 +311,14 @@ class Chunk:
             self.param_shard = shard
         new = self._alloc_state(placement, alloc)
         ctx = alloc.host_context() if placement == HOST else contextlib.nullcontext()
+        if self.frozen:  # its values: to the host copy, or (the buffer present) nothing to copy
+            with torch.no_grad(), ctx:
+                if new["staging"] is not None:
+                    new["staging"].copy_(self.param_part())
+                elif self.data is not None and self.staging is not None:
+                    self.param_part().copy_(self.staging)
+            self._install(placement, new)
+            return self.shard_numel * self.dtype.itemsize
         with torch.no_grad(), ctx:
             src_master = self.master_view()
             if new["master"] is not None:
@@ -339,6 +368,9 @@ class Chunk:
         Raises:
             torch.OutOfMemoryError (or the stand-in's): the device cannot hold it; nothing changed.
         """
+        if self.frozen:
+            raise RuntimeError(f"memsched internal error: chunk {self.index} holds frozen parameters: it has "
+                               "no gradient buffer")
         if self.grad is None:
             self.grad = alloc.device_zeros(self.numel, self.dtype)
             self.grad_generation += 1

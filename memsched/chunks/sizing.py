@@ -32,6 +32,9 @@ class ChunkBytes:
             and gradient buffer of the shard, plus under mixed precision a compute-dtype staging buffer (the
             parameters' host values, the H2D copy's source) and, with the gradients offloaded, the host
             gradients in the compute dtype, plus one fp32 step count per parameter (``n_params``).
+
+    A chunk of frozen parameters (``frozen``: no gradient, no optimizer state) has no gradient buffer and no
+    state on the device; on the host it keeps its parameters' values in the compute dtype, nothing else.
     """
 
     compute_bytes: int
@@ -48,18 +51,22 @@ class ChunkBytes:
 def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
                 shard_numel: int | None = None, master_weights: bool | None = None,
                 n_params: int = 1, offload_grads: bool | None = None,
-                private_grads: bool = False) -> ChunkBytes:
+                private_grads: bool = False, frozen: bool = False) -> ChunkBytes:
     """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
 
     Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
     on the device and a compute-dtype H2D staging buffer on the host, and with ``offload_grads`` (one rank: a
     host chunk's gradients go to the host in backward, :mod:`memsched.chunks.grad_offload`; default: the
     state covers the whole chunk) its host gradients in the compute dtype, a buffer of their own in fp32 too
-    with ``private_grads`` (``overlap=True``: the CPU update reads its own copy). Used by
+    with ``private_grads`` (``overlap=True``: the CPU update reads its own copy). ``frozen``: a chunk of
+    frozen parameters (no gradients, no optimizer state). Used by
     :mod:`memsched.planning.problem` and checked against the real tensors of :class:`Chunk` in the tests.
     """
     shard = chunk_numel if shard_numel is None else shard_numel
     cb = dtype_bytes(compute_dtype)
+    if frozen:  # parameters only (issue 31): a compute buffer, and their host copy when they live there
+        return ChunkBytes(compute_bytes=chunk_numel * cb, grad_bytes=0, device_state_bytes=0,
+                          host_state_bytes=shard * cb)
     mixed = compute_dtype != torch.float32 if master_weights is None else master_weights
     offload = shard == chunk_numel if offload_grads is None else offload_grads
     return ChunkBytes(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memsched.chunks.binding import Binding, ChunkBindings
 from memsched.chunks.buffers import Allocator
@@ -44,6 +45,9 @@ class ChunkStore:
             :class:`Chunk`'s ``private_grads``).
         after_chunk: called as ``after_chunk(store, chunk)`` once each chunk is built, before the next one
             is (its optimizer state may be made there and its parameters leave the device: :meth:`_build`).
+        frozen: frozen parameters (``requires_grad=False``; one rank) packed into chunks of their own, after
+            the trainable ones: no gradients, no optimizer state, placed and fetched like the others
+            (:class:`Chunk`'s ``frozen``; issue 31).
 
     Raises:
         ValueError: a parameter is on the meta device or the groups are empty.
@@ -53,8 +57,10 @@ class ChunkStore:
                  compute_dtype: torch.dtype = torch.float32, chunk_numel: int | None = None,
                  on_grads_ready: Callable[[Chunk], None] | None = None,
                  dp: ChunkEvents | None = None, private_grads: bool = False,
-                 after_chunk: Callable[[ChunkStore, Chunk], None] | None = None) -> None:
+                 after_chunk: Callable[[ChunkStore, Chunk], None] | None = None,
+                 frozen: Sequence[torch.nn.Parameter] = ()) -> None:
         self.groups = [list(g) for g in groups]
+        self.frozen = list(frozen)
         self.alloc = alloc
         self.private_grads = private_grads
         self.compute_dtype = compute_dtype
@@ -87,7 +93,7 @@ class ChunkStore:
         self._ready_pending: list[Chunk] = []  # complete chunks not announced yet (_flush_ready)
         self._flush_task: int | None = None  # the backward whose flush is queued (more ranks, ZeRO-0/1)
         self._n_params = sum(len(g) for g in self.groups)
-        for gi, g in enumerate(self.groups):
+        for gi, g in enumerate(self._packing()):
             for p in g:
                 if p.device.type == "meta":
                     raise ValueError(f"parameter of shape {tuple(p.shape)} in group {gi} is on the meta "
@@ -112,17 +118,27 @@ class ChunkStore:
         self._strides: dict[int, tuple[int, ...]] = {}
         # One rank: chunks as long as what they hold ([Note: exact chunks] in memsched.chunks.layout)
         self.exact = self.dp.world == 1
-        self.layout = build_layout([[p.numel() for p in g] for g in self.groups], chunk_numel=chunk_numel,
+        self.layout = build_layout([[p.numel() for p in g] for g in self._packing()], chunk_numel=chunk_numel,
                                    align=self.align, exact=self.exact)
         self.chunks: list[Chunk] = []
         self.param_chunk: dict[int, Chunk] = {}
         self._hooks: list = []
-        self._build(self.layout, self.groups, after_chunk=after_chunk)
+        self._build(self.layout, self._packing(), after_chunk=after_chunk)
         self.dp.install(self)
         for g in self.groups:
             for p in g:
                 self._hooks.append(p.register_hook(Detachable(self._pre_grad_hook(p))))
                 self._hooks.append(p.register_post_accumulate_grad_hook(Detachable(self._grad_hook)))
+
+    def _packing(self) -> list[list[torch.nn.Parameter]]:
+        """The groups packed into chunks: the param groups, then the frozen parameters (a group of their own,
+        so that no chunk mixes them)."""
+        return [*self.groups, self.frozen] if self.frozen else self.groups
+
+    @property
+    def trainable_chunks(self) -> list[Chunk]:
+        """The chunks of trainable parameters (those with gradients and optimizer state), in order."""
+        return self._trainable
 
     # -- building / re-packing ------------------------------------------------------------------------------
     def _build(self, layout: ChunkLayout, groups: list[list[torch.nn.Parameter]], *,
@@ -165,21 +181,23 @@ class ChunkStore:
         self.param_chunk = {id(p): c for c in chunks for p in c.params}
         self.param_range = {id(p): r for c in chunks for p, r in zip(c.params, c.ranges, strict=True)}
         self.param_pos = {id(p): k for c in chunks for k, p in enumerate(c.params)}
+        self._trainable = [c for c in chunks if not c.frozen]
         self._views: dict[tuple[str, int], Any] = {}  # (kind, id(p)) -> chunk view, made once
 
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
                      groups: list[list[torch.nn.Parameter]], keep_initial: bool, grads: bool = True) -> Chunk:
         numel = layout.numels[ci]
+        frozen = bool(self.frozen) and layout.chunk_groups[ci] == len(self.groups)
         data = self.alloc.device_zeros(numel, self.compute_dtype)
         params = [groups[s.group][s.index] for s in slots]
-        has_grad = [grads and p.grad is not None and p.grad.shape == p.shape for p in params]
+        has_grad = [grads and not frozen and p.grad is not None and p.grad.shape == p.shape for p in params]
         grad = (self.alloc.device_zeros(numel, self.compute_dtype)
-                if any(has_grad) or not self.lazy_grads else None)
+                if any(has_grad) or not (self.lazy_grads or frozen) else None)
         ranges = [(s.offset, s.numel) for s in slots]
         # Mixed precision: the fp32 master starts from the parameters' full-precision values, not from their
         # compute-dtype rounding (kept on the host until the optimizer state is made).
         initial = None
-        if self.compute_dtype != torch.float32 and keep_initial:
+        if self.compute_dtype != torch.float32 and keep_initial and not frozen:
             initial = self.alloc.host_zeros(numel, torch.float32)
         for p, (off, _n) in zip(params, ranges, strict=True):
             src = p.data
@@ -193,12 +211,14 @@ class ChunkStore:
                 self.slot(grad, off, p).copy_(p.grad)
         for p, (off, _n), had in zip(params, ranges, has_grad, strict=True):
             p.data = self.slot(data, off, p)
+            if frozen:  # a gradient of its own (torch's, e.g. for another optimizer) is not memsched's
+                continue
             if grad is not None and (had or not self.lazy_grads):
                 p.grad = self.slot(grad, off, p)
             else:
                 p.grad = None
         chunk = Chunk(ci, layout.chunk_groups[ci], numel, params, ranges, data, grad,
-                      initial_master=initial)
+                      initial_master=initial, frozen=frozen)
         chunk.offload_grads = self.backward_offload
         chunk.private_grads = self.private_grads
         return chunk
@@ -214,7 +234,13 @@ class ChunkStore:
                 c.release()
 
     def params(self) -> Iterator[torch.nn.Parameter]:
+        """The trainable parameters, group by group."""
         for g in self.groups:
+            yield from g
+
+    def all_params(self) -> Iterator[torch.nn.Parameter]:
+        """Every parameter in a chunk: the trainable ones, then the frozen ones."""
+        for g in self._packing():
             yield from g
 
     def repack(self, order: Sequence[torch.nn.Parameter], *, chunk_numel: int | None = None,
@@ -231,20 +257,20 @@ class ChunkStore:
             torch.OutOfMemoryError (or the stand-in's): the new chunks do not fit; the old packing is restored
                 first, with every value and optimizer state as it was.
         """
-        new_groups = ordered_groups(self.groups, order)
+        new_groups = ordered_groups(self._packing(), order)
         layout = build_layout([[p.numel() for p in g] for g in new_groups], chunk_numel=chunk_numel,
                               align=self.align, exact=self.exact)
         same = (layout.numels == self.layout.numels
-                and all(a is b for ga, gb in zip(new_groups, self.groups, strict=True)
+                and all(a is b for ga, gb in zip(new_groups, self._packing(), strict=True)
                         for a, b in zip(ga, gb, strict=True)))
         if same:
             return False
-        steps = {id(p): float(c.steps[k]) for c in self.chunks for k, p in enumerate(c.params)}
+        steps = {id(p): float(c.steps[k]) for c in self.trainable_chunks for k, p in enumerate(c.params)}
         # Stage everything through host memory and drop every reference to the old chunks before allocating
         # the new ones, so re-packing needs the device memory of the new chunks only (built one at a time).
         staged: dict[int, tuple[torch.Tensor, ...]] = {}
         side: dict[int, str | None] = {}
-        old_layout, old_groups = self.layout, self.groups
+        old_layout, old_groups = self.layout, self._packing()
         bindings = self.bindings
         for c in bindings.host_chunks():  # host-bound gradients are staged from the host
             self.before_host_write(c)
@@ -256,7 +282,8 @@ class ChunkStore:
                 data = c.param_host if host_bound else c.data
                 grad = c.grad_host if host_bound else c.grad
                 lo = c.lo if host_bound else 0
-                tensors = (data, grad, c.master_view(), c.exp_avg, c.exp_avg_sq)
+                tensors = ((data, None, None, None, None) if c.frozen else
+                           (data, grad, c.master_view(), c.exp_avg, c.exp_avg_sq))
                 # Host tensors are staged by reference: the old chunks' host memory is the staging (no second
                 # copy); each old buffer is freed once every new chunk holding its values is built
                 # (_restage). Device tensors go to the host, so re-packing needs no old device memory.
@@ -274,7 +301,8 @@ class ChunkStore:
 
         def restore(store: ChunkStore, c: Chunk) -> None:  # as each new chunk is built
             self._restore_state(c, staged, side, steps)
-            self._place_staged_grads(c, staged)
+            if not c.frozen:
+                self._place_staged_grads(c, staged)
             if after_chunk is not None:
                 after_chunk(store, c)
             self._restage(c, staged)
@@ -282,17 +310,22 @@ class ChunkStore:
         try:
             self._build(layout, new_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads,
                         after_chunk=restore)
-            self.groups = new_groups
+            self._set_packing(new_groups)
         except BaseException:
             # Put the old packing back from the staged copies (it fitted before), then re-raise.
             self._release(staged)
             self._build(old_layout, old_groups, keep_initial=False, staged=staged, grads=not self.lazy_grads,
                         after_chunk=restore)
-            self.groups = old_groups
+            self._set_packing(old_groups)
             self.rebind_hosts()
             raise
         self.rebind_hosts()
         return True
+
+    def _set_packing(self, groups: list[list[torch.nn.Parameter]]) -> None:
+        if self.frozen:
+            *groups, self.frozen = groups
+        self.groups = groups
 
     def _restage(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """Re-packing, one rank: the values of ``c``'s parameters now live in ``c``; their staged entries
@@ -301,6 +334,10 @@ class ChunkStore:
         Should a later chunk fail, the old packing is rebuilt from these entries as from any other."""
         values = c.data if c.data is not None else c.param_host  # the host copy once sent away
         if c.lo != 0 or c.hi != c.numel or values is None:
+            return
+        if c.frozen:
+            for p, (off, n) in zip(c.params, c.ranges, strict=True):
+                staged[id(p)] = (values[off:off + n], None, None, None, None)
             return
         master = c.master_view() if c.master is not None or c.data is not None else values
         for p, (off, n) in zip(c.params, c.ranges, strict=True):
@@ -349,8 +386,12 @@ class ChunkStore:
 
     def _point_at(self, staged: dict[int, tuple[torch.Tensor, ...]],
                   params: Iterable[torch.nn.Parameter]) -> None:
+        frozen = {id(p) for p in self.frozen}
         for p in params:
             data, grad = staged[id(p)][:2]
+            if id(p) in frozen:  # its .grad is not memsched's (Chunk's ``frozen``)
+                p.data = self.slot(data, 0, p)
+                continue
             p.grad = None
             p.data = self.slot(data, 0, p)
             # A re-staged entry (_restage) may keep the values on the device and the gradient on the host:
@@ -434,7 +475,7 @@ class ChunkStore:
 
     def _release(self, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """Point every parameter at its staged host copy and forget the chunks (their buffers are freed)."""
-        self._point_at(staged, self.params())
+        self._point_at(staged, self.all_params())
         for c in self.chunks:
             c.release()
         self.chunks, self.param_chunk, self.param_range = [], {}, {}
@@ -448,6 +489,10 @@ class ChunkStore:
         with torch.no_grad():
             sides = {side[id(p)] for p in c.params}
             where = DEVICE if sides == {DEVICE} else HOST
+            if c.frozen:  # values only: they are in the new buffer already
+                c.init_state(where, self.alloc)
+                self.note_placements()
+                return
             pieces = [(off, *staged[id(p)][2:]) for p, (off, _n) in zip(c.params, c.ranges, strict=True)]
             # the padding's state is zeros, as in a new chunk; the master of the padding is not read
             c.init_state(where, self.alloc, master=None, steps=[steps[id(p)] for p in c.params],
@@ -467,9 +512,10 @@ class ChunkStore:
 
     def offloads(self, c: Chunk) -> bool:
         """Whether ``c``'s gradients leave the device as backward completes them and its parameters are host
-        views between steps (see [Note: host binding]): one rank, optimizer state on the host."""
+        views between steps (see [Note: host binding]): one rank, optimizer state on the host. Not a chunk of
+        frozen parameters: host views between steps only while its buffer is away."""
         return (self.offloader is not None and self.backward_offload and not self.closed
-                and c.placement == HOST)
+                and c.placement == HOST and not c.frozen)
 
     def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
         """``p``'s slot in its chunk's host values (``kind="data"``: ``param_host``) or host gradients
@@ -767,7 +813,7 @@ class ChunkStore:
         dtype, device or memory format), or ``None`` when every parameter still is. ``quick``: compare the
         storage address and the dtype only (a conversion changes one of them; strides changed in place on the
         same storage are left to the full check), about three times cheaper: the check before each forward."""
-        for p in self.params():
+        for p in self.all_params():
             view = self.bindings.expected_view(p)
             if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
                 return p
@@ -848,7 +894,7 @@ class ChunkStore:
         """Bytes of the gradient buffers the plan counts as resident that do not exist now: the device chunks'
         buffers between ``zero_grad`` and the backward that makes them (one rank), bytes. A host chunk's
         gradients are not resident (they are in the measured peak on their way to the host)."""
-        return sum(c.data_bytes for c in self.chunks
+        return sum(c.data_bytes for c in self.trainable_chunks
                    if c.grad is None and not self.offloads(c))
 
     def free_grad(self, c: Chunk) -> None:
@@ -1013,7 +1059,7 @@ class ChunkStore:
             self.with_grad.clear()
             self.host_grads.clear()
         if set_to_none and self.lazy_grads and not self.closed:  # the buffers go: every .grad is None
-            for c in self.chunks:
+            for c in self.trainable_chunks:
                 c.reset_ready()
                 self.free_grad(c)
                 c.grad_shard = None
@@ -1025,7 +1071,7 @@ class ChunkStore:
                     self.bindings.leave_host(c)
             return
         with torch.no_grad():
-            for c in self.chunks:
+            for c in self.trainable_chunks:
                 c.reset_ready()
                 held = [p for p in c.params if id(p) in self.host_grads]
                 if held:  # host gradients: zeroed where they are, as torch zeroes p.grad
@@ -1125,6 +1171,24 @@ class ChunkStore:
             self._back_to_device()
         self.closed = True
         self.with_grad.update(id(p) for p in self.params())
+
+
+def frozen_params(model: torch.nn.Module, trainable: Sequence[torch.nn.Parameter],
+                  dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """The frozen parameters memsched packs into chunks of their own (issue 31): each parameter of ``model``
+    (tied ones once) that is not in ``trainable``, has ``requires_grad=False`` and is a plain tensor of the
+    compute ``dtype`` (a frozen parameter of another dtype, or a tensor subclass such as a quantized weight,
+    keeps its own storage on the device: memsched never converts a frozen value)."""
+    given = {id(p) for p in trainable}
+    out, seen = [], set()
+    for p in model.parameters():
+        if id(p) in seen or id(p) in given:
+            continue
+        seen.add(id(p))
+        plain = type(p.data) is torch.Tensor or isinstance(p.data, FakeTensor)  # fake: memsched plan's trace
+        if not p.requires_grad and p.dtype == dtype and plain and p.numel() > 0:
+            out.append(p)
+    return out
 
 
 @functools.cache

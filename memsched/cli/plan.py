@@ -249,9 +249,15 @@ def render(result: dict[str, Any], console: Console) -> None:
     data.add_column("where")
     data.add_row("parameters", fb(md["parameter"] - pad["parameter"]),
                  "device; a plan may keep chunks' parameters on the host, fetched for their reads")
+    if md.get("frozen"):
+        data.add_row("frozen parameters", fb(md["frozen"]),
+                     "chunks of their own, no gradients or optimizer state: device, or the host first "
+                     "when the parameters do not fit (fetched for their reads)")
     data.add_row("gradients", fb(md["gradient"] - pad["gradient"]),
                  "with their chunk's optimizer state (a host chunk's go D2H as backward makes them)")
-    data.add_row("buffers + frozen parameters", fb(md["other"]), "device (resident)")
+    # frozen parameters of another dtype than the compute dtype (or with more ranks) stay out of chunks
+    other = "buffers + other frozen parameters" if md.get("frozen") else "buffers + frozen parameters"
+    data.add_row(other, fb(md["other"]), "device (resident)")
     data.add_row("optimizer states (AdamW)", fb(md["optimizer_state"] - pad["optimizer_state"]),
                  "placed by the policy")
     data.add_row("chunk padding", fb(pad["parameter"] + pad["gradient"] + pad["optimizer_state"]),

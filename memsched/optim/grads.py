@@ -35,6 +35,9 @@ class GradChecks:
         self._scaled_versions: list[Any] | None = None  # fp16: grad signatures after sched.backward
         # fp16: the next backward's inverse scale, on the host
         self.next_inv_scale: torch.Tensor | None = None
+        # parameters given to attach frozen: torch's AdamW over the same groups updates them once they have a
+        # gradient, memsched built no state for them (refused at the step: check_frozen_given)
+        self.frozen_given: tuple[torch.nn.Parameter, ...] = ()
         self.record_param_versions()
 
     # ---- parameter versions -------------------------------------------------------------------------------
@@ -54,7 +57,7 @@ class GradChecks:
         taken: loading a model state dict after the optimizer's (whose fp32 ``master_weight`` it rounds to)
         keeps the full-precision masters, in either order."""
         store = self._store
-        for c in store.chunks:
+        for c in store.trainable_chunks:
             changed = [(p, r) for p, r in zip(c.params, c.ranges, strict=True)
                        if p._version != self._param_versions.get(id(p), p._version)]
             if not changed or c.master is None:
@@ -83,7 +86,21 @@ class GradChecks:
 
         Raises:
             ValueError: a gradient has the wrong shape, dtype or device, or is sparse (names the parameter).
+            RuntimeError: a parameter given to attach frozen has a gradient (it was unfrozen after attach):
+                ``torch.optim.AdamW`` would update it, memsched has no state for it (names it and the
+                re-attach recipe).
         """
+        for p in self.frozen_given:
+            if p.grad is not None:
+                raise RuntimeError(
+                    f"parameter {self._name(p)} was frozen (requires_grad=False) when memsched.attach was "
+                    "called and has a gradient now: torch.optim.AdamW over the same params would update it, "
+                    "but memsched built no optimizer state for it, so this step would silently leave it "
+                    "as it is. Nothing was updated. To unfreeze, attach again with the same groups and "
+                    "carry the state over: state = sched.optimizer.state_dict(); sched.close(); "
+                    "sched = memsched.attach(model, params=<the same groups>); "
+                    "sched.optimizer.load_state_dict(state) (README: Progressive unfreezing). To keep it "
+                    "frozen, set requires_grad_(False) and its .grad to None")
         fixes = []
         store = self._store
         for p in store.params():
@@ -119,7 +136,7 @@ class GradChecks:
         chunks, the version of their host gradients (and which parameters hold one)."""
         store = self._store
         return [(c.grad_signature(), c.grad_host._version if store.offloads(c) else None,
-                 sum(1 for p in c.params if id(p) in store.host_grads)) for c in store.chunks]
+                 sum(1 for p in c.params if id(p) in store.host_grads)) for c in store.trainable_chunks]
 
     def note_scaled_backward(self) -> None:
         """fp16: :meth:`memsched.Scheduler.backward` ran a backward of the scaled loss; the gradients as they

@@ -111,7 +111,7 @@ class HybridAdamW(torch.optim.Optimizer):
         recording."""
         self.overlap = overlap
         if early_update:
-            self.early_updates.enable(self.dp.world, self.store.chunks)
+            self.early_updates.enable(self.dp.world, self.store.trainable_chunks)
         self.timeline.start(overlap=overlap)
 
     def detach(self) -> None:
@@ -209,7 +209,7 @@ class HybridAdamW(torch.optim.Optimizer):
         fixes = self.checks.validate_grads()  # allocates the buffers that gradients set by hand go into
         store = self.store
         # the others have no gradient (ZeRO-2: every chunk is reduced below, and has its shard then)
-        chunks = [c for c in store.chunks if store.shards_grads or store.has_grads(c) or any(
+        chunks = [c for c in store.trainable_chunks if store.shards_grads or store.has_grads(c) or any(
             g is not None for p, g in fixes if store.param_chunk[id(p)] is c)]
         device_chunks = [c for c in chunks if c.placement == DEVICE]
         host_chunks = [c for c in chunks if c.placement == HOST]

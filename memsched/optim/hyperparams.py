@@ -114,6 +114,29 @@ def param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
     return out
 
 
+def _raw_groups(params: Iterable[Any] | None, model: torch.nn.Module) -> list[dict[str, Any]]:
+    if params is None:
+        return [{"params": list(model.parameters())}]
+    items = list(params)
+    if items and all(isinstance(x, dict) for x in items):
+        return [dict(x) for x in items]
+    if any(isinstance(x, dict) for x in items):
+        raise ValueError("params must be all parameters or all param-group dicts, not a mix")
+    return [{"params": items}]
+
+
+def frozen_given(params: Iterable[Any] | None, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The frozen parameters given in ``params`` (as :func:`hyperparameter_groups` takes it): those a
+    ``torch.optim.AdamW`` over the same ``params`` would update once they get a gradient."""
+    out: dict[int, torch.nn.Parameter] = {}
+    for g in _raw_groups(params, model):
+        ps = g.get("params", [])
+        for p in [ps] if isinstance(ps, torch.Tensor) else ps:
+            if isinstance(p, torch.nn.Parameter) and not p.requires_grad:
+                out[id(p)] = p
+    return list(out.values())
+
+
 def hyperparameter_groups(params: Iterable[Any] | None, model: torch.nn.Module) -> list[dict[str, Any]]:
     """Normalise ``params`` (None, an iterable of parameters, or of group dicts) into group dicts whose
     ``"params"`` are the trainable parameters (tied ones once), with the positions of the frozen ones under
@@ -123,16 +146,7 @@ def hyperparameter_groups(params: Iterable[Any] | None, model: torch.nn.Module) 
     Raises:
         ValueError: a group has no ``"params"``, a parameter appears in two groups, or nothing is trainable.
     """
-    if params is None:
-        raw: list[dict[str, Any]] = [{"params": list(model.parameters())}]
-    else:
-        items = list(params)
-        if items and all(isinstance(x, dict) for x in items):
-            raw = [dict(x) for x in items]
-        elif any(isinstance(x, dict) for x in items):
-            raise ValueError("params must be all parameters or all param-group dicts, not a mix")
-        else:
-            raw = [{"params": items}]
+    raw = _raw_groups(params, model)
     seen: set[int] = set()
     groups = []
     for i, g in enumerate(raw):

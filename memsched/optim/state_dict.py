@@ -57,7 +57,7 @@ def state_dict(opt: ChunkedOptimizer) -> dict[str, Any]:
     index = param_indices(opt.param_groups)
     state: dict[int, dict[str, torch.Tensor]] = {}
     with torch.no_grad():
-        for c in store.chunks:
+        for c in store.trainable_chunks:
             c.wait_h2d()
             with store.alloc.host_context():  # host copies: never device memory
                 master, m, v = opt.dp.full_state(c)
@@ -163,7 +163,7 @@ def load_state_dict(opt: ChunkedOptimizer, sd: dict[str, Any]) -> None:
     store = opt.store
     opt.dp.end_step()
     with torch.no_grad():
-        for c in store.chunks:
+        for c in store.trainable_chunks:
             c.wait_h2d()
             with store.alloc.host_context():
                 for p, part in zip(c.params, param_shards(c.ranges, c.lo, c.hi), strict=True):

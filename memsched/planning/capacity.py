@@ -17,8 +17,8 @@ from memsched.planning.prediction import Prediction
 from memsched.planning.problem import (
     build_problem,
     layout_param_chunks,
+    packed_groups,
     resident_extra_bytes,
-    trainable_groups,
 )
 from memsched.planning.reads import chunk_accesses, grad_working_bytes
 from policies.types import PlacementPlan, PlacementProblem
@@ -102,7 +102,7 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
     grad_bytes = chunk_bytes(max(layout.numels), compute_dtype=dtype, master_weights=master).grad_bytes
     accesses: list[Any] = []
     if prediction.reads and not ranks:
-        chunks = layout_param_chunks(model, layout, order)
+        chunks = layout_param_chunks(model, layout, order, compute_dtype=dtype)
         accesses = chunk_accesses(prediction.reads, chunks, prediction.timeline, prediction.device,
                                   grad_bytes=grad_bytes)
         working = grad_working_bytes(prediction.reads, chunks, prediction.timeline, grad_bytes,
@@ -110,13 +110,16 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
         if working is not None:
             problem = dataclasses.replace(problem, host_grad_working_bytes=working)
     problem = dataclasses.replace(problem, accesses=tuple(accesses))
-    per_chunk = [chunk_bytes(numel, compute_dtype=dtype, master_weights=master, n_params=len(slots))
-                 for slots, numel in zip(layout.chunks, layout.numels, strict=True)]
+    frozen = [c.frozen for c in problem.chunks]
+    per_chunk = [chunk_bytes(numel, compute_dtype=dtype, master_weights=master, n_params=len(slots), frozen=f)
+                 for slots, numel, f in zip(layout.chunks, layout.numels, frozen, strict=True)]
+    packed = {id(p) for p in _chunked_params(model, order, dtype, world_size)}
     model_data = {
-        "parameter": sum(c.compute_bytes for c in per_chunk),
+        "parameter": sum(c.compute_bytes for c, f in zip(per_chunk, frozen, strict=True) if not f),
+        "frozen": sum(c.compute_bytes for c, f in zip(per_chunk, frozen, strict=True) if f),
         "gradient": sum(c.grad_bytes for c in per_chunk),
         "optimizer_state": sum(c.device_state_bytes for c in per_chunk),
-        "other": resident_extra_bytes(model, trainable_groups(model)),
+        "other": resident_extra_bytes(model, [[p for p in model.parameters() if id(p) in packed]]),
     }
     # The same arithmetic over the padding elements alone (no parameters, so no step counts).
     pad = chunk_bytes(layout.waste_numel, compute_dtype=dtype, master_weights=master, n_params=0)
@@ -131,6 +134,14 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
             plans[name] = str(e)
     return CapacityPlan(problem=problem, chunk_numel=layout.chunk_numel, n_chunks=layout.n_chunks,
                         model_data=model_data, plans=plans, padding=padding, grad_bytes=grad_bytes)
+
+
+def _chunked_params(model: torch.nn.Module, order: Any, dtype: torch.dtype,
+                    world_size: int) -> list[torch.nn.Parameter]:
+    """The parameters :func:`build_problem` packs into chunks (trainable, and with one rank the frozen
+    ones)."""
+    groups, frozen = packed_groups(model, None, order, dtype, world_size)
+    return [p for g in (*groups, frozen) for p in g]
 
 
 def link_bytes(cplan: CapacityPlan, plan: PlacementPlan) -> dict[str, int]:

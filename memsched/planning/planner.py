@@ -37,17 +37,22 @@ from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
 
 
 def check_host_room(layout: ChunkLayout, config: SchedulerConfig, alloc: Allocator,
-                    shard_numel: int | None = None) -> None:
+                    shard_numel: int | None = None, *, frozen_group: int | None = None,
+                    frozen_on_host: bool = False) -> None:
     """All optimizer state starts pinned on the host until the plan: refuse before pinning it when the host
     budget cannot hold it (:func:`memsched.devices.host_memory.check_initial_host_state`). ``layout``: the
-    chunks; ``shard_numel``: the elements of each chunk a rank keeps state for (default: all).
+    chunks; ``shard_numel``: the elements of each chunk a rank keeps state for (default: all);
+    ``frozen_group``: the layout's group of frozen parameters (their chunks hold values only, on the host
+    when ``frozen_on_host``).
 
     Raises:
         policies.PlacementError: the host budget is too small (names both sizes and the limit).
     """
     sizes = [chunk_bytes(numel, compute_dtype=config.compute_dtype, shard_numel=shard_numel,
-                         n_params=len(slots), private_grads=bool(config.overlap))
-             for slots, numel in zip(layout.chunks, layout.numels, strict=True)]
+                         n_params=len(slots), private_grads=bool(config.overlap), frozen=frozen)
+             for slots, numel, frozen in zip(layout.chunks, layout.numels,
+                                             (g == frozen_group for g in layout.chunk_groups), strict=True)
+             if frozen_on_host or not frozen]
     need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin) for b in sizes)
     check_initial_host_state(need, host_budget(pinned=alloc.pin,
                                                stand_in_bytes=config.device.host_capacity_bytes,
@@ -242,7 +247,8 @@ class Planner:
         costs = self.warmup_costs
         if costs is None:
             return plan
-        host = [c for c, where in zip(self._store.chunks, plan.placement, strict=True) if where == HOST]
+        host = [c for c, where in zip(self._store.chunks, plan.placement, strict=True)
+                if where == HOST and not c.frozen]  # updated on the CPU
         elements = sum(c.hi - c.lo for c in host)
         overlap: bool | str = "backward" if self._config.early_update else bool(self._config.overlap)
         roofline = None
@@ -267,7 +273,7 @@ class Planner:
         """The placement problem of the chunks in force for a peak non-model data (bytes), with the host
         chunks' gradient working set measured in warmup (:attr:`host_grad_working_bytes`)."""
         store, dp = self._store, self._dp
-        order = [p for g in store.groups for p in g]  # the packing in force
+        order = list(store.all_params())  # the packing in force (frozen parameters last)
         capacity, peak = dp.agree_margin_inputs(self._device.capacity_bytes, peak_non_model_bytes)
         # one rank: the host chunks' gradients in flight are measured in warmup (below); more ranks: what the
         # ZeRO stage keeps per rank, whole gradient buffers in flight included (build_problem)

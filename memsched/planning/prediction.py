@@ -115,10 +115,14 @@ class Prediction:
 
 
 def first_use_order(model: torch.nn.Module, timeline: MemoryTimeline) -> list[torch.nn.Parameter]:
-    """Trainable parameters in first-use order (:func:`memsched.planning.first_use.first_use_order` over the
-    modules the trace saw run); parameters of modules the trace never saw go where their first reader is."""
+    """The parameters in first-use order (:func:`memsched.planning.first_use.first_use_order` over the modules
+    the trace saw run): the trainable ones, and the frozen ones after them (they are packed in chunks of their
+    own); parameters of modules the trace never saw go where their first reader is."""
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return order_by_first_use(model, [st.name for st in timeline.module_stats()], trainable)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    names = [st.name for st in timeline.module_stats()]
+    return order_by_first_use(model, names, trainable) + (order_by_first_use(model, names, frozen)
+                                                          if frozen else [])
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
+from memsched.chunks.store import frozen_params
 from memsched.devices.host_memory import HostBudget, host_budget, local_world_size
 from memsched.optim.hyperparams import hyperparameter_groups
 from policies.types import HOST, ChunkAccess, ChunkSpec, PlacementProblem
@@ -54,12 +55,32 @@ def trainable_groups(model: torch.nn.Module,
     return [g["params"] for g in hyperparameter_groups(raw, model)]
 
 
-def resident_extra_bytes(model: torch.nn.Module, trainable: Sequence[Sequence[torch.nn.Parameter]]) -> int:
-    """Model data outside the chunks that stays on the device (frozen parameters, buffers), bytes."""
-    ids = {id(p) for g in trainable for p in g}
-    frozen = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in ids)
+def resident_extra_bytes(model: torch.nn.Module, packed: Sequence[Sequence[torch.nn.Parameter]]) -> int:
+    """Model data outside the chunks (``packed``: the parameters in chunks) that stays on the device (frozen
+    parameters memsched keeps out of chunks, buffers), bytes."""
+    ids = {id(p) for g in packed for p in g}
+    seen: set[int] = set()
+    frozen = 0
+    for p in model.parameters():
+        if id(p) not in ids and id(p) not in seen:
+            seen.add(id(p))
+            frozen += p.numel() * p.element_size()
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return frozen + buffers
+
+
+def packed_groups(model: torch.nn.Module, param_groups: Sequence[Sequence[torch.nn.Parameter]] | None,
+                  param_order: Sequence[torch.nn.Parameter] | None, compute_dtype: torch.dtype,
+                  world_size: int = 1) -> tuple[list[list[torch.nn.Parameter]], list[torch.nn.Parameter]]:
+    """The parameters as the store packs them: ``(trainable groups, frozen)``, each in ``param_order``. One
+    rank: the frozen parameters of the compute dtype (:func:`memsched.chunks.store.frozen_params`) are
+    packed too, in chunks of their own after the trainable ones; more ranks: none."""
+    groups = ordered_groups(trainable_groups(model, param_groups), param_order)
+    frozen: list[torch.nn.Parameter] = []
+    if world_size == 1:
+        frozen = frozen_params(model, [p for g in groups for p in g], compute_dtype)
+        frozen = ordered_groups([frozen], param_order)[0]
+    return groups, frozen
 
 
 def build_problem(
@@ -140,8 +161,13 @@ def build_problem(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    groups = ordered_groups(trainable_groups(model, param_groups), param_order)
-    sizes = [[p.numel() for p in g] for g in groups]
+    trainable = ordered_groups(trainable_groups(model, param_groups), param_order)
+    if compute_dtype is None:
+        compute_dtype = next(p for g in trainable for p in g).dtype  # a group may be empty (all frozen)
+        if master_weights and compute_dtype == torch.float32:
+            compute_dtype = torch.bfloat16
+    groups, frozen = packed_groups(model, param_groups, param_order, compute_dtype, world_size)
+    sizes = [[p.numel() for p in g] for g in groups] + ([[p.numel() for p in frozen]] if frozen else [])
     exact = world_size == 1  # as the store packs: [Note: exact chunks] in memsched.chunks.layout
     grad_shards = param_shards = False
     if zero_stage is not None:
@@ -163,31 +189,29 @@ def build_problem(
                 world_size = 1  # every rank keeps and updates the whole optimizer state
             offload_grads = False
     layout = build_layout(sizes, chunk_numel=chunk_numel, align=align, exact=exact)
-    if compute_dtype is None:
-        compute_dtype = next(p for g in groups for p in g).dtype  # a group may be empty (all frozen)
-        if master_weights and compute_dtype == torch.float32:
-            compute_dtype = torch.bfloat16
     # One rank: a host chunk's gradients go to the host as backward completes them, so only a working set of
     # gradient buffers is resident; a chunk whose optimizer state is on the device keeps its gradients there.
     offload = world_size == 1 if offload_grads is None else offload_grads
     specs, per_chunk = [], []
-    for i, (slots, numel) in enumerate(zip(layout.chunks, layout.numels, strict=True)):
+    for i, (slots, numel, gi) in enumerate(zip(layout.chunks, layout.numels, layout.chunk_groups,
+                                               strict=True)):
         # the step counts make chunks differ by 4 bytes per parameter, and exact chunks by their lengths
         shard = math.ceil(numel / world_size)
+        frozen_chunk = bool(frozen) and gi == len(groups)
         cb = chunk_bytes(numel, compute_dtype=compute_dtype, shard_numel=shard,
                          master_weights=master_weights or None, n_params=len(slots), offload_grads=offload,
-                         private_grads=private_grads)
+                         private_grads=private_grads, frozen=frozen_chunk)
         per_chunk.append((cb, shard))
         grads = cb.grad_bytes if offload else 0  # a device chunk keeps its gradients on the device
         specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes + grads,
                                host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
-                               numel=numel, param_bytes=cb.compute_bytes))
+                               numel=numel, param_bytes=cb.compute_bytes, frozen=frozen_chunk))
     params = sum(cb.compute_bytes for cb, _ in per_chunk)
     grad_bufs = sum(cb.grad_bytes for cb, _ in per_chunk)
     # the largest chunks' buffers bound any working set of whole buffers
     largest_grads = sorted((cb.grad_bytes for cb, _ in per_chunk), reverse=True)
     largest_params = sorted((cb.compute_bytes for cb, _ in per_chunk), reverse=True)
-    resident = params + resident_extra_bytes(model, groups)
+    resident = params + resident_extra_bytes(model, [*groups, frozen])
     if param_shards:  # ZeRO-3: each chunk's part of the parameters, and the chunks whole around their reads
         resident -= params
         resident += sum(cb.compute_bytes // n * shard for (cb, shard), n in zip(per_chunk, layout.numels,
@@ -217,11 +241,16 @@ def build_problem(
 
 def layout_param_chunks(model: torch.nn.Module, layout: ChunkLayout,
                         param_order: Sequence[torch.nn.Parameter] | None = None,
-                        param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None) -> dict[int, int]:
+                        param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None, *,
+                        compute_dtype: torch.dtype | None = None, world_size: int = 1) -> dict[int, int]:
     """``id(parameter) -> chunk index`` of a layout :func:`build_problem` made with the same ``model``,
-    ``param_order`` and ``param_groups``."""
-    groups = ordered_groups(trainable_groups(model, param_groups), param_order)
-    return {id(groups[s.group][s.index]): i for i, slots in enumerate(layout.chunks) for s in slots}
+    ``param_order``, ``param_groups``, ``compute_dtype`` (default: the trainable parameters') and
+    ``world_size``."""
+    if compute_dtype is None:
+        compute_dtype = next(p for g in trainable_groups(model, param_groups) for p in g).dtype
+    groups, frozen = packed_groups(model, param_groups, param_order, compute_dtype, world_size)
+    packed = [*groups, frozen]
+    return {id(packed[s.group][s.index]): i for i, slots in enumerate(layout.chunks) for s in slots}
 
 
 def measured_fragmentation_bytes(timeline: MemoryTimeline | None, device: str | None = None) -> int | None:

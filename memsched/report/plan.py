@@ -53,6 +53,10 @@ class DecisionFigures:
             in ``resident_model_bytes``, which counts every parameter).
         param_host_chunks: chunks whose parameters are on the host.
         fetched_param_bytes: the most of those parameters on the device at once (the schedule's), bytes.
+        frozen_bytes: the frozen parameters in chunks of their own (issue 31; their compute buffers, in
+            ``resident_model_bytes``), bytes; ``frozen_chunks`` their chunks, ``frozen_on_host_bytes`` those
+            the plan keeps on the host (in ``params_on_host_bytes`` too). ``device_chunks`` and
+            ``host_chunks`` count the chunks of trainable parameters only.
     """
 
     policy: str
@@ -71,6 +75,9 @@ class DecisionFigures:
     params_on_host_bytes: int = 0
     param_host_chunks: int = 0
     fetched_param_bytes: int = 0
+    frozen_bytes: int = 0
+    frozen_chunks: int = 0
+    frozen_on_host_bytes: int = 0
 
     @classmethod
     def of(cls, plan: PlacementPlan, problem: PlacementProblem) -> DecisionFigures:
@@ -87,6 +94,7 @@ class DecisionFigures:
         placed = list(zip(problem.chunks, plan.placement, strict=True))
         off = plan.param_host_chunks
         per = max((c.param_bytes for c in problem.chunks), default=0)
+        frozen = [c for c in problem.chunks if c.frozen]
         return cls(
             policy=plan.policy, capacity_bytes=problem.capacity_bytes,
             peak_non_model_bytes=problem.peak_non_model_bytes,
@@ -94,11 +102,15 @@ class DecisionFigures:
             gpu_margin_mem_ratio=problem.gpu_margin_mem_ratio, budget_bytes=plan.budget_bytes,
             device_state_bytes=sum(c.device_bytes for c, where in placed if where == DEVICE),
             host_state_bytes=sum(c.device_bytes for c, where in placed if where == HOST),
-            host_pinned_bytes=plan.host_bytes, device_chunks=len(plan.device_chunks),
-            host_chunks=len(plan.host_chunks),
-            grad_working_bytes=problem.host_grad_working_bytes if plan.host_chunks else 0,
+            host_pinned_bytes=plan.host_bytes,
+            device_chunks=sum(1 for c, where in placed if where == DEVICE and not c.frozen),
+            host_chunks=sum(1 for c, where in placed if where == HOST and not c.frozen),
+            grad_working_bytes=(problem.host_grad_working_bytes
+                                if any(where == HOST and not c.frozen for c, where in placed) else 0),
             params_on_host_bytes=sum(problem.chunks[i].param_bytes for i in off), param_host_chunks=len(off),
-            fetched_param_bytes=plan.schedule.max_resident * per if plan.schedule is not None else 0)
+            fetched_param_bytes=plan.schedule.max_resident * per if plan.schedule is not None else 0,
+            frozen_bytes=sum(c.param_bytes for c in frozen), frozen_chunks=len(frozen),
+            frozen_on_host_bytes=sum(c.param_bytes for c in frozen if plan.params_on_host(c.index)))
 
     @property
     def margin_floor_bytes(self) -> int:
@@ -148,6 +160,10 @@ class DecisionFigures:
                      f"{_chunks(self.param_host_chunks)} ({fmt(self.params_on_host_bytes)}) on the host, "
                      f"fetched for their reads, at most {fmt(self.fetched_param_bytes)} of them on the "
                      "device at once"))
+        if self.frozen_chunks:
+            rows.append(("frozen parameters", f"{fmt(self.frozen_bytes)} in {_chunks(self.frozen_chunks)} "
+                         f"(no gradients, no optimizer state): {fmt(self.frozen_on_host_bytes)} of them on "
+                         "the host"))
         return rows
 
 
