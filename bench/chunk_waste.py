@@ -8,13 +8,14 @@ Run ``python bench/chunk_waste.py`` from the repository root (a second or so: th
 Models: the GPT presets from ``tiny`` to ``2.7b`` (fp32, one param group, tied embeddings counted once), the
 demo's model, ResNet-18 and ResNet-50 shaped models built from torch layers (no torchvision needed; ResNet-50
 also with timm's two param groups: weight decay on the convolution and linear weights, none on norms and
-biases) and a LoRA model (a frozen GPT ``small`` with rank-8 adapters on every linear layer of its blocks:
-only the adapters are trained, so only they are packed). Per model: ``parameters`` (trainable elements),
-``largest_param`` (elements), and for two layouts, ``exact`` (memsched with one rank: each chunk as long as
-what it holds, a parameter larger than the searched size in a chunk of its own, [Note: exact chunks] in
-:mod:`memsched.chunks.layout`) and ``uniform`` (every chunk of the searched size, as PatrickStar and Gemini
-do, and memsched with more ranks): ``chunk_numel`` (the searched size), ``chunks``, ``largest_chunk``,
-``smallest_chunk``, ``padding_numel`` and ``padding_pct`` (padding over the parameters, percent).
+biases) and a LoRA model (a frozen GPT ``small`` with rank-8 adapters on its feed-forward layers,
+:func:`memsched.models.lora.add_lora`: the adapters are packed, and the frozen base in chunks of its own). Per
+model: ``parameters`` (packed elements, the frozen ones included), ``largest_param`` (elements), and for two
+layouts, ``exact`` (memsched with one rank: each chunk as long as what it holds, a parameter larger than the
+searched size in a chunk of its own, [Note: exact chunks] in :mod:`memsched.chunks.layout`) and ``uniform``
+(every chunk of the searched size, as PatrickStar and Gemini do, and memsched with more ranks):
+``chunk_numel`` (the searched size), ``chunks``, ``largest_chunk``, ``smallest_chunk``, ``padding_numel`` and
+``padding_pct`` (padding over the parameters, percent).
 
 Target (issue 31): padding at most 5 % of the parameter bytes for every model, unless one parameter alone is
 larger than the device allows for a chunk. Uniform chunks of a size between the largest parameter and an
@@ -37,6 +38,7 @@ from bench._machine import write_result  # noqa: E402
 from memsched.chunks.layout import build_layout  # noqa: E402
 from memsched.models import config_for  # noqa: E402
 from memsched.models.gpt import GPT  # noqa: E402
+from memsched.models.lora import add_lora  # noqa: E402
 
 GPT_SIZES = ["tiny", "demo", "small", "gpt2-124m", "125m", "350m", "760m", "1.3b", "2.7b"]
 
@@ -95,23 +97,9 @@ def timm_groups(model: nn.Module) -> list[list[nn.Parameter]]:
 
 
 # ---- LoRA --------------------------------------------------------------------------------------------------
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank delta (``B @ A``, rank ``r``)."""
-
-    def __init__(self, base: nn.Linear, r: int = 8) -> None:
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.lora_a = nn.Parameter(torch.zeros(r, base.in_features))
-        self.lora_b = nn.Parameter(torch.zeros(base.out_features, r))
-
-
 def lora_gpt(size: str, r: int = 8) -> nn.Module:
-    model = GPT(config_for(size)).requires_grad_(False)
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and child is not getattr(model, "lm_head", None)]
-    for parent, name, child in targets:
-        setattr(parent, name, LoRALinear(child, r))
-    return model
+    """GPT ``size`` frozen, with rank-``r`` adapters on its feed-forward layers (``memsched plan --lora``)."""
+    return add_lora(GPT(config_for(size)), r)
 
 
 # ---- measuring ---------------------------------------------------------------------------------------------
@@ -127,6 +115,9 @@ def unique_trainable(params: list[nn.Parameter]) -> list[int]:
 
 def measure(name: str, groups: list[list[nn.Parameter]]) -> dict[str, Any]:
     numels = [g for g in (unique_trainable(g) for g in groups) if g]
+    # the frozen parameters: a group of their own, after the trainable ones (memsched.chunks.store)
+    frozen = list({id(p): p.numel() for g in groups for p in g if not p.requires_grad}.values())
+    numels += [frozen] if frozen else []
     row: dict[str, Any] = {"model": name, "param_groups": len(numels),
                            "largest_param": max(n for g in numels for n in g)}
     for key, exact in (("exact", True), ("uniform", False)):

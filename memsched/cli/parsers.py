@@ -245,6 +245,9 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="file.py:function or module:function returning (model, loss_fn) for a device "
                         "(see memsched trace); or use --model")
     p.add_argument("--model", metavar="SIZE", help=f"the built-in GPT at this size: {', '.join(sizes())}")
+    p.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
+                   help="with --model: freeze the model and train rank-RANK LoRA adapters on its "
+                        "feed-forward layers (the frozen base is model data of its own, offloaded first)")
     p.add_argument("--batch-size", type=positive_int_list, default=None, metavar="N[,N...]",
                    help=f"batch size for --model (default {PLAN_BATCH_SIZE}); several, comma-separated, "
                         "plan each and say the largest that fits")

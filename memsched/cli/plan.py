@@ -120,10 +120,14 @@ def run(args: argparse.Namespace) -> int:
         if over is not None and args.world_size is not None:
             raise ValueError(f"--world-size predicts one size: give one --{over.replace('_', '-')} value")
         # Every workload is made (and checked: block size) before the first, possibly long, trace.
+        lora = {"lora_rank": args.lora} if args.lora is not None else {}
         runs: list[tuple[str | WorkloadFn, dict[str, Any]]] = [
-            (gpt_workload(args.model, b, s), {"model": args.model, "batch_size": b, "seq_len": s})
+            (gpt_workload(args.model, b, s, lora_rank=args.lora),
+             {"model": args.model, "batch_size": b, "seq_len": s, **lora})
             for b in batches for s in seqs]
     else:
+        if args.lora is not None:
+            raise ValueError("--lora applies to --model only: a TARGET freezes its own parameters")
         if args.batch_size is not None or args.seq_len is not None:
             raise ValueError("--batch-size and --seq-len apply to --model only; a TARGET's loss_fn makes "
                              "its own batch")
@@ -202,8 +206,8 @@ def _largest_preset(args: argparse.Namespace, batch: int, seq: int, dtype: torch
 
     def plan_of(name: str) -> CapacityPlan:
         if name not in known:
-            prediction = trace_step(gpt_workload(name, batch, seq), dtype=dtype or torch.float32,
-                                    attention=args.attention)
+            prediction = trace_step(gpt_workload(name, batch, seq, lora_rank=args.lora),
+                                    dtype=dtype or torch.float32, attention=args.attention)
             known[name] = plan_for_capacity(prediction, capacity,
                                             gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
                                             host_capacity_bytes=host[0], host_capacity_source=host[1])

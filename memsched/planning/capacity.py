@@ -158,8 +158,8 @@ def link_bytes(cplan: CapacityPlan, plan: PlacementPlan) -> dict[str, int]:
     if plan.schedule is not None:
         per = max(c.param_bytes for c in chunks)
         h2d += plan.schedule.h2d_copies * per
-    # a chunk's gradient buffer is as large as its compute buffer
-    return {"h2d": h2d, "d2h": sum(chunks[i].param_bytes for i in plan.host_chunks)}
+    # a chunk's gradient buffer is as large as its compute buffer; a frozen chunk has none
+    return {"h2d": h2d, "d2h": sum(chunks[i].param_bytes for i in plan.host_chunks if not chunks[i].frozen)}
 
 
 def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:

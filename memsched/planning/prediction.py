@@ -229,12 +229,15 @@ def _fake_errors() -> tuple[type[Exception], ...]:
     return found or (RuntimeError,)
 
 
-def gpt_workload(size: str, batch_size: int, seq_len: int, *, seed: int = 0) -> WorkloadFn:
-    """A workload function for the built-in GPT of ``size`` on random tokens ``[batch_size, seq_len]``.
+def gpt_workload(size: str, batch_size: int, seq_len: int, *, seed: int = 0,
+                 lora_rank: int | None = None) -> WorkloadFn:
+    """A workload function for the built-in GPT of ``size`` on random tokens ``[batch_size, seq_len]``;
+    ``lora_rank``: its parameters frozen, with rank-``lora_rank`` LoRA adapters on its feed-forward layers
+    (:func:`memsched.models.lora.add_lora`).
 
     Raises:
-        ValueError: unknown size (lists the known ones), non-positive batch/sequence, or a sequence longer
-            than the model's ``block_size``.
+        ValueError: unknown size (lists the known ones), non-positive batch/sequence, a sequence longer
+            than the model's ``block_size``, or a bad ``lora_rank``.
     """
     config = config_for(size)
     for name, value in (("batch size", batch_size), ("sequence length", seq_len)):
@@ -243,16 +246,23 @@ def gpt_workload(size: str, batch_size: int, seq_len: int, *, seed: int = 0) -> 
     if seq_len > config.block_size:
         raise ValueError(f"sequence length {seq_len} exceeds the {size!r} model's block_size "
                          f"{config.block_size}")
+    if lora_rank is not None and (isinstance(lora_rank, bool) or not isinstance(lora_rank, int)
+                                  or lora_rank < 1):
+        raise ValueError(f"LoRA rank must be a positive integer, got {lora_rank!r}")
 
     def build(device: torch.device) -> Workload:
         torch.manual_seed(seed)
         model = build_gpt(size, device=device)
+        if lora_rank is not None:
+            from memsched.models.lora import add_lora
+
+            add_lora(model, lora_rank)
 
         def loss_fn(m: torch.nn.Module) -> torch.Tensor:
             tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
             return lm_loss(m, tokens[:, :-1], tokens[:, 1:])
 
-        return Workload(model, loss_fn, f"gpt {size}")
+        return Workload(model, loss_fn, f"gpt {size}" + (f" + LoRA r={lora_rank}" if lora_rank else ""))
 
     build.__qualname__ = f"gpt[{size}]"
     return build
