@@ -198,6 +198,7 @@ class Scheduler:
         self.grad_offload = GradOffload(self.store, weak_method(self._start_grad_d2h),
                                         weak_method(self._wait_worker))
         self.store.before_host_write = weak_method(self._wait_worker)
+        self.store.before_device_read = weak_method(self._wait_h2d)
         self.scaler = LossScaler(tdev) if self.compute_dtype == torch.float16 else None
         self.optimizer = HybridAdamW(
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
@@ -439,6 +440,11 @@ class Scheduler:
             nbytes = c.start_d2h(self.streams, dst=dst)
         self.transfers.add_d2h(nbytes)
         return nbytes
+
+    def _wait_h2d(self, c: Any) -> None:
+        """The current stream waits for ``c``'s H2D copy of its updated values (the stand-in's link:
+        blocks)."""
+        self.streams.wait([c.h2d_event], f"zero_grad() <- chunk {c.index}")
 
     def _wait_worker(self, c: Any) -> None:
         """Block until the overlapped CPU update no longer reads chunk ``c``'s host buffers."""

@@ -141,3 +141,4 @@ def test_close_waits_for_copies_in_flight():
     sched.close()
     assert sorted(log) == [c.index for c in sched.store.chunks]
     assert all(c.h2d_event is None for c in sched.store.chunks)
+

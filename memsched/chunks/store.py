@@ -85,6 +85,9 @@ class ChunkStore:
         self.offloader: object | None = None
         # Called before memsched writes a host chunk's host buffers (the CPU worker must be done reading them)
         self.before_host_write: Callable[[Chunk], None] = lambda c: None
+        # Called before a chunk's parameters become device views between steps: reads of them from here on
+        # (outside any forward, so no module hook waits for them) must come after its H2D copy in flight
+        self.before_device_read: Callable[[Chunk], None] = lambda c: None
         # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
         # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
         self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
@@ -1066,8 +1069,10 @@ class ChunkStore:
                 for p in c.params:
                     p.grad = None
                 # See [Note: host binding]: with no gradient left on the host, parameters whose values are on
-                # the device read as device tensors again, as they would on plain torch
+                # the device read as device tensors again, as they would on plain torch, once the updated
+                # values' H2D copy has landed (a read right after zero_grad() must not see the old ones)
                 if self.bindings.host_bound(c) and c.data is not None and not self.bindings.computing:
+                    self.before_device_read(c)
                     self.bindings.leave_host(c)
             return
         with torch.no_grad():
