@@ -89,27 +89,34 @@ def _no_room_for_params(p: PlacementProblem, name: str) -> PlacementError:
         f"exceed the device capacity ({fb(p.capacity_bytes)}) by {fb(short)} {what}; {fix}")
 
 
-def param_offload_order(p: PlacementProblem) -> list[int]:
+def param_offload_order(p: PlacementProblem, *, anchored: bool = True) -> list[int]:
     """The order in which ``auto`` keeps chunks' parameters on the host: the chunks of frozen parameters
-    first, then the others, each in first-use order.
+    first, then the others, each in first-use order; with ``anchored``, the chunk holding the model's first
+    parameter (:attr:`PlacementProblem.device_anchor`) last, so that ``model.device`` between steps stays the
+    device (code that puts its inputs there keeps working). ``auto`` tries the anchored order first, and the
+    plain one when no anchored plan fits.
 
     Frozen parameters first (issue 31): they cost one H2D copy per read and nothing else, while a trainable
     chunk's parameters on the host add the copy of its updated values, and their gradients must leave the
     device anyway; a LoRA's frozen base is 99 % of its model data. First-used first within each kind: forward
     reads them first and backward last, so they are the farthest from the peak of non-model data (at the
     turn from forward to backward), where they can be away."""
-    return ([c.index for c in p.chunks if c.frozen] + [c.index for c in p.chunks if not c.frozen])
+    order = [c.index for c in p.chunks if c.frozen] + [c.index for c in p.chunks if not c.frozen]
+    if anchored and p.device_anchor is not None:
+        order.remove(p.device_anchor)
+        order.append(p.device_anchor)
+    return order
 
 
 def _param_plan(p: PlacementProblem, k: int, limit: int, share: float,
-                max_prefetch: int) -> tuple[list[str], ParamSchedule]:
-    """Parameters of the first ``k`` chunks of :func:`param_offload_order` on the host, with every chunk's
-    optimizer state there, and their schedule within ``limit`` bytes (``share`` of the room at each
-    read)."""
+                max_prefetch: int, order: Sequence[int]) -> tuple[list[str], ParamSchedule]:
+    """Parameters of the first ``k`` chunks of ``order`` (:func:`param_offload_order`) on the host, with
+    every chunk's optimizer state there, and their schedule within ``limit`` bytes (``share`` of the room at
+    each read)."""
     n = len(p.chunks)
     placement = [HOST] * n
     params = [DEVICE] * n
-    for i in param_offload_order(p)[:k]:
+    for i in order[:k]:
         params[i] = HOST
     return params, schedule_for(p, placement, params, limit, share=share, max_prefetch=max_prefetch)
 
@@ -138,6 +145,10 @@ def _param_reasons(p: PlacementProblem, params: list[str], sched: ParamSchedule,
     ]
     if peak is not None:
         out.append(f"Predicted device peak {fb(peak)} of {fb(p.capacity_bytes)}.")
+    if p.device_anchor is not None and params[p.device_anchor] == HOST:
+        out.append(f"Chunk {p.device_anchor}, which holds the model's first parameter, is on the host too "
+                   "(no plan keeping it fits): between steps model.device reads the CPU; put inputs on the "
+                   "scheduler's device (sched.device.torch_device).")
     return out
 
 
@@ -313,7 +324,7 @@ def static_policy(
         while kept < target:
             kept += chunks[k].param_bytes
             k += 1
-        params, sched = _param_plan(p, k, p.capacity_bytes, 1.0, max_prefetch)
+        params, sched = _param_plan(p, k, p.capacity_bytes, 1.0, max_prefetch, range(len(chunks)))
         plan = make_plan(p, [HOST] * len(chunks), budget_bytes=0, param_placement=params, schedule=sched)
         reasons = [
             _margin_reason(p),
@@ -454,19 +465,24 @@ def auto_policy(
         limit = p.capacity_bytes - reserve
         share = p.gpu_margin_mem_ratio
         last: PlacementError | None = None
-        for k in range(1, len(chunks) + 1):
-            try:
-                params, sched = _param_plan(p, k, limit, share, max_prefetch)
-            except PlacementError as e:
-                last = e
-                continue
-            plan = make_plan(p, [HOST] * len(chunks), budget_bytes=0, param_placement=params, schedule=sched)
-            if plan.peak_bytes is not None and plan.peak_bytes > p.capacity_bytes:
-                continue
-            reasons = [_margin_reason(p), _reserve_reason(p, reserve, reserve_frac, reserve_bytes),
-                       *_param_reasons(p, params, sched, plan.peak_bytes)]
-            return make_plan(p, [HOST] * len(chunks), budget_bytes=0, reasons=reasons,
-                             param_placement=params, schedule=sched)
+        orders = [param_offload_order(p)] + ([param_offload_order(p, anchored=False)]
+                                             if p.device_anchor is not None else [])
+        # anchored: every k but the last keeps the model's first parameter on the device
+        for order in orders:
+            for k in range(1, len(chunks) + (0 if order is not orders[-1] else 1)):
+                try:
+                    params, sched = _param_plan(p, k, limit, share, max_prefetch, order)
+                except PlacementError as e:
+                    last = e
+                    continue
+                plan = make_plan(p, [HOST] * len(chunks), budget_bytes=0, param_placement=params,
+                                 schedule=sched)
+                if plan.peak_bytes is not None and plan.peak_bytes > p.capacity_bytes:
+                    continue
+                reasons = [_margin_reason(p), _reserve_reason(p, reserve, reserve_frac, reserve_bytes),
+                           *_param_reasons(p, params, sched, plan.peak_bytes)]
+                return make_plan(p, [HOST] * len(chunks), budget_bytes=0, reasons=reasons,
+                                 param_placement=params, schedule=sched)
         raise PlacementError(
             f"policy 'auto': even with every chunk's parameters on the host the step does not fit: {last}; "
             "reduce activation memory (smaller batch, activation checkpointing) or use a larger device")

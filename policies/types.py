@@ -184,6 +184,10 @@ class PlacementProblem:
         accesses: the chunk reads of one traced step, in order (:class:`ChunkAccess`); empty when unknown.
             A plan that keeps some chunks' parameters on the host schedules their fetches from them
             (:func:`policies.schedule.schedule_params`).
+        device_anchor: the chunk holding the model's first parameter, or ``None``: what ``model.device``
+            (Hugging Face) and ``next(model.parameters()).device`` read, a host view between steps when its
+            parameters live on the host; ``auto`` keeps its parameters on the host last
+            (:func:`policies.builtin.param_offload_order`).
     """
 
     capacity_bytes: int
@@ -196,6 +200,7 @@ class PlacementProblem:
     fragmentation_bytes: int | None = None
     host_grad_working_bytes: int = 0
     accesses: tuple[ChunkAccess, ...] = ()
+    device_anchor: int | None = None
 
     def __post_init__(self) -> None:
         """Validate once, here, so that every policy (built-in or custom) sees a sane problem.
@@ -227,6 +232,11 @@ class PlacementProblem:
                 raise ValueError(f"PlacementProblem.accesses[{i}] must be a ChunkAccess of one of the "
                                  f"{len(chunks)} chunks, got {a!r}")
         object.__setattr__(self, "accesses", accesses)
+        anchor = self.device_anchor
+        if anchor is not None and (isinstance(anchor, bool) or not isinstance(anchor, int)
+                                   or not 0 <= anchor < len(chunks)):
+            raise ValueError(f"PlacementProblem.device_anchor must be None or the index of one of the "
+                             f"{len(chunks)} chunks, got {anchor!r}")
 
     @property
     def margin_bytes(self) -> int:

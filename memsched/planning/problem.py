@@ -235,8 +235,20 @@ def build_problem(
         fragmentation_bytes=fragmentation_bytes,
         host_grad_working_bytes=working,
         accesses=tuple(accesses),
+        device_anchor=_chunk_of_first_parameter(model, layout, [*groups, frozen]),
     )
     return problem, layout
+
+
+def _chunk_of_first_parameter(model: torch.nn.Module, layout: ChunkLayout,
+                              packed: Sequence[Sequence[torch.nn.Parameter]]) -> int | None:
+    """The chunk holding ``model``'s first parameter (what ``model.device`` reads), ``None`` when that
+    parameter is in no chunk."""
+    first = next(iter(model.parameters()), None)
+    for i, slots in enumerate(layout.chunks):
+        if any(packed[s.group][s.index] is first for s in slots):
+            return i
+    return None
 
 
 def layout_param_chunks(model: torch.nn.Module, layout: ChunkLayout,
