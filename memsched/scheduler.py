@@ -629,6 +629,24 @@ class Scheduler:
         self.close()
 
 
+def forward_root(model: torch.nn.Module) -> torch.nn.Module:
+    """The module memsched attaches to: ``model``, or the model a wrapper runs in all its entry points.
+
+    PEFT's ``PeftModel`` is such a wrapper: its ``forward`` and its ``generate()`` both run the forward of
+    ``get_base_model()``, which holds the same parameters and buffers. ``generate()`` never calls the
+    wrapper's own forward, so hooks there would not fetch the chunks away for it. A wrapper is taken only
+    when its ``get_base_model()`` returns a submodule with exactly its parameters and buffers; anything else
+    is attached as given.
+    """
+    get = getattr(model, "get_base_model", None)
+    inner = get() if callable(get) else None
+    if not isinstance(inner, torch.nn.Module) or inner is model:
+        return model
+    same = ({id(p) for p in inner.parameters()} == {id(p) for p in model.parameters()}
+            and {id(b) for b in inner.buffers()} == {id(b) for b in model.buffers()})
+    return inner if same else model
+
+
 def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: float = 0.8,
            device: str | torch.device | None = None, warmup_steps: int = 1, lr: float = 1e-3,
            weight_decay: float = 1e-2, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -642,8 +660,10 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
-        model: the model; its trainable parameters become views into chunks on the compute device (frozen
-            parameters and buffers are moved there too).
+        model: the model; its parameters become views into chunks on the compute device (with one rank the
+            frozen ones of the compute dtype too, in chunks of their own; buffers and other frozen
+            parameters are moved there). A PEFT ``PeftModel`` is attached through the model it wraps
+            (:func:`forward_root`; ``sched.model`` is that one).
         policy: placement policy name (``policies.names()``: ``auto``, ``cpu``, ``cuda``, ``static``, ...).
         gpu_margin_mem_ratio: share of the GPU margin the policy may fill, in [0, 1].
         device: ``None`` (CUDA if present, else the CPU, see :mod:`memsched.scheduler`), ``"cuda"``,
@@ -710,6 +730,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         memsched.distributed.ZeroCommError: another rank did not reach attach within ``dist_timeout``, or
             (during training) a collective did not complete within ``collective_timeout``.
     """
+    model = forward_root(model)
     return Scheduler(model, make_config(
         model, policy=policy, gpu_margin_mem_ratio=gpu_margin_mem_ratio, device=device,
         warmup_steps=warmup_steps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, params=params,

@@ -280,16 +280,13 @@ def test_a_peft_lora_on_gpt2_trains_bit_exactly_and_saves_its_adapters(tmp_path)
         assert torch.equal(t, trained[name].detach().cpu()), name
 
 
-@pytest.mark.parametrize(("base", "root"), [
-    ("on-device", "peft_model"), ("offloaded", "base_model"),
-    pytest.param("offloaded", "peft_model", marks=pytest.mark.xfail(
-        strict=True, raises=RuntimeError, reason="PeftModel.generate() runs the inner model's forward, not "
-        "the attached root's: nothing fetches the chunks away, which are host views between steps, and torch "
-        "refuses the mixed devices (loudly); attach peft_model.get_base_model(), which both call"))])
+@pytest.mark.parametrize(("base", "root"), [("on-device", "peft_model"), ("offloaded", "peft_model"),
+                                           ("offloaded", "base_model")])
 def test_peft_generate_between_steps_gives_the_reference_tokens(base, root) -> None:
     """``generate()`` right after a step: the chunk of the model's first parameter stays on the device (auto
-    keeps it there when a plan allows), so Hugging Face's ``model.device`` is the device, and memsched
-    attached to the model whose forward ``generate()`` runs fetches the chunks away."""
+    keeps it there when a plan allows), so Hugging Face's ``model.device`` is the device; and memsched,
+    attached to a ``PeftModel``, hooks the model it wraps (:func:`memsched.scheduler.forward_root`), whose
+    forward ``generate()`` runs too, so the chunks away are fetched for it."""
     from tests._numerics import uncounted
 
     model = _peft_gpt2()
@@ -315,3 +312,4 @@ def test_peft_generate_between_steps_gives_the_reference_tokens(base, root) -> N
             assert model.device == SIM
         if base == "offloaded":
             assert sched.plan.param_host_chunks
+        assert sched.model is model.get_base_model()
