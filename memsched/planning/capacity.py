@@ -44,14 +44,13 @@ class CapacityPlan:
             larger parameter in a chunk of its own: ``problem.chunks[i].numel``); ``n_chunks``: number of
             chunks.
         model_data: bytes by category: ``parameter`` and ``gradient`` (the chunks' compute and gradient
-            buffers, padding included), ``optimizer_state`` (every chunk's optimizer state as it would be on
+            buffers, padding included), ``frozen`` (the compute buffers of the chunks of frozen parameters), ``optimizer_state`` (every chunk's optimizer state as it would be on
             the device: ``exp_avg``, ``exp_avg_sq``, the fp32 master under mixed precision, step counts),
             ``other`` (frozen parameters and buffers); all bytes.
         plans: policy name -> :class:`PlacementPlan`, or the error message when the policy found no plan.
         padding: the chunks' padding (the elements past the last parameter of each chunk, allocated but
             holding no parameter): ``numel`` (elements) and the bytes it adds to ``parameter``, ``gradient``
             and ``optimizer_state`` of ``model_data``.
-        grad_bytes: the largest chunk's gradient buffer, bytes.
     """
 
     problem: PlacementProblem
@@ -60,7 +59,6 @@ class CapacityPlan:
     model_data: dict[str, int]
     plans: dict[str, PlacementPlan | str]
     padding: dict[str, int] = field(default_factory=dict)
-    grad_bytes: int = 0
 
 
 def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin_mem_ratio: float = 0.8,
@@ -133,7 +131,7 @@ def plan_for_capacity(prediction: Prediction, capacity_bytes: int, *, gpu_margin
         except policies.PlacementError as e:
             plans[name] = str(e)
     return CapacityPlan(problem=problem, chunk_numel=layout.chunk_numel, n_chunks=layout.n_chunks,
-                        model_data=model_data, plans=plans, padding=padding, grad_bytes=grad_bytes)
+                        model_data=model_data, plans=plans, padding=padding)
 
 
 def _chunked_params(model: torch.nn.Module, order: Any, dtype: torch.dtype,
