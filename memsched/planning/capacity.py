@@ -44,9 +44,10 @@ class CapacityPlan:
             larger parameter in a chunk of its own: ``problem.chunks[i].numel``); ``n_chunks``: number of
             chunks.
         model_data: bytes by category: ``parameter`` and ``gradient`` (the chunks' compute and gradient
-            buffers, padding included), ``frozen`` (the compute buffers of the chunks of frozen parameters), ``optimizer_state`` (every chunk's optimizer state as it would be on
-            the device: ``exp_avg``, ``exp_avg_sq``, the fp32 master under mixed precision, step counts),
-            ``other`` (frozen parameters and buffers); all bytes.
+            buffers, padding included), ``frozen`` (the compute buffers of the chunks of frozen
+            parameters), ``optimizer_state`` (every chunk's optimizer state as it would be on the device:
+            ``exp_avg``, ``exp_avg_sq``, the fp32 master under mixed precision, step counts), ``other``
+            (buffers and the frozen parameters kept out of chunks); all bytes.
         plans: policy name -> :class:`PlacementPlan`, or the error message when the policy found no plan.
         padding: the chunks' padding (the elements past the last parameter of each chunk, allocated but
             holding no parameter): ``numel`` (elements) and the bytes it adds to ``parameter``, ``gradient``
