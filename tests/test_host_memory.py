@@ -297,8 +297,8 @@ def test_initial_host_state_over_the_budget_is_refused_with_the_numbers():
 def test_training_from_a_model_built_on_the_cpu_holds_no_second_copy_of_the_state() -> None:
     """GPT ``demo`` built on the CPU, policy ``cpu`` (its whole optimizer state pinned on the host), two steps
     in a process of its own (``bench/host_memory.py``): the pinned bytes are the plan's, at 16 B per parameter
-    (exact chunks: no padding), and the process's peak RSS stays near the plan: the pinned bytes, the
-    stand-in's device peak (host memory too) and the compute copy of the parameters staged through the host
+    (exact chunks: no padding), and the process's peak RSS, over what torch and memsched's code take, stays
+    within the plan: the pinned bytes, the stand-in's device peak (host memory too) and one chunk in flight
     while the chunks are re-packed at the end of warmup. Before the re-pack staged the state by reference,
     freeing each old chunk as the new ones were built, the peak was twice the plan."""
     import json
@@ -312,10 +312,13 @@ def test_training_from_a_model_built_on_the_cpu_holds_no_second_copy_of_the_stat
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["pinned_bytes"] == r["max_pinned_bytes"] == r["planned_pinned_bytes"]
     assert 16 <= r["pinned_bytes_per_param"] <= 16.5  # exact chunks: no padding (issue 29: <= 16.5)
-    staged = r["parameters"] * 4
-    planned = r["planned_pinned_bytes"] + r["device_peak_bytes"] + staged
+    # Issue 29's bound: the plan's pinned bytes, the stand-in's device peak (host memory here) and at most one
+    # chunk in flight, plus 64 MiB for what no plan holds: library pages first touched in training and the
+    # malloc arenas of the autograd threads (about 30 MiB on this VM, more on CI's machine). A second copy of
+    # the state (175 MiB here) or of the parameters and gradients (84 MiB) still fails it.
+    bound = (r["planned_pinned_bytes"] + r["device_peak_bytes"] + r["largest_chunk_host_bytes"] + 64 * 2**20)
     grown = r["rss_train_peak_bytes"] - r["rss_start_bytes"]
-    assert grown <= 1.3 * planned, (grown, planned)
+    assert grown <= bound, (grown, bound, r)
 
 
 def test_the_report_shows_host_memory_beside_the_plan() -> None:
