@@ -123,6 +123,7 @@ def test_attach_over_the_host_memory_is_refused_with_the_numbers_before_pinning_
     from memsched.devices import sim_backend
     from memsched.devices.pinned import pinned_bytes
 
+    gc.collect()  # what earlier tests left in reference cycles goes first: `live` is this test's baseline
     model = _mlp()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     pinned, live = sim_backend.pinned_bytes(), sim_backend.memory_allocated()

@@ -204,7 +204,8 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
         if isinstance(build, str):
             workload.name = build
         try:
-            with attention_kernel(attention, dev), MemoryTracer(workload.model, device=str(dev)) as tr, \
+            with attention_kernel(attention, dev), gradients_land_in_chunks(workload.model), \
+                    MemoryTracer(workload.model, device=str(dev)) as tr, \
                     ParamReads(workload.model, lambda: tr.sample_count) as reads:
                 loss = workload.loss()
                 loss.backward()
@@ -218,6 +219,31 @@ def trace_step(build: str | WorkloadFn, *, dtype: torch.dtype | None = None, fak
                       param_order=first_use_order(workload.model, timeline),
                       elapsed_s=time.perf_counter() - t0, reads=reads.reads,
                       flops=int(timeline.meta.get("flops", 0)))
+
+
+@contextlib.contextmanager
+def gradients_land_in_chunks(model: torch.nn.Module) -> Iterator[None]:
+    """[Note: gradients land in chunks]
+    Under memsched a parameter's gradient is added into its chunk's gradient buffer, which exists before it
+    arrives (:mod:`memsched.chunks.store`): the gradient autograd computed stays non-model data (a temporary)
+    until it was added, then dies. A plain backward instead keeps that tensor as ``p.grad``, and the tracer
+    classifies it as a gradient from its allocation on. The two differ by that tensor at its accumulation:
+    for GPT-2 124M's tied embedding, whose two gradients autograd sums into a third before accumulating it,
+    one 147 MiB tensor at the end of backward, where a plan trusting the plain trace found room that the run
+    did not. So, while tracing, each trainable parameter's gradient is dropped as soon as autograd stored it
+    (a post-accumulate hook, entered before the tracer's and the read recorder's, which then see no
+    gradient but still record when it was made): the trace's non-model data is what memsched's step holds
+    besides its chunks, whose gradient buffers the plan counts itself (gradients in flight,
+    :mod:`memsched.planning.reads`)."""
+    def drop(p: torch.Tensor) -> None:
+        p.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _fake_errors() -> tuple[type[Exception], ...]:
