@@ -178,3 +178,38 @@ def test_check_plan_names_a_placement_difference(cli_plan) -> None:
                        total_numel=cli_plan["chunks"]["total_numel"])
     assert not check.agrees
     assert len(check.differences) == 1 and check.differences[0].startswith("optimizer state and gradients")
+
+
+def test_the_fake_trace_predicts_the_peak_where_a_tied_embedding_sums_its_gradients() -> None:
+    """[Note: gradients land in chunks] (:mod:`memsched.planning.prediction`): a GPT whose tied embedding is
+    most of it peaks at the end of backward, where autograd sums the head's and the embedding's gradients
+    into a third tensor. memsched adds that sum into the chunk's gradient buffer, so it is non-model data
+    there; a plain backward keeps it as ``.grad``. The prediction (fake tensors, as ``memsched plan``) equals
+    the stand-in's measured warmup peak; a plain trace misses one embedding-sized tensor."""
+    from memsched.planning.prediction import trace_step
+    from memsched.target import Workload
+
+    def build(device: torch.device) -> Workload:
+        torch.manual_seed(0)
+        from memsched.models import build_gpt, lm_loss
+
+        model = build_gpt("tiny", device=device, vocab_size=8192)
+
+        def loss_fn(m: nn.Module) -> torch.Tensor:
+            tokens = torch.randint(0, 8192, (1, 17), device=device)
+            return lm_loss(m, tokens[:, :-1], tokens[:, 1:])
+        return Workload(model, loss_fn)
+
+    predicted = trace_step(build, fake=True, device=SIM)
+    assert predicted.timeline.peak_non_model_sample().module == "wte"
+    work = build(SIM)
+    with memsched.attach(work.model, policy="cpu", device="sim:64MiB") as sched:
+        sched.backward(work.loss_fn(work.model))
+        sched.optimizer.step()
+        measured = sched.peak_non_model_bytes()
+    assert predicted.peak_non_model_bytes == measured
+    plain = build(SIM)
+    with MemoryTracer(plain.model, device=str(SIM)) as t:
+        plain.loss_fn(plain.model).backward()
+    wte = 8192 * 64 * 4  # a plain trace counts the sum as a gradient (and small ones stored beside it)
+    assert wte - 8 * 1024 <= measured - t.timeline.peak_non_model_bytes() <= wte
