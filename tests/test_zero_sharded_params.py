@@ -10,6 +10,8 @@ the same write.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,21 @@ def reference(world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tens
     return after_1, {n: p.detach().clone() for n, p in model.named_parameters()}, out
 
 
+def _in_thread(read) -> list:
+    """``read()`` in a thread of its own: ``[its value]``, or ``[its error's message]``."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(read())
+        except RuntimeError as e:
+            out.append(str(e))
+    t = threading.Thread(target=run, name="eval-thread")
+    t.start()
+    t.join()
+    return out
+
+
 def _run(rank: int, world: int) -> dict:
     model = make_model()
     x, y, _ = data(1)[0][0]
@@ -90,9 +107,11 @@ def _run(rank: int, world: int) -> dict:
                     with pytest.raises(ShardedParamError, match="sharded over 2 ranks") as e:
                         read()
                     got["refusals"].append(str(e.value))
+                got["thread_refusals"] = _in_thread(lambda one=one: one.sum())  # NaN before: refused now
                 model.zero_grad()  # p.grad = None reads nothing: allowed
                 with sched.gathered_params():
                     got["after_1"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+                    got["thread_read"] = _in_thread(lambda one=one: one.detach().clone())  # whole: exact
                     with sched.gathered_params():  # nested: gathered once
                         pass
                     write(model)
@@ -114,6 +133,10 @@ def test_zero_3_parameters_between_steps_are_refused_gathered_exact_and_written(
         assert g["away"], "no chunk is sharded between steps"
         assert g["away_again"]
         assert len(g["refusals"]) == 3 and all("gathered_params()" in m for m in g["refusals"])
+        # [Note: foreign reads] in memsched.chunks.binding: another thread's read of a sharded parameter
+        [refusal] = g["thread_refusals"]
+        assert "from thread 'eval-thread'" in refusal and "sched.gathered_params()" in refusal, refusal
+        assert same(g["thread_read"][0], g["after_1"][g["away"][0]])
         for n, want in after_1.items():
             assert same(g["after_1"][n], want), (r, n)
         for n, want in final.items():

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -48,6 +50,69 @@ class ChunkViews(Protocol):
     def forget_views(self, c: Chunk, kind: str) -> None: ...
 
     def offloads(self, c: Chunk) -> bool: ...
+
+
+_ABSENT_KEY = "_memsched_absent"
+_ABSENT_TYPES: dict[type, type] = {}
+
+
+def _absent_torch_function(cls: type, func: Callable, types: tuple, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+    """[Note: foreign reads]
+    An absent parameter (see [Note: absent parameters]) holds NaN, not its values; the training thread's
+    reads fetch or gather its chunk first, or are refused (the read guards are torch function modes, which
+    belong to the thread that entered them). A read from any other thread (an evaluation or checkpoint
+    thread, ZeRO-3 between steps) would see the NaN, silently. So an absent parameter's class is its own
+    class with this ``__torch_function__`` (a subclass made once per class, swapped in when it becomes absent
+    and out when it is bound to values again: no cost while it holds values): the training thread and its
+    backward (autograd's device threads) call through, any other thread is refused with an error that says
+    what to do. The check is Python's per call, only for absent parameters, which no forward reads."""
+    kwargs = kwargs or {}
+    with torch._C.DisableTorchFunctionSubclass():  # this function's own reads (``a.shape``) are not checked
+        for a in _tensors(*args, *kwargs.values()) if torch._C._current_graph_task_id() == -1 else ():
+            if _ABSENT_KEY not in a.__dict__:
+                continue
+            bindings, index = a.__dict__[_ABSENT_KEY]
+            b = bindings()
+            if b is not None and b.owner != threading.get_ident():
+                raise RuntimeError(
+                    f"memsched: {getattr(func, '__name__', func)} reads a parameter of chunk {index} (shape "
+                    f"{tuple(a.shape)}) from thread {threading.current_thread().name!r}, but its values are "
+                    "not on this device now (parameters on the host while a step computes, or sharded by "
+                    "ZeRO-3), and only the training thread's reads fetch or gather them. Read parameters in "
+                    "the training thread, between steps after sched.synchronize() (ZeRO-3: inside `with "
+                    "sched.gathered_params():`, entered on every rank), or from a copy made there")
+        return func(*args, **kwargs)
+
+
+def _tensors(*values: Any) -> Iterator[torch.Tensor]:
+    """The tensors among ``values`` and in their lists and tuples (``torch.cat``, the ``_foreach`` ops)."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+def _mark_absent(p: torch.Tensor, bindings: weakref.ref, index: int) -> None:
+    """``p`` is an absent view of chunk ``index`` now: foreign threads' reads are refused ([Note: foreign
+    reads])."""
+    cls = type(p)
+    if _ABSENT_KEY not in p.__dict__:
+        absent = _ABSENT_TYPES.get(cls)
+        if absent is None:
+            absent = _ABSENT_TYPES[cls] = type(cls.__name__, (cls,), {
+                "__torch_function__": classmethod(_absent_torch_function),
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        p.__class__ = absent
+    p.__dict__[_ABSENT_KEY] = (bindings, index)
+
+
+def present(p: torch.Tensor) -> None:
+    """``p`` is bound to values again (or memsched lets it go): its own class back ([Note: foreign
+    reads]). Idempotent."""
+    if p.__dict__.pop(_ABSENT_KEY, None) is not None:
+        p.__class__ = type(p).__mro__[1]
 
 
 class Binding(enum.Enum):
@@ -92,6 +157,8 @@ class ChunkBindings:
         self._versions: dict[int, int] = {}  # each parameter's version counter when last bound
         self._absent: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [Note: absent parameters]
         self.computing = False  # between a forward's start and its backward's end
+        self.owner = threading.get_ident()  # the training thread: the last forward's ([Note: foreign reads])
+        self._ref = weakref.ref(self)
 
     # -- the state ------------------------------------------------------------------------------------------
     def state(self, c: Chunk) -> Binding:
@@ -137,7 +204,12 @@ class ChunkBindings:
         store = self._store
         with torch.no_grad(), _bookkeeping():
             for p in c.params:
-                p.data = store.data_view(p) if view == "data" else self.absent_view(p, c)
+                if view == "data":
+                    p.data = store.data_view(p)
+                    present(p)
+                else:
+                    p.data = self.absent_view(p, c)
+                    _mark_absent(p, self._ref, c.index)
                 self._versions[id(p)] = p._version
 
     def expected_view(self, p: torch.nn.Parameter) -> torch.Tensor:
@@ -194,6 +266,7 @@ class ChunkBindings:
                 if not c.mixed and c.master is not None:
                     increment_version(c.master)  # the state changed (memsched.optim.early_update)
             for p in c.params:
+                present(p)
                 if c.frozen:  # values only: a frozen parameter's .grad is not memsched's
                     p.data = store.host_view("data", p, c)
                     continue
@@ -290,6 +363,8 @@ class ChunkBindings:
         if self.computing:
             return
         self.computing = True
+        if torch._C._current_graph_task_id() == -1:  # a forward, not a backward's recomputation
+            self.owner = threading.get_ident()
         for c in list(self.host_chunks()):
             if self._store.closed and c.data is None:
                 continue

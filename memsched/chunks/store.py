@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from memsched.chunks.binding import Binding, ChunkBindings
+from memsched.chunks.binding import Binding, ChunkBindings, present
 from memsched.chunks.buffers import Allocator
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
@@ -213,6 +213,7 @@ class ChunkStore:
             if grad is not None and p.grad is not None and p.grad.shape == p.shape:
                 self.slot(grad, off, p).copy_(p.grad)
         for p, (off, _n), had in zip(params, ranges, has_grad, strict=True):
+            present(p)
             p.data = self.slot(data, off, p)
             if frozen:  # a gradient of its own (torch's, e.g. for another optimizer) is not memsched's
                 continue
@@ -232,6 +233,7 @@ class ChunkStore:
         with torch.no_grad():
             for c in reversed(chunks):
                 for p in c.params:
+                    present(p)
                     p.data = p.data.clone()
                     p.grad = p.grad.clone() if p.grad is not None else None
                 c.release()
@@ -391,6 +393,7 @@ class ChunkStore:
                   params: Iterable[torch.nn.Parameter]) -> None:
         frozen = {id(p) for p in self.frozen}
         for p in params:
+            present(p)
             data, grad = staged[id(p)][:2]
             if id(p) in frozen:  # its .grad is not memsched's (Chunk's ``frozen``)
                 p.data = self.slot(data, 0, p)
@@ -1172,6 +1175,8 @@ class ChunkStore:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        for p in self.all_params():  # memsched lets them go: their own class back ([Note: foreign reads])
+            present(p)
         if not self.closed:
             self._back_to_device()
         self.closed = True
