@@ -30,6 +30,7 @@ two moments, 16 B, plus chunk padding), and the peak RSS within 5 % of the plan.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -60,19 +61,28 @@ def auto_params_device(size: str) -> str:
 
 
 def _load_code() -> None:
-    """Attach, train and close a two-layer model once, so that the code a first attach imports lazily
-    (``torch._dynamo``, ``torch._subclasses``, ``sympy``, ``torch.distributed``: about 80 MiB of resident
-    code and data on this machine) counts in ``rss_start``, not as memory the plan failed to predict."""
+    """Train GPT ``tiny`` for two steps under each placement and close it, so that the code a first attach
+    and a first GPT step load lazily (``torch._dynamo``, ``torch._subclasses``, ``sympy``,
+    ``torch.distributed``, the kernels of every op the GPT runs: about 90 MiB of resident code and data on
+    this machine) counts in ``rss_start``, not as memory the plan failed to predict."""
     import torch
 
     import memsched
+    from memsched.models import config_for
+    from memsched.models.gpt import GPT, lm_loss
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    with memsched.attach(model, policy="cpu", device="sim:64GiB") as sched:
-        for _ in range(2):
-            sched.backward(model(torch.ones(2, 8, device="sim")).sum())
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
+    tiny_stand_in = auto_params_device("tiny")
+    for kw in ({"policy": "cpu", "device": "sim:64GiB"}, {"policy": "auto", "device": tiny_stand_in}):
+        torch.manual_seed(0)
+        model = GPT(config_for("tiny"))
+        x = torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1)).to("sim")
+        with memsched.attach(model, **kw) as sched:
+            for _ in range(2):
+                sched.backward(lm_loss(model, x[:, :-1], x[:, 1:]))
+                sched.optimizer.step()
+                sched.optimizer.zero_grad()
+        del sched, model, x  # the stand-in's memory back before the next (small) stand-in
+        gc.collect()
 
 
 def measure_one(size: str, placement: str, device: str | None = None) -> dict[str, Any]:
