@@ -314,10 +314,10 @@ def test_training_from_a_model_built_on_the_cpu_holds_no_second_copy_of_the_stat
     assert r["pinned_bytes"] == r["max_pinned_bytes"] == r["planned_pinned_bytes"]
     assert 16 <= r["pinned_bytes_per_param"] <= 16.5  # exact chunks: no padding (issue 29: <= 16.5)
     # Issue 29's bound: the plan's pinned bytes, the stand-in's device peak (host memory here) and at most one
-    # chunk in flight, plus 64 MiB for what no plan holds: library pages first touched in training and the
-    # malloc arenas of the autograd threads (about 30 MiB on this VM, more on CI's machine). A second copy of
-    # the state (175 MiB here) or of the parameters and gradients (84 MiB) still fails it.
-    bound = (r["planned_pinned_bytes"] + r["device_peak_bytes"] + r["largest_chunk_host_bytes"] + 64 * 2**20)
+    # chunk in flight, plus 32 MiB for what no plan holds: the malloc arenas of the autograd and copy threads
+    # and the C library's free lists (4 MiB beyond the chunk on this VM, about 14 MiB more on CI's machine). A
+    # second copy of the state (167 MiB here) or of the parameters (42 MiB) fails it.
+    bound = (r["planned_pinned_bytes"] + r["device_peak_bytes"] + r["largest_chunk_host_bytes"] + 32 * 2**20)
     grown = r["rss_train_peak_bytes"] - r["rss_start_bytes"]
     assert grown <= bound, (grown, bound, r)
 
