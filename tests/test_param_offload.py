@@ -564,3 +564,45 @@ def test_a_backward_that_raised_leaves_every_parameter_readable_and_training_exa
         assert sim_backend.memory_allocated() <= live  # the chunks fetched for the backward left
         handle.remove()
         train(sched, model, ref, data, 2, 4)
+
+
+def test_another_thread_reading_a_parameter_away_from_the_device_is_refused_not_nan() -> None:
+    """[Note: foreign reads] in memsched.chunks.binding: while a step computes, the parameters of a chunk on
+    the host are absent views (NaN). The training thread's reads fetch them; another thread's read (a
+    monitoring or checkpoint thread) is refused, naming the thread, instead of computing with NaN. Parameters
+    on the device read as usual from any thread."""
+    import threading
+
+    from memsched.chunks.binding import Binding
+
+    data = batches(3)
+    model = OffloadNet()
+    sched = planned(model, data[:2])
+    seen: dict = {}
+
+    def probe(_module, _args) -> None:  # a forward pre-hook of the last block: mid-forward
+        bindings = sched.store.bindings
+        absent = [c for c in sched.store.chunks if bindings.state(c) is Binding.ABSENT]
+        present = [c for c in sched.store.chunks if bindings.state(c) is Binding.DEVICE]
+        out: list = []
+
+        def read() -> None:
+            for c in (absent[0], present[0]):
+                try:
+                    out.append(c.params[0].detach().sum().item())
+                except RuntimeError as e:
+                    out.append(str(e))
+        t = threading.Thread(target=read, name="monitor")
+        t.start()
+        t.join()
+        seen.update(absent=len(absent), out=out)
+
+    handle = model.blocks[-1].register_forward_pre_hook(probe)
+    with sched:
+        sched.backward(loss_fn(model, to_dev(data[2])))
+        handle.remove()
+        sched.optimizer.step()
+    assert seen["absent"] > 0
+    refusal, value = seen["out"]
+    assert "from thread 'monitor'" in refusal and "its values are not on this device" in refusal, refusal
+    assert isinstance(value, float) and value == value  # a parameter on the device: read, not NaN
