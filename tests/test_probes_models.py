@@ -482,9 +482,28 @@ def loss_without_root(model, batch):
 
 
 @both
-@pytest.mark.parametrize("policy", [offloaded_reads_outside(p) for p in POLICIES])
+@policies
 def test_root_module_never_called(policy, overlap, slow_worker):
-    run_parity(TwoPart, policy, overlap, loss_fn=loss_without_root, auto_capacity="89KiB")
+    """[Note: a forward that never runs the root] (memsched.planning.planner): ``auto`` on a device where the
+    warmup fits keeps every parameter on the device (no hook of the root would fetch them), and the run is
+    exact."""
+    run_parity(TwoPart, policy, overlap, loss_fn=loss_without_root, auto_capacity="105KiB")
+
+
+def test_root_module_never_called_with_parameters_on_the_host_is_refused_naming_the_module():
+    """Where the warmup itself needs parameters on the host (the device holds less than them and the step),
+    a submodule called without the root reads them as host tensors on the device: refused at its first
+    read, naming the module and the fix, before any update (torch's device error before)."""
+    torch.manual_seed(0)
+    model = TwoPart()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=CHUNK, policy="auto",
+                         device="sim:89KiB") as sched:
+        with pytest.raises(RuntimeError, match=r"module 'body.inp' runs outside a forward of the attached "
+                                               r"TwoPart.*Call the attached model"):
+            sched.backward(loss_without_root(model, to_dev(batches(1))[0]))
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach().cpu(), before[n]), n
 
 
 class TiedBare(nn.Module):

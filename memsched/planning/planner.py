@@ -108,6 +108,7 @@ class Planner:
         self.host_grad_working_bytes = 0
         self._params = params
         self.accesses: tuple[ChunkAccess, ...] = ()  # the warmup step's chunk reads (in the packing in force)
+        self.rootless = False  # no root forward in warmup ([Note: a forward that never runs the root])
         self._traced_peak = 0  # the peak non-model data the accesses were traced with
 
     def measure_warmup(self, costs: WarmupCosts) -> None:
@@ -137,11 +138,18 @@ class Planner:
         """
         self._timeline = timeline
         self.host_grad_working_bytes = host_grad_working_bytes
+        self.rootless = (bool(reads) and not self._sharded_params
+                         and not any(r.phase == "begin" for r in reads))
         if reads and self._params is not None and (self._device.kind != "cpu" or self._sharded_params):
             chunks = {k: c.index for k, c in self._store.param_chunk.items()}
             grad_bytes = max(c.data_bytes for c in self._store.chunks)
             accesses = chunk_accesses(reads, chunks, timeline, grad_bytes=grad_bytes)
-            self.accesses = tuple(accesses)
+            # [Note: a forward that never runs the root] memsched fetches parameters from the attached
+            # module's forward (its hooks begin and end a step's reads); a warmup that only called its
+            # submodules (``model.body(x)``, then ``model.head(h)``) would leave parameters on the host that
+            # no hook fetches, read as host tensors on the device. Such a plan keeps every parameter on the
+            # device: exact where they fit, refused at once, naming the cause, where they do not.
+            self.accesses = () if self.rootless else tuple(accesses)
             self._traced_peak = peak_non_model_bytes
             # the gradients in flight in this packing ([Note: gradients in flight] in
             # memsched.planning.reads); the warmup measured them in its own packing: the larger of the two
@@ -160,8 +168,16 @@ class Planner:
             plan = self.policy.plan(problem)
         except policies.PlacementError as e:
             self.plan_error = e
+            rootless = ""
+            if self.rootless:
+                rootless = (
+                    "; parameters could not go to the host: the warmup step ran submodules of the attached "
+                    f"{type(self._model).__name__} but never its own forward, from whose hooks memsched "
+                    "fetches them: call the attached model (a forward that calls its parts), or attach the "
+                    "module you call")
             raise policies.PlacementError(
-                f"{e} (the warmup step itself completed; the optimizer state stays on the host)") from e
+                f"{e} (the warmup step itself completed; the optimizer state stays on the host){rootless}"
+            ) from e
         self._dp.check_same("placement plan", tuple(plan.placement))  # or the collectives would not match
         plan = self._with_predicted_step(plan)
         self._apply(plan)
@@ -192,6 +208,8 @@ class Planner:
         """The parameter reads of a step came in an order the schedule did not expect (read off it, fetched
         on demand): make the plan again from the reads of the step after it, ``reads``
         (:func:`memsched.planning.reads.reordered`), and apply it."""
+        if self.rootless:  # its plan keeps every parameter on the device: nothing to revise
+            return
         chunks = {k: c.index for k, c in self._store.param_chunk.items()}
         accesses = reordered(reads, chunks, self.accesses)
         if not accesses or self.problem is None:

@@ -338,15 +338,34 @@ class ParamFetcher:
                                   if id(p) in store.param_chunk and store.param_chunk[id(p)].index
                                   in self.offloaded}))
             if reads:
-                hook = Detachable(self._module_pre(reads))
+                hook = Detachable(self._module_pre(name, reads))
                 self._module_handles.append(m.register_forward_pre_hook(hook, prepend=not root))
 
     def _recording_pre(self, name: str, own: list[torch.nn.Parameter]) -> Callable[..., None]:
         def pre(*_a: Any) -> None:
             self._stack.append(name)
             if own and not torch.compiler.is_compiling():
+                self._check_rootless(name, {self.store.param_chunk[id(p)].index for p in own})
                 self._read_params(own, "module")
         return pre
+
+    def _check_rootless(self, name: str, chunks: Iterable[int]) -> None:
+        """[Note: a forward that never runs the root] (:mod:`memsched.planning.planner`): module ``name``
+        runs while parameters of ``chunks`` are host views between steps. The attached model's forward binds
+        them (its hooks begin a step's reads), so none ran: the training code calls submodules directly.
+        Their parameters would be read as host tensors on the device (torch's device error on a GPU):
+        refused here, naming the module and the fix."""
+        if self.store.in_backward:
+            return
+        bindings = self.store.bindings
+        away = sorted(i for i in chunks if bindings.host_bound(self.store.chunks[i]))
+        if away:
+            chunks_text = f"chunk{'s' if len(away) > 1 else ''} {', '.join(map(str, away))}"
+            raise RuntimeError(
+                f"memsched: module {name!r} runs outside a forward of the attached "
+                f"{type(self.model).__name__}, and the parameters it reads ({chunks_text}) are on the host: "
+                "memsched fetches parameters from the attached model's forward. Call the attached model (a "
+                "forward that calls its parts), or attach the module you call")
 
     def _grad_made(self, p: torch.nn.Parameter) -> None:
         if self.recording is not None:
@@ -356,11 +375,12 @@ class ParamFetcher:
         if self._stack:
             self._stack.pop()
 
-    def _module_pre(self, reads: tuple[int, ...]) -> Callable[..., None]:
+    def _module_pre(self, name: str, reads: tuple[int, ...]) -> Callable[..., None]:
         def pre(*_a: Any) -> None:
             if torch.compiler.is_compiling():
                 _refuse_compiled(reads)  # a graph break: it runs, and raises, eagerly
                 return
+            self._check_rootless(name, reads)
             self.read_group(reads, phase_now())
         return pre
 
