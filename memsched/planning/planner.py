@@ -34,6 +34,7 @@ from memsched.planning.step_model import predict_step
 from policies.plans import make_plan, schedule_for
 from policies.schedule import schedule_sharded
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
+from tracer.param_reads import BEGIN, FORWARD
 
 
 def check_host_room(layout: ChunkLayout, config: SchedulerConfig, alloc: Allocator,
@@ -138,8 +139,9 @@ class Planner:
         """
         self._timeline = timeline
         self.host_grad_working_bytes = host_grad_working_bytes
-        self.rootless = (bool(reads) and not self._sharded_params
-                         and not any(r.phase == "begin" for r in reads))
+        # forward reads recorded, but no forward of the root began (a compiled forward records neither)
+        self.rootless = (not self._sharded_params and any(r.phase == FORWARD for r in reads)
+                         and not any(r.phase == BEGIN for r in reads))
         if reads and self._params is not None and (self._device.kind != "cpu" or self._sharded_params):
             chunks = {k: c.index for k, c in self._store.param_chunk.items()}
             grad_bytes = max(c.data_bytes for c in self._store.chunks)
