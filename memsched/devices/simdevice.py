@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -75,6 +76,14 @@ class SimDevice:
             return
         used = self.live_bytes()
         if used > 0:  # what an earlier model left on the device may be garbage not yet collected
+            gc.collect()
+            used = self.live_bytes()
+        for _ in range(25):  # [Note: the device thread at exit] in sim_backend: a backward that just
+            if used <= self.capacity_bytes:  # returned may still hold its graph there for a moment
+                break
+            time.sleep(0.002)
+            used = self.live_bytes()
+        if used > self.capacity_bytes:
             gc.collect()
             used = self.live_bytes()
         if used > self.capacity_bytes:
