@@ -606,3 +606,36 @@ def test_another_thread_reading_a_parameter_away_from_the_device_is_refused_not_
     refusal, value = seen["out"]
     assert "from thread 'monitor'" in refusal and "its values are not on this device" in refusal, refusal
     assert isinstance(value, float) and value == value  # a parameter on the device: read, not NaN
+
+
+def test_a_forward_on_another_thread_is_refused_before_it_changes_anything() -> None:
+    """Training stays on the attaching thread (its read guards and the stand-in's accounting are that
+    thread's). With parameters offloaded, a forward on another thread is refused at its start, so the model
+    still trains exactly on the attaching thread (before, the refusal came at the step, and the fetcher,
+    left mid-step, computed NaN afterwards)."""
+    import threading
+
+    data = batches(4)
+    model = OffloadNet()
+    ref = Reference(model)
+    sched = planned(model, data[:2])
+    errors: list = []
+
+    def forward() -> None:
+        try:
+            loss_fn(model, to_dev(data[2]))
+        except RuntimeError as e:
+            errors.append(str(e))
+    t = threading.Thread(target=forward)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "forward ran on another thread than memsched.attach" in errors[0], errors
+    with sched:
+        for b in data[2:]:
+            sched.backward(loss_fn(model, to_dev(b)))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        with sched.sim.paused():
+            for b in data:
+                ref.step([b], loss_fn, None)
+            assert_same(model, ref, "after the refused forward")

@@ -157,7 +157,7 @@ class ChunkBindings:
         self._versions: dict[int, int] = {}  # each parameter's version counter when last bound
         self._absent: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # [Note: absent parameters]
         self.computing = False  # between a forward's start and its backward's end
-        self.owner = threading.get_ident()  # the training thread: the last forward's ([Note: foreign reads])
+        self.owner = threading.get_ident()  # the attaching thread, which trains ([Note: foreign reads])
         self._ref = weakref.ref(self)
 
     # -- the state ------------------------------------------------------------------------------------------
@@ -363,8 +363,6 @@ class ChunkBindings:
         if self.computing:
             return
         self.computing = True
-        if torch._C._current_graph_task_id() == -1:  # a forward, not a backward's recomputation
-            self.owner = threading.get_ident()
         for c in list(self.host_chunks()):
             if self._store.closed and c.data is None:
                 continue

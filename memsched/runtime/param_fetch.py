@@ -58,6 +58,7 @@ decides both what is fetched ahead (bounded by the room at every read) and what 
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -387,6 +388,12 @@ class ParamFetcher:
     def _forward_begin(self) -> None:
         if torch.compiler.is_compiling() or not self.active:
             return
+        if threading.get_ident() != self.store.bindings.owner and torch._C._current_graph_task_id() == -1:
+            raise RuntimeError(
+                "memsched: the attached model's forward ran on another thread than memsched.attach, with "
+                "parameters kept on the host or sharded: their fetches and read guards belong to the "
+                "attaching thread, where training must stay until sched.close(). Run forwards there (another "
+                "thread may read a copy of the model made there)")
         if self.shards is None or torch.is_grad_enabled():  # ZeRO-3: an evaluation is off the schedule
             self._cursor = 0
         self._last = None
