@@ -63,8 +63,8 @@ def auto_params_device(size: str) -> str:
 def _load_code() -> None:
     """Train GPT ``tiny`` for two steps under each placement and close it, so that the code a first attach
     and a first GPT step load lazily (``torch._dynamo``, ``torch._subclasses``, ``sympy``,
-    ``torch.distributed``, the kernels of every op the GPT runs: about 90 MiB of resident code and data on
-    this machine) counts in ``rss_start``, not as memory the plan failed to predict."""
+    ``torch.distributed``, the kernels of every op the GPT runs: resident code and data, tens of MiB)
+    counts in ``rss_start``, not as memory the plan failed to predict."""
     import torch
 
     import memsched
