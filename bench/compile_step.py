@@ -12,7 +12,11 @@ block, ...) are timed, each ending with a device synchronisation, so both see th
 
 Recorded: the step time of each (block wall time / steps, median over blocks), their ratio (the target is
 <= 1.02), Dynamo's graph breaks and graphs compiled after warmup (``torch._dynamo.utils.counters``; memsched's
-hooks must add none), and whether the two models' parameters are bit-identical at the end.
+hooks must add none), and whether the two models' parameters are bit-identical at the end. To tell where a
+difference comes from (issue 28, item 11: on the H200 not bit-identical, 3 graph breaks), also: each graph
+break's reason, each recompilation's failed guards (``torch._dynamo.utils.guard_failures``), the first step
+whose loss differs, and a control: a third copy trained with torch alone beside the reference, whose
+bit-identity to it says whether compiled torch is deterministic here at all.
 """
 
 from __future__ import annotations
@@ -49,22 +53,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=8, help="timed blocks per side")
     ap.add_argument("--block", type=int, default=10, help="steps per block")
     ap.add_argument("--warmup", type=int, default=4, help="untimed steps (memsched's traced one included)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="memsched's overlap=True (on the CPU: the root's designed graph break, as on CUDA)")
     ap.add_argument("--name", default="compile_step")
     args = ap.parse_args(argv)
-    dev = torch.device(args.device)
-    torch.manual_seed(0)
+    deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)  # see the module docstring
+    try:
+        return run(args)
+    finally:  # the process's setting back (a test calls main in its own process)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def run(args: argparse.Namespace) -> int:
+    """One measurement (see the module docstring); writes the result. Returns 0."""
+    dev = torch.device(args.device)
+    torch._dynamo.reset()  # counters and guard failures of this run only
+    counters.clear()
+    torch.manual_seed(0)
     warnings.filterwarnings("ignore", category=UserWarning)
 
     model = build_gpt(args.size, device=dev)
     ref = copy.deepcopy(model)
-    sched = memsched.attach(model, device=args.device, lr=1e-3, weight_decay=0.1)
+    control = copy.deepcopy(model)
+    sched = memsched.attach(model, device=args.device, lr=1e-3, weight_decay=0.1, overlap=args.overlap)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    control_opt = torch.optim.AdamW(control.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     sides: dict[str, dict[str, Any]] = {
         "memsched": {"model": torch.compile(model, backend=args.backend), "opt": sched.optimizer,
-                     "backward": sched.backward},
+                     "backward": sched.backward, "losses": []},
         "adamw": {"model": torch.compile(ref, backend=args.backend), "opt": opt,
-                  "backward": lambda loss: loss.backward()},
+                  "backward": lambda loss: loss.backward(), "losses": []},
+        "control": {"model": torch.compile(control, backend=args.backend), "opt": control_opt,
+                    "backward": lambda loss: loss.backward(), "losses": []},
     }
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
@@ -86,6 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 loss = lm_loss(side["model"], b[:, :-1], b[:, 1:])
             side["backward"](loss)
+            side["losses"].append(loss.detach())
             side["opt"].step()
             side["opt"].zero_grad()
         sched.synchronize()
@@ -103,6 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, side in sides.items():
             times[name].append(train(side, part) / len(part))
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
+    control_same = all(torch.equal(p, q) for p, q in zip(control.parameters(), ref.parameters(), strict=True))
+
+    def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None:
+        return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if not torch.equal(x, y)), None)
+
+    guard_failures = {f"{code.co_name} ({Path(code.co_filename).name}:{code.co_firstlineno})": [
+        str(r) for r in reasons] for code, reasons in torch._dynamo.utils.guard_failures.items()}
+    placement = sched.plan.placement if sched.plan is not None else None
     explain = torch._dynamo.explain(lambda t: model(t))(batches[0][:, :-1])
     sched.close()
 
@@ -113,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": vars(args),
         "memsched": summarize(times["memsched"]),
         "adamw": summarize(times["adamw"]),
+        "control": summarize(times["control"]),
         "ratio_memsched_vs_adamw": statistics.median(times["memsched"]) / statistics.median(times["adamw"]),
         "graph_breaks_total": sum(counters["graph_break"].values()),
         "graph_breaks_during_warmup": breaks_after_warmup,
@@ -121,6 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "explain_memsched_model": {"graph_count": explain.graph_count,
                                    "graph_break_count": explain.graph_break_count},
         "bit_identical": same,
+        "first_step_with_a_different_loss": first_difference(sides["memsched"]["losses"],
+                                                             sides["adamw"]["losses"]),
+        "control_bit_identical": control_same,
+        "control_first_step_with_a_different_loss": first_difference(sides["control"]["losses"],
+                                                                     sides["adamw"]["losses"]),
+        "graph_break_reasons": {k.split("\n")[0]: v for k, v in counters["graph_break"].items()},
+        "recompile_guard_failures": guard_failures,
+        "placement": placement,
     }
     path = write_result(args.name, result)
     ms = {k: result[k]["median_s"] * 1e3 for k in sides}

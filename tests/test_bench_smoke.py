@@ -286,3 +286,25 @@ def test_gpu_calibration_runs_its_points_on_the_cpu(tmp_path: Path, monkeypatch:
     [row] = json.loads((tmp_path / "calib.json").read_text())["rows"]
     assert row["status"] == "ok" and row["predicted_attention"] == "default"
     assert row["predicted_peak_non_model_bytes"] == row["measured_peak_non_model_bytes"] > 0
+
+
+def test_compile_step_records_what_tells_a_difference_apart(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile bench's CPU smoke run (aot_eager, so no C++ compiler is needed): memsched and its control
+    (torch alone, twice) bit-identical to the reference, no loss differing, no graph break, and the
+    diagnostics a GPU run needs to tell where a difference comes from (issue 28, item 11) are written; the
+    process's deterministic-algorithms setting is left as it was."""
+    from bench import compile_step
+
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    before = torch.are_deterministic_algorithms_enabled()
+    assert compile_step.main(["--size", "tiny", "--device", "cpu", "--backend", "aot_eager", "--blocks", "1",
+                              "--block", "2", "--warmup", "2", "--name", "compile"]) == 0
+    result = json.loads((tmp_path / "compile.json").read_text())
+    assert result["bit_identical"] and result["control_bit_identical"]
+    assert result["first_step_with_a_different_loss"] is None
+    assert result["control_first_step_with_a_different_loss"] is None
+    assert result["graph_breaks_total"] == 0 and result["graph_break_reasons"] == {}
+    assert isinstance(result["recompile_guard_failures"], dict)
+    assert set(result["placement"]) == {"device"}
+    assert torch.are_deterministic_algorithms_enabled() == before

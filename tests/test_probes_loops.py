@@ -200,13 +200,7 @@ def test_plain_loss_backward(placement, overlap):
             assert pair.opt.early_updates.committed > 0  # the updates made during backward were used
 
 
-# Found by the stand-in device (issue 27): after the first backward's end the host chunks' parameters are
-# host views, and a second backward of a retained graph reads the saved parameters autograd kept (the
-# leaves themselves) before any memsched hook runs: on a GPU, torch's device error.
-RETAINED = pytest.param("retain-graph-twice", marks=pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="a retained graph's second backward reads host-bound parameters"))
-BACKWARDS = [RETAINED, "autograd-backward-two-roots", "backward-inputs-subset",
+BACKWARDS = ["retain-graph-twice", "autograd-backward-two-roots", "backward-inputs-subset",
              "autograd-grad-read", "closure", "zero-grad-between-micro-batches"]
 
 
@@ -261,6 +255,36 @@ def test_backward_variants(overlap, how):
             pair.check(f"step {i}")
         pair.check_state("end")
         pair.assert_mixed()
+
+
+@pytest.mark.parametrize("placement, offload_params", [("cpu", False), ("static", True)],
+                         ids=["cpu", "static-params-on-host"])
+@pytest.mark.parametrize("between", ["nothing", "zero_grad"])
+def test_a_retained_graph_backs_up_again_after_the_first_backward_ended(placement, offload_params, between):
+    """Found by the stand-in (issue 27): after the first backward's end the host chunks' parameters are host
+    views, and the second backward of a retained graph read the parameters autograd saved as host tensors
+    (torch's device error in ``native_layer_norm_backward``). Now it binds them to the device first, and
+    the two backwards (with or without a ``zero_grad()`` between them) train exactly as torch, in warmup
+    and planned steps, with the parameters kept on the host too."""
+    kw = {"policy_options": {"offload_optim_frac": 1.0, "offload_param_frac": 0.5}} if offload_params else {}
+    pair = Pair(placement, False, **kw)
+    batches = gpt_batches(4)
+    with pair.sched:
+        for i, b in enumerate(batches):
+            for side, m, opt in (("ours", pair.model, pair.opt), ("ref", pair.ref, pair.ref_opt)):
+                with (pair.ref_side() if side == "ref" else contextlib.nullcontext()):
+                    loss = gpt_loss(m, b)
+                    loss.backward(retain_graph=True)
+                    if between == "zero_grad":
+                        opt.zero_grad()  # the first backward's gradients are thrown away
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+            pair.check(f"step {i}")
+        pair.check_state("end")
+        assert HOST in {c.placement for c in pair.sched.store.chunks}
+        if offload_params:
+            assert pair.sched.plan.param_host_chunks
 
 
 def test_plain_loss_backward_under_fp16_is_refused():

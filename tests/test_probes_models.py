@@ -71,20 +71,6 @@ def slow_worker(monkeypatch):
     return delays
 
 
-# Found by the stand-in device (issue 27): with parameters offloaded (``auto`` here), a parameter read between
-# steps, outside any forward (a loss term computed before ``model(x)``, submodules called without the root) is
-# a host view: on a GPU, torch's device error. Reads after a forward, up to the step, fetch their chunk
-# ([Note: reads outside the forward] in memsched.runtime.param_fetch).
-OUTSIDE_FORWARD = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="offloaded parameters read between steps, before any forward, are host views")
-
-
-def offloaded_reads_outside(policy: str):
-    """``policy`` as a parameter, marked when it offloads parameters (see OUTSIDE_FORWARD)."""
-    return pytest.param(policy, marks=OUTSIDE_FORWARD) if policy == "auto" else policy
-
-
 def placement(policy: str, auto_capacity: str) -> dict:
     if policy == "cpu":
         return dict(policy="cpu", device="sim:64MiB")
@@ -105,11 +91,9 @@ def mse(model: nn.Module, batch) -> torch.Tensor:
 
 def run_parity(make_model: Callable[[], nn.Module], policy: str, overlap, *,
                loss_fn: Callable = mse, before: Callable[[int, nn.Module], None] | None = None,
-               steps: int = STEPS, auto_capacity: str = "79KiB", chunk_numel: int = CHUNK,
-               synchronize_first: bool = False):
+               steps: int = STEPS, auto_capacity: str = "79KiB", chunk_numel: int = CHUNK):
     """Train ``make_model()`` with memsched and a deepcopy with ``torch.optim.AdamW(fused=True)`` on the same
-    batches; ``before(i, model)`` runs on both models before step ``i``'s forward; ``synchronize_first``:
-    ``sched.synchronize()`` before each loss (the README's rule for reads outside a forward). Losses must be
+    batches; ``before(i, model)`` runs on both models before step ``i``'s forward. Losses must be
     equal at every step, parameters after every step (with overlap: after every odd step) and after
     ``close()``.
     Returns the set of chunk placements after warmup."""
@@ -126,8 +110,6 @@ def run_parity(make_model: Callable[[], nn.Module], policy: str, overlap, *,
         for i, b in enumerate(data):
             if before is not None:
                 before(i, model)
-            if synchronize_first:
-                sched.synchronize()
             loss = loss_fn(model, b)
             sched.backward(loss)
             sched.optimizer.step()
@@ -351,15 +333,55 @@ def test_parameters_read_only_in_the_loss_after_the_forward(policy, overlap, slo
 
 
 @both
-@pytest.mark.parametrize("policy", [offloaded_reads_outside(p) for p in POLICIES])
+@pytest.mark.parametrize("policy", ["cpu", "static"])
 def test_parameters_read_only_in_the_loss_before_the_forward(policy, overlap, slow_worker):
     """The same penalty computed before ``model(x)`` in the loss function: the first read of ``extra`` and
-    ``aux.weight`` in the step happens before any module forward, outside what memsched.runtime.read_guard
-    covers (the root's forward). The README's rule for reads outside a forward is ``sched.synchronize()``
-    first; with it the run is exact."""
+    ``aux.weight`` in the step happens before any module forward, between steps, where they may be host views
+    (after a step whose update is still running, too). Each read that records a graph takes their chunks
+    to the device first ([Note: graph reads between steps]): exact, with no ``sched.synchronize()``."""
     slow_worker["host"] = 0.02
-    run_parity(WithExtra, policy, overlap, loss_fn=loss_reading_before_forward, auto_capacity="152KiB",
-               synchronize_first=True)
+    run_parity(WithExtra, policy, overlap, loss_fn=loss_reading_before_forward, auto_capacity="152KiB")
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+@pytest.mark.parametrize("term", ["penalty", "dropout"])
+def test_a_loss_term_before_the_forward_with_gradients_on_the_host_is_exact(term, micro_batches):
+    """Policy ``cpu``: from backward's end the parameters and their gradients are host views, so the loss term
+    of a second micro-batch, computed before its forward, read host tensors, and backward then added a host
+    gradient to device ones (torch's device error, found while fixing the retained graph). Now the term is
+    computed on the device, bit for bit as torch computes it, a random one (DropConnect-like dropout of a
+    weight) included: the host's generator is set back before the read runs again on the device."""
+
+    def loss_fn(model, batch):
+        x, y = batch
+        w = F.dropout(model.extra, 0.25) if term == "dropout" else model.extra
+        return w.pow(2).sum() * 1e-2 + F.mse_loss(model(x), y)
+
+    torch.manual_seed(0)
+    model = WithExtra()
+    with uncounted():
+        ref = copy.deepcopy(model).to(SIM)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    data = to_dev(batches(3 * micro_batches))
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=CHUNK, **placement("cpu", "")) as sched:
+        for i in range(3):
+            micro = data[i * micro_batches:(i + 1) * micro_batches]
+            for b in micro:
+                torch.manual_seed(100 + i)
+                (loss_fn(model, b) / micro_batches).backward()
+            assert all(p.device.type == "cpu" for p in model.parameters())  # host views: [Note: host binding]
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                for b in micro:
+                    torch.manual_seed(100 + i)
+                    (loss_fn(ref, b) / micro_batches).backward()
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                ref_opt.step()
+                ref_opt.zero_grad()
+                assert_params_same(model, ref, f"step {i}")
+        assert {c.placement for c in sched.store.chunks} == {HOST}
 
 
 # ---- 4. one layer applied several times per forward (ALBERT) ------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import increment_version
+from torch.utils import _pytree as pytree
 
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.sharded_grad import is_sharded
@@ -42,6 +43,7 @@ class ChunkViews(Protocol):
     with_grad: set[int]
     closed: bool
     before_host_write: Callable[[Chunk], None]
+    before_device_read: Callable[[Chunk], None]
 
     def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor: ...
 
@@ -52,8 +54,11 @@ class ChunkViews(Protocol):
     def offloads(self, c: Chunk) -> bool: ...
 
 
+
 _ABSENT_KEY = "_memsched_absent"
-_ABSENT_TYPES: dict[type, type] = {}
+_HOST_KEY = "_memsched_host"
+#: (class, mark) -> the class a marked parameter takes (made once per class and mark).
+_MARKED_TYPES: dict[tuple[type, str], type] = {}
 
 
 def _absent_torch_function(cls: type, func: Callable, types: tuple, args: tuple = (),
@@ -85,6 +90,24 @@ def _absent_torch_function(cls: type, func: Callable, types: tuple, args: tuple 
         return func(*args, **kwargs)
 
 
+def _host_torch_function(cls: type, func: Callable, types: tuple, args: tuple = (),
+                         kwargs: dict | None = None) -> Any:
+    """A host view's class ([Note: graph reads between steps]): a torch function of the training thread
+    that may record a graph (gradients enabled, outside backward) and receives a host view that requires
+    grad goes to :meth:`ChunkBindings.graph_read`; everything else calls through."""
+    kwargs = kwargs or {}
+    if (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+            and getattr(func, "__name__", "") != "__get__"):  # attribute reads (``p.grad``) record nothing
+        with torch._C.DisableTorchFunctionSubclass():  # this function's own reads are not checked
+            marked = [a.__dict__[_HOST_KEY] for a in _tensors(*args, *kwargs.values())
+                      if _HOST_KEY in a.__dict__ and a.requires_grad]
+        b = marked[0][0]() if marked else None
+        if b is not None and b.owner == threading.get_ident():
+            return b.graph_read(func, args, kwargs, sorted({i for _, i in marked}))
+    with torch._C.DisableTorchFunctionSubclass():  # a plain result, as the parameter's own class gives
+        return func(*args, **kwargs)
+
+
 def _tensors(*values: Any) -> Iterator[torch.Tensor]:
     """The tensors among ``values`` and in their lists and tuples (``torch.cat``, the ``_foreach`` ops)."""
     for v in values:
@@ -94,25 +117,33 @@ def _tensors(*values: Any) -> Iterator[torch.Tensor]:
             yield from (t for t in v if isinstance(t, torch.Tensor))
 
 
-def _mark_absent(p: torch.Tensor, bindings: weakref.ref, index: int) -> None:
-    """``p`` is an absent view of chunk ``index`` now: foreign threads' reads are refused ([Note: foreign
-    reads])."""
-    cls = type(p)
-    if _ABSENT_KEY not in p.__dict__:
-        absent = _ABSENT_TYPES.get(cls)
-        if absent is None:
-            absent = _ABSENT_TYPES[cls] = type(cls.__name__, (cls,), {
-                "__torch_function__": classmethod(_absent_torch_function),
+def _records_graph(out: Any) -> bool:
+    """Whether ``out`` (a torch function's result: a tensor, or tensors in a container) has a ``grad_fn``."""
+    return any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in pytree.tree_leaves(out))
+
+
+def _mark(p: torch.Tensor, key: str, bindings: weakref.ref, index: int) -> None:
+    """``p``'s class becomes its own class with the ``__torch_function__`` of mark ``key`` (``_ABSENT_KEY``:
+    [Note: foreign reads]; ``_HOST_KEY``: [Note: graph reads between steps]), for chunk ``index``."""
+    if key not in p.__dict__:
+        present(p)
+        cls = type(p)
+        marked = _MARKED_TYPES.get((cls, key))
+        if marked is None:
+            fn = _absent_torch_function if key == _ABSENT_KEY else _host_torch_function
+            marked = _MARKED_TYPES[cls, key] = type(cls.__name__, (cls,), {
+                "__torch_function__": classmethod(fn),
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        p.__class__ = absent
-    p.__dict__[_ABSENT_KEY] = (bindings, index)
+        p.__class__ = marked
+    p.__dict__[key] = (bindings, index)
 
 
 def present(p: torch.Tensor) -> None:
-    """``p`` is bound to values again (or memsched lets it go): its own class back ([Note: foreign
-    reads]). Idempotent."""
-    if p.__dict__.pop(_ABSENT_KEY, None) is not None:
-        p.__class__ = type(p).__mro__[1]
+    """``p`` is bound to its chunk's device values again (or memsched lets it go): its own class back
+    ([Note: foreign reads], [Note: graph reads between steps]). Idempotent."""
+    for key in (_ABSENT_KEY, _HOST_KEY):
+        if p.__dict__.pop(key, None) is not None:
+            p.__class__ = type(p).__mro__[1]
 
 
 class Binding(enum.Enum):
@@ -209,7 +240,7 @@ class ChunkBindings:
                     present(p)
                 else:
                     p.data = self.absent_view(p, c)
-                    _mark_absent(p, self._ref, c.index)
+                    _mark(p, _ABSENT_KEY, self._ref, c.index)
                 self._versions[id(p)] = p._version
 
     def expected_view(self, p: torch.nn.Parameter) -> torch.Tensor:
@@ -275,7 +306,75 @@ class ChunkBindings:
                 kept = id(p) in store.host_grads and c.grad_host is not None
                 p.grad = store.host_view("grad", p, c) if kept else None
                 self._versions[id(p)] = p._version
+                _mark(p, _HOST_KEY, self._ref, c.index)  # [Note: graph reads between steps]
         self._set(c, Binding.HOST)
+
+    def graph_read(self, func: Callable, args: tuple, kwargs: dict, indices: list[int]) -> Any:
+        """[Note: graph reads between steps]
+        A loss term computed between steps, before the forward (an L2 penalty, a regulariser over
+        ``model.parameters()``, a second micro-batch's term while the first one's gradients are on the
+        host), reads host views, and autograd would tie its graph to each parameter as a host tensor: the
+        forward then binds the parameter to the device, and backward meets a host gradient beside device
+        ones (torch's device error when they are added), or the term's op fails at once on a device input.
+        So a torch function of the training thread that records a graph from a host view (its result has a
+        ``grad_fn``, or it failed on mixed devices) is run again after the chunks it read left the host, as
+        ``zero_grad()`` and the forward would make them leave (their device copy, once its H2D copy of the
+        updated values has landed): from then on the term and its gradients are on the device, as in torch,
+        bit for bit (the host's random generator is set back for the second run). A function that records
+        no graph (a norm under ``no_grad``, ``detach``, ``state_dict``) keeps reading the host views.
+        A chunk whose parameters have no device copy (parameters kept on the host, frozen ones away) cannot
+        leave the host before its fetch, which the forward makes: the term stays on the host, its failure on
+        mixed devices is said plainly, and a backward that reaches it is refused there, naming the fix.
+
+        Raises:
+            RuntimeError: the read mixes a parameter kept on the host with device tensors, or (when backward
+                reaches it) its gradient would be a host tensor; both name the chunks and the fix.
+        """
+        store = self._store
+        chunks = [store.chunks[i] for i in indices]
+        rng = torch.get_rng_state()
+        failed: RuntimeError | None = None
+        try:
+            with torch._C.DisableTorchFunctionSubclass():  # a plain result; nested reads are this one's
+                out = func(*args, **kwargs)
+        except RuntimeError as e:
+            if "same device" not in str(e):
+                raise
+            out, failed = None, e
+        if failed is None and not _records_graph(out):
+            return out
+        away = [c.index for c in chunks if c.data is None]
+        if away:
+            name = getattr(func, "__name__", str(func))
+            what = (f"chunk{'s' if len(away) > 1 else ''} {', '.join(map(str, away))}, whose parameters "
+                    "are kept on the host until the forward fetches them")
+            fix = ("compute the term after the attached model's forward (its reads are fetched to the device "
+                   "there), or under torch.no_grad() where it needs no gradient")
+            fix_text = fix[0].upper() + fix[1:]
+            if failed is not None:
+                raise RuntimeError(f"memsched: {name} reads parameters of {what}, with tensors on the device "
+                                   f"before the forward: {fix}") from failed
+
+            def refuse(_grad: torch.Tensor) -> None:
+                raise RuntimeError(
+                    f"memsched: backward reaches a term that {name} computed between steps from parameters "
+                    f"of {what}: their gradient would be a host tensor, added to their device gradients. "
+                    f"{fix_text}")
+
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    t.register_hook(refuse)
+            return out
+        del out, failed  # the host graph goes (and with it the accumulators it made for host tensors)
+        torch.set_rng_state(rng)
+        with torch._C.DisableTorchFunction():
+            for c in chunks:
+                if self.host_bound(c):
+                    store.before_host_write(c)  # its overlapped update is done (its H2D copy then issued)
+                    store.before_device_read(c)
+                    self.leave_host(c)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     def _take_hand_set_grad(self, p: torch.nn.Parameter, c: Chunk) -> None:
         """A gradient set by hand on ``p`` (``p.grad = g`` after ``torch.autograd.grad``: SAM, PCGrad, MAML)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
 
 from memsched.chunks.binding import Binding, ChunkBindings, present
 from memsched.chunks.buffers import Allocator
@@ -637,7 +638,11 @@ class ChunkStore:
                 "gradients are partly on the host and partly on the device, so a clip_grad_norm_ over "
                 "model.parameters() or this step would see only part of them. Nothing was updated; call "
                 "optimizer.zero_grad() (or model.zero_grad()) and run the backward again")
-        if self.bindings.computing or any(self.offloads(c) and c.grad is not None for c in self.chunks):
+        # a host chunk bound to the device between steps while it holds host gradients (a graph read after
+        # backward, [Note: graph reads between steps]) is host-bound again, as at backward's end
+        if self.bindings.computing or any(self.offloads(c) and (c.grad is not None or (
+                not self.bindings.host_bound(c) and any(id(p) in self.host_grads for p in c.params)))
+                for c in self.chunks):
             for observer in self._backward_end_observers:
                 observer()
             self.bindings.computing = True
@@ -746,6 +751,35 @@ class ChunkStore:
             observer()
         self.in_backward = self.aborted = False
         self.bindings.leave_compute()
+
+    def watch_backward_begin(self, output: Any) -> None:
+        """[Note: a backward with no forward before it]
+        A retained graph's second backward (``loss.backward(retain_graph=True)`` then ``loss.backward()``,
+        or ``torch.autograd.grad`` over it) starts after the first one's end made the host chunks host-bound:
+        its nodes read the parameters autograd saved (the leaves themselves) as host tensors, torch's device
+        error, before any gradient reaches a memsched hook. So at the end of a root forward that records a
+        graph, every tensor in its output (pytree leaves: tuples, dicts, Hugging Face ``ModelOutput``) gets
+        a pre-hook on its ``grad_fn`` that binds the parameters to the device again
+        (:meth:`ChunkBindings.enter_compute`) where a backward reaches it between steps. Every node of the
+        model's graph lies behind one of them, so the pre-hook runs before any node that reads a parameter.
+        In a backward that follows its forward the parameters are bound already and it does nothing; after
+        ``close()`` it does nothing either (the hooks go with the graph)."""
+        if not self.lazy_grads or not any(self.offloads(c) for c in self.chunks):
+            return
+        ref = weakref.ref(self)
+
+        def begin(_grad_outputs: Any) -> None:
+            store = ref()
+            if store is not None and not store.closed and not store.bindings.computing:
+                with torch._C.DisableTorchFunction():
+                    store.bindings.enter_compute()
+
+        seen: set[int] = set()
+        for t in pytree.tree_leaves(output):
+            fn = t.grad_fn if isinstance(t, torch.Tensor) else None
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                fn.register_prehook(begin)
 
     def note_running(self) -> None:
         """A backward (or ``torch.autograd.grad``) runs on this thread and read a saved parameter: it is known

@@ -85,7 +85,7 @@ class H2DWaits:
         self.remove()
         begin = Detachable(lambda *_a: self.timeline.forward_begin())
         self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
-        end = Detachable(lambda *_a: self._forward_end())
+        end = Detachable(lambda _m, _a, output: self._forward_end(output))
         self._handles.append(self.model.register_forward_hook(end, always_call=True))
         check = Detachable(lambda *_a: self._check_bound())
         self._handles.append(self.model.register_forward_pre_hook(check))
@@ -281,7 +281,7 @@ class H2DWaits:
                 self.streams.wait([c.d2h_event for c in self.store.chunks], "forward (p.grad was None)")
                 self.store.bind_dropped_grads()
 
-    def _forward_end(self) -> None:
+    def _forward_end(self, output: Any = None) -> None:
         # ZeRO-3: the guard stays on ([Note: reads of sharded parameters] in memsched.runtime.param_fetch)
         if self._guarded and not (self.fetcher is not None and self.fetcher.keeps_guard()):
             self._guarded = False
@@ -293,6 +293,8 @@ class H2DWaits:
             if self.updates.wait_all() > 0:
                 self.timeline.span(WAITS, "end of forward <- all chunks", t0, time.perf_counter())
         self.timeline.forward_end()
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            self.store.watch_backward_begin(output)  # [Note: a backward with no forward before it]
 
     def _between_steps(self) -> None:
         """``state_dict()`` / ``load_state_dict()``: a backward that raised is ended first ([Note: a backward
