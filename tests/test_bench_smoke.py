@@ -299,7 +299,8 @@ def test_compile_step_records_what_tells_a_difference_apart(tmp_path: Path,
     monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
     before = torch.are_deterministic_algorithms_enabled()
     assert compile_step.main(["--size", "tiny", "--device", "cpu", "--backend", "aot_eager", "--blocks", "1",
-                              "--block", "2", "--warmup", "2", "--name", "compile"]) == 0
+                              "--block", "2", "--warmup", "2", "--own-process-steps", "3",
+                              "--name", "compile"]) == 0
     result = json.loads((tmp_path / "compile.json").read_text())
     assert result["bit_identical"] and result["control_bit_identical"]
     assert result["first_step_with_a_different_loss"] is None
@@ -307,4 +308,6 @@ def test_compile_step_records_what_tells_a_difference_apart(tmp_path: Path,
     assert result["graph_breaks_total"] == 0 and result["graph_break_reasons"] == {}
     assert isinstance(result["recompile_guard_failures"], dict)
     assert set(result["placement"]) == {"device"}
+    alone = result["in_own_processes"]  # each side trained alone in a process of its own
+    assert alone == {"steps": 3, "bit_identical": True, "first_step_with_a_different_loss": None}
     assert torch.are_deterministic_algorithms_enabled() == before

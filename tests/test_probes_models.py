@@ -384,6 +384,36 @@ def test_a_loss_term_before_the_forward_with_gradients_on_the_host_is_exact(term
         assert {c.placement for c in sched.store.chunks} == {HOST}
 
 
+def test_host_views_between_steps_copy_pickle_and_close_as_plain_parameters():
+    """Between backward and ``zero_grad()`` the host chunks' parameters are host views whose class carries
+    memsched's check of graph reads ([Note: graph reads between steps]): ``isinstance`` holds, a deepcopy (an
+    EMA) and ``torch.save(model)`` (pickle) give plain parameters of the same values, and ``close()`` gives
+    every parameter its own class back, with nothing of memsched's left."""
+    import io
+
+    from memsched.chunks import binding
+
+    torch.manual_seed(0)
+    model = WithExtra()
+    x, y = to_dev(batches(1)[0])
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=CHUNK, **placement("cpu", "")) as sched:
+        F.mse_loss(model(x), y).backward()
+        assert all(isinstance(p, nn.Parameter) and p.device.type == "cpu" for p in model.parameters())
+        assert any(type(p) is not nn.Parameter for p in model.parameters())  # marked: the check is on
+        ema = copy.deepcopy(model)
+        pairs = list(zip(model.parameters(), ema.parameters(), strict=True))
+        assert all(type(q) is nn.Parameter and same(q.detach(), p.detach()) for p, q in pairs)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert all(type(q) is nn.Parameter and same(q.detach(), p.detach())
+                   for p, q in zip(model.parameters(), loaded.parameters(), strict=True))
+        sched.optimizer.step()
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    assert not any(id(p) in binding._MARKS for p in model.parameters())
+
+
 # ---- 4. one layer applied several times per forward (ALBERT) ------------------------------------------
 
 class Albert(nn.Module):

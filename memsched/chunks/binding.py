@@ -12,7 +12,9 @@ owns its sharded and unsharded views the same way.
 from __future__ import annotations
 
 import contextlib
+import copy
 import enum
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -55,10 +57,28 @@ class ChunkViews(Protocol):
 
 
 
-_ABSENT_KEY = "_memsched_absent"
-_HOST_KEY = "_memsched_host"
+_ABSENT_KEY = "absent"
+_HOST_KEY = "host"
 #: (class, mark) -> the class a marked parameter takes (made once per class and mark).
 _MARKED_TYPES: dict[tuple[type, str], type] = {}
+_MARKED_CLASSES: set[type] = set()
+#: id(parameter) -> (mark, its bindings (weak), its chunk's index, the parameter (weak)), while it is marked.
+#: Kept here, not in the parameter's ``__dict__``: ``torch.save(model)`` pickles that (and a weak reference
+#: cannot be pickled). An entry goes with its parameter: an id is reused only after that (see _mark_of).
+_MARKS: dict[int, tuple[str, weakref.ref, int, weakref.ref]] = {}
+
+
+def _mark_of(t: torch.Tensor) -> tuple[str, weakref.ref, int, weakref.ref] | None:
+    """``t``'s mark, or ``None``."""
+    mark = _MARKS.get(id(t))
+    return mark if mark is not None and mark[3]() is t else None
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    """A marked parameter was collected: its entry goes (unless its id was marked anew since)."""
+    mark = _MARKS.get(key)
+    if mark is not None and mark[3] is ref:
+        del _MARKS[key]
 
 
 def _absent_torch_function(cls: type, func: Callable, types: tuple, args: tuple = (),
@@ -75,9 +95,10 @@ def _absent_torch_function(cls: type, func: Callable, types: tuple, args: tuple 
     kwargs = kwargs or {}
     with torch._C.DisableTorchFunctionSubclass():  # this function's own reads (``a.shape``) are not checked
         for a in _tensors(*args, *kwargs.values()) if torch._C._current_graph_task_id() == -1 else ():
-            if _ABSENT_KEY not in a.__dict__:
+            mark = _mark_of(a)
+            if mark is None or mark[0] != _ABSENT_KEY:
                 continue
-            bindings, index = a.__dict__[_ABSENT_KEY]
+            _, bindings, index, _ = mark
             b = bindings()
             if b is not None and b.owner != threading.get_ident():
                 raise RuntimeError(
@@ -99,11 +120,11 @@ def _host_torch_function(cls: type, func: Callable, types: tuple, args: tuple = 
     if (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
             and getattr(func, "__name__", "") != "__get__"):  # attribute reads (``p.grad``) record nothing
         with torch._C.DisableTorchFunctionSubclass():  # this function's own reads are not checked
-            marked = [a.__dict__[_HOST_KEY] for a in _tensors(*args, *kwargs.values())
-                      if _HOST_KEY in a.__dict__ and a.requires_grad]
-        b = marked[0][0]() if marked else None
+            marks = [_mark_of(a) for a in _tensors(*args, *kwargs.values()) if a.requires_grad]
+            marked = [m for m in marks if m is not None and m[0] == _HOST_KEY]
+        b = marked[0][1]() if marked else None
         if b is not None and b.owner == threading.get_ident():
-            return b.graph_read(func, args, kwargs, sorted({i for _, i in marked}))
+            return b.graph_read(func, args, kwargs, sorted({m[2] for m in marked}))
     with torch._C.DisableTorchFunctionSubclass():  # a plain result, as the parameter's own class gives
         return func(*args, **kwargs)
 
@@ -124,26 +145,55 @@ def _records_graph(out: Any) -> bool:
 
 def _mark(p: torch.Tensor, key: str, bindings: weakref.ref, index: int) -> None:
     """``p``'s class becomes its own class with the ``__torch_function__`` of mark ``key`` (``_ABSENT_KEY``:
-    [Note: foreign reads]; ``_HOST_KEY``: [Note: graph reads between steps]), for chunk ``index``."""
-    if key not in p.__dict__:
+    [Note: foreign reads]; ``_HOST_KEY``: [Note: graph reads between steps]), for chunk ``index``. A copy
+    (``copy.deepcopy``) or a pickle (``torch.save(model)``) of it is of its own class, unmarked."""
+    mark = _mark_of(p)
+    if mark is None or mark[0] != key:
         present(p)
         cls = type(p)
         marked = _MARKED_TYPES.get((cls, key))
         if marked is None:
             fn = _absent_torch_function if key == _ABSENT_KEY else _host_torch_function
             marked = _MARKED_TYPES[cls, key] = type(cls.__name__, (cls,), {
-                "__torch_function__": classmethod(fn),
+                "__torch_function__": classmethod(fn), "__deepcopy__": _unmarked_deepcopy,
+                "__reduce_ex__": _unmarked_reduce_ex,
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            _MARKED_CLASSES.add(marked)
         p.__class__ = marked
-    p.__dict__[key] = (bindings, index)
+        ref = weakref.ref(p, functools.partial(_forget, id(p)))
+    else:
+        ref = mark[3]
+    _MARKS[id(p)] = (key, bindings, index, ref)
 
 
 def present(p: torch.Tensor) -> None:
     """``p`` is bound to its chunk's device values again (or memsched lets it go): its own class back
     ([Note: foreign reads], [Note: graph reads between steps]). Idempotent."""
-    for key in (_ABSENT_KEY, _HOST_KEY):
-        if p.__dict__.pop(key, None) is not None:
-            p.__class__ = type(p).__mro__[1]
+    if _mark_of(p) is not None:
+        del _MARKS[id(p)]
+    if type(p) in _MARKED_CLASSES:
+        p.__class__ = type(p).__mro__[1]
+
+
+def _unmarked_deepcopy(self: torch.Tensor, memo: dict) -> Any:
+    """``copy.deepcopy`` of a marked parameter: a copy of its own class (its class's ``__deepcopy__`` makes
+    an instance of ``type(self)``)."""
+    marked = type(self)
+    self.__class__ = marked.__mro__[1]
+    try:
+        return copy.deepcopy(self, memo)
+    finally:
+        self.__class__ = marked
+
+
+def _unmarked_reduce_ex(self: torch.Tensor, protocol: int) -> Any:
+    """Pickling a marked parameter pickles it as its own class."""
+    marked = type(self)
+    self.__class__ = marked.__mro__[1]
+    try:
+        return self.__reduce_ex__(protocol)
+    finally:
+        self.__class__ = marked
 
 
 class Binding(enum.Enum):
