@@ -400,6 +400,9 @@ def test_host_views_between_steps_copy_pickle_and_close_as_plain_parameters():
         F.mse_loss(model(x), y).backward()
         assert all(isinstance(p, nn.Parameter) and p.device.type == "cpu" for p in model.parameters())
         assert any(type(p) is not nn.Parameter for p in model.parameters())  # marked: the check is on
+        acc = torch.zeros(model.extra.shape)
+        acc.add_(model.extra)  # an in-place op, gradients enabled: run once, where its operands are
+        assert same(acc.detach(), model.extra.detach()) and model.extra.device.type == "cpu"
         ema = copy.deepcopy(model)
         pairs = list(zip(model.parameters(), ema.parameters(), strict=True))
         assert all(type(q) is nn.Parameter and same(q.detach(), p.detach()) for p, q in pairs)

@@ -118,7 +118,7 @@ def _host_torch_function(cls: type, func: Callable, types: tuple, args: tuple = 
     grad goes to :meth:`ChunkBindings.graph_read`; everything else calls through."""
     kwargs = kwargs or {}
     if (torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-            and getattr(func, "__name__", "") != "__get__"):  # attribute reads (``p.grad``) record nothing
+            and not _writes_or_gets(func) and "out" not in kwargs):
         with torch._C.DisableTorchFunctionSubclass():  # this function's own reads are not checked
             marks = [_mark_of(a) for a in _tensors(*args, *kwargs.values()) if a.requires_grad]
             marked = [m for m in marks if m is not None and m[0] == _HOST_KEY]
@@ -136,6 +136,18 @@ def _tensors(*values: Any) -> Iterator[torch.Tensor]:
             yield v
         elif isinstance(v, (list, tuple)):
             yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+_INPLACE_DUNDERS = frozenset(f"__i{op}__" for op in (
+    "add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow", "lshift", "rshift", "and", "or",
+    "xor"))
+
+
+def _writes_or_gets(func: Callable) -> bool:
+    """An attribute read (``p.grad``: records nothing) or an in-place op (``ema.lerp_(p, w)``, ``x += p``:
+    it writes another tensor, so it is run once, where its operands are)."""
+    name = getattr(func, "__name__", "")
+    return name == "__get__" or name in _INPLACE_DUNDERS or (name.endswith("_") and not name.startswith("__"))
 
 
 def _records_graph(out: Any) -> bool:
