@@ -37,7 +37,7 @@ import memsched
 from memsched.optim.early_update import EarlyUpdates
 from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import DEVICE, HOST
-from tests._numerics import LR, SIM, WD, Branchy, same, to_dev, uncounted
+from tests._numerics import LR, SIM, WD, Branchy, Reference, assert_same, same, to_dev, uncounted
 from tests.test_overlap import paused
 
 D = 32  # width of every probe model
@@ -382,6 +382,37 @@ def test_a_loss_term_before_the_forward_with_gradients_on_the_host_is_exact(term
                 ref_opt.zero_grad()
                 assert_params_same(model, ref, f"step {i}")
         assert {c.placement for c in sched.store.chunks} == {HOST}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_loss_term_before_the_forward_under_mixed_precision_is_exact(dtype):
+    """The same in bf16 (clipped in the compute dtype) and fp16 (``sched.backward`` scales the loss): two
+    micro-batches whose loss reads ``extra`` and ``aux.weight`` before the forward, against fp32 masters
+    trained by fused AdamW (``tests._numerics.Reference``)."""
+
+    def loss_fn(model, batch):
+        x, y = batch
+        penalty = model.extra.float().pow(2).sum() * 1e-2 + model.aux.weight.float().pow(2).sum() * 1e-3
+        return penalty + F.mse_loss(model(x.to(dtype)).float(), y)
+
+    torch.manual_seed(0)
+    model = WithExtra()
+    ref = Reference(model, dtype)
+    data = batches(6)
+    clip = 0.05 if dtype == torch.bfloat16 else None
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=CHUNK, dtype=dtype,
+                         **placement("cpu", "")) as sched:
+        for i in range(3):
+            micro = to_dev(data[2 * i:2 * i + 2])
+            for b in micro:
+                sched.backward(loss_fn(model, b))
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(micro, loss_fn, clip)
+                assert_same(model, ref, f"step {i}", optimizer=sched.optimizer)
 
 
 def test_host_views_between_steps_copy_pickle_and_close_as_plain_parameters():
