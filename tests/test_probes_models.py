@@ -415,6 +415,42 @@ def test_a_loss_term_before_the_forward_under_mixed_precision_is_exact(dtype):
                 assert_same(model, ref, f"step {i}", optimizer=sched.optimizer)
 
 
+def test_a_graph_read_between_backward_and_step_is_followed_by_an_exact_step():
+    """The parameters flattened into one vector with gradients enabled, between backward and the step (a
+    logging or a regulariser's bookkeeping): the first view records a graph, so every chunk leaves the host,
+    as a forward would make them, and the next parameters are on the device too, while their gradients stay
+    on the host. The clip over ``model.parameters()`` and the step then see every gradient, and the step
+    makes the chunks host-bound again: exact."""
+    torch.manual_seed(0)
+    model = WithExtra()
+    with uncounted():
+        ref = copy.deepcopy(model).to(SIM)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    data = to_dev(batches(3))
+
+    def loss_fn(m, b):
+        x, y = b
+        return F.mse_loss(m(x), y) + m.aux.weight.pow(2).sum() * 1e-3
+
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=CHUNK, **placement("cpu", "")) as sched:
+        for i, b in enumerate(data):
+            loss_fn(model, b).backward()
+            vec = torch.cat([p.reshape(-1) for p in model.parameters()])
+            assert vec.device == SIM and vec.grad_fn is not None  # read on the device, as torch reads it
+            assert all(p.grad is None or p.grad.device.type == "cpu" for p in model.parameters())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            sched.optimizer.step()
+            assert all(p.device.type == "cpu" for p in model.parameters())  # host-bound again by the step
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                loss_fn(ref, b).backward()
+                assert same(vec.detach().cpu(), torch.cat([p.reshape(-1) for p in ref.parameters()]).cpu())
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                ref_opt.step()
+                ref_opt.zero_grad()
+                assert_params_same(model, ref, f"step {i}")
+
+
 def test_host_views_between_steps_copy_pickle_and_close_as_plain_parameters():
     """Between backward and ``zero_grad()`` the host chunks' parameters are host views whose class carries
     memsched's check of graph reads ([Note: graph reads between steps]): ``isinstance`` holds, a deepcopy (an

@@ -56,7 +56,6 @@ class ChunkViews(Protocol):
     def offloads(self, c: Chunk) -> bool: ...
 
 
-
 _ABSENT_KEY = "absent"
 _HOST_KEY = "host"
 #: (class, mark) -> the class a marked parameter takes (made once per class and mark).
@@ -379,10 +378,12 @@ class ChunkBindings:
         forward then binds the parameter to the device, and backward meets a host gradient beside device
         ones (torch's device error when they are added), or the term's op fails at once on a device input.
         So a torch function of the training thread that records a graph from a host view (its result has a
-        ``grad_fn``, or it failed on mixed devices) is run again after the chunks it read left the host, as
-        ``zero_grad()`` and the forward would make them leave (their device copy, once its H2D copy of the
-        updated values has landed): from then on the term and its gradients are on the device, as in torch,
-        bit for bit (the host's random generator is set back for the second run). A function that records
+        ``grad_fn``, or it failed on mixed devices) is run again after the chunks left the host, as
+        ``zero_grad()`` and the forward would make them leave (every chunk with a device copy, once its H2D
+        copy of the updated values has landed, so that what is read next is on one device too; host
+        gradients stay, and the step makes such chunks host-bound again): from then on the term and its
+        gradients are on the device, as in torch, bit for bit (the host's random generator is set back for
+        the second run). A function that records
         no graph (a norm under ``no_grad``, ``detach``, ``state_dict``) keeps reading the host views.
         A chunk whose parameters have no device copy (parameters kept on the host, frozen ones away) cannot
         leave the host before its fetch, which the forward makes: the term stays on the host, its failure on
@@ -430,11 +431,12 @@ class ChunkBindings:
         del out, failed  # the host graph goes (and with it the accumulators it made for host tensors)
         torch.set_rng_state(rng)
         with torch._C.DisableTorchFunction():
-            for c in chunks:
-                if self.host_bound(c):
-                    store.before_host_write(c)  # its overlapped update is done (its H2D copy then issued)
-                    store.before_device_read(c)
-                    self.leave_host(c)
+            # every chunk with a device copy, as zero_grad() moves them: the parameters read next (the rest
+            # of a sum over model.parameters()) are on one device, as in torch
+            for c in [c for c in self.host_chunks() if c.data is not None]:
+                store.before_host_write(c)  # its overlapped update is done (its H2D copy then issued)
+                store.before_device_read(c)
+                self.leave_host(c)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
