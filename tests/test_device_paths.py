@@ -248,3 +248,35 @@ def test_a_host_tensor_in_a_device_op_raises_torchs_device_error(target):
         torch.stack([x, torch.ones(4)])
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         x + torch.ones(4)
+
+
+def penalised(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An L2 penalty over ``model.parameters()`` computed before the forward, as a user's loss term may."""
+    return 1e-3 * sum(p.pow(2).sum() for p in model.parameters()) + mlp_loss(model, x)
+
+
+def test_a_loss_term_before_a_second_micro_batchs_forward_is_exact(target):
+    """Policy ``cpu``, two micro-batches: after the first backward the parameters are host tensors, and the
+    second micro-batch's penalty reads them before its forward ([Note: graph reads between steps]): its first
+    graph-recording read takes the chunks to the device (after their H2D copy: on CUDA a stream wait), so the
+    term and its gradients are computed on the device, bit for bit as torch computes them; torch's clip over
+    ``model.parameters()`` triggers."""
+    m = make_model().to(target.device)
+    ref = Reference(m, device=target.device)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(32, 64, generator=g).to(target.device) for _ in range(6)]
+    with attach(m, target, policy="cpu") as sched:
+        for i in range(3):
+            micro = xs[2 * i:2 * i + 2]
+            host = on_host(sched, m)
+            for x in micro:
+                sched.backward(penalised(m, x))
+            devices = grad_devices(m)
+            assert float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)) > 0.05
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            ref.step(micro, penalised, 0.05, on_host=host, clip_devices=devices)
+            assert_same(m, ref, f"step {i}")
+        sched.synchronize()
+        target.synchronize()
+        assert all(c.placement == HOST for c in sched.store.chunks)
