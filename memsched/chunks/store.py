@@ -754,8 +754,8 @@ class ChunkStore:
 
     def watch_backward_begin(self, output: Any) -> None:
         """[Note: a backward with no forward before it]
-        A retained graph's second backward (``loss.backward(retain_graph=True)`` then ``loss.backward()``,
-        or ``torch.autograd.grad`` over it) starts after the first one's end made the host chunks host-bound:
+        A retained graph's second backward (``loss.backward(retain_graph=True)`` then ``loss.backward()``)
+        starts after the first one's end made the host chunks host-bound:
         its nodes read the parameters autograd saved (the leaves themselves) as host tensors, torch's device
         error, before any gradient reaches a memsched hook. So at the end of a root forward that records a
         graph, every tensor in its output (pytree leaves: tuples, dicts, Hugging Face ``ModelOutput``) gets
