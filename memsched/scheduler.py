@@ -218,6 +218,8 @@ class Scheduler:
                                        lambda i: updates.wait([i]), updates.ready, shards=shards)
             if self.sim is not None:
                 self.params.on_move = self.sim.move
+            if shards is None:
+                self.store.fetch_between = weak_method(self.params.fetch_between)
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates, params=self.params)
         self.warmup = WarmupTrace(model, self.optimizer, self.device)

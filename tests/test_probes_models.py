@@ -333,12 +333,13 @@ def test_parameters_read_only_in_the_loss_after_the_forward(policy, overlap, slo
 
 
 @both
-@pytest.mark.parametrize("policy", ["cpu", "static"])
+@policies
 def test_parameters_read_only_in_the_loss_before_the_forward(policy, overlap, slow_worker):
     """The same penalty computed before ``model(x)`` in the loss function: the first read of ``extra`` and
     ``aux.weight`` in the step happens before any module forward, between steps, where they may be host views
-    (after a step whose update is still running, too). Each read that records a graph takes their chunks
-    to the device first ([Note: graph reads between steps]): exact, with no ``sched.synchronize()``."""
+    (after a step whose update is still running, too; under ``auto`` some live on the host only). Each read
+    that records a graph takes the chunks to the device first, fetching those that live on the host only
+    ([Note: graph reads between steps]): exact, with no ``sched.synchronize()``."""
     slow_worker["host"] = 0.02
     run_parity(WithExtra, policy, overlap, loss_fn=loss_reading_before_forward, auto_capacity="152KiB")
 

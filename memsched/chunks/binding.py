@@ -46,6 +46,7 @@ class ChunkViews(Protocol):
     closed: bool
     before_host_write: Callable[[Chunk], None]
     before_device_read: Callable[[Chunk], None]
+    fetch_between: Callable[[list[int]], None] | None
 
     def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor: ...
 
@@ -383,15 +384,14 @@ class ChunkBindings:
         copy of the updated values has landed, so that what is read next is on one device too; host
         gradients stay, and the step makes such chunks host-bound again): from then on the term and its
         gradients are on the device, as in torch, bit for bit (the host's random generator is set back for
-        the second run). A function that records
-        no graph (a norm under ``no_grad``, ``detach``, ``state_dict``) keeps reading the host views.
-        A chunk whose parameters have no device copy (parameters kept on the host, frozen ones away) cannot
-        leave the host before its fetch, which the forward makes: the term stays on the host, its failure on
-        mixed devices is said plainly, and a backward that reaches it is refused there, naming the fix.
+        the second run). A chunk read whose parameters live on the host only (parameter offload) is
+        fetched first, off the schedule, as a prefetch the forward's reads then find
+        (:meth:`memsched.runtime.param_fetch.ParamFetcher.fetch_between`); the parameters autograd saves from
+        it are tokens that backward resolves like the forward's. A function that records no graph (a norm
+        under ``no_grad``, ``detach``, ``state_dict``) keeps reading the host views.
 
         Raises:
-            RuntimeError: the read mixes a parameter kept on the host with device tensors, or (when backward
-                reaches it) its gradient would be a host tensor; both name the chunks and the fix.
+            torch.OutOfMemoryError (or the stand-in's): such a fetch finds no room on the device.
         """
         store = self._store
         chunks = [store.chunks[i] for i in indices]
@@ -407,27 +407,11 @@ class ChunkBindings:
         if failed is None and not _records_graph(out):
             return out
         away = [c.index for c in chunks if c.data is None]
-        if away:
-            name = getattr(func, "__name__", str(func))
-            what = (f"chunk{'s' if len(away) > 1 else ''} {', '.join(map(str, away))}, whose parameters "
-                    "are kept on the host until the forward fetches them")
-            fix = ("compute the term after the attached model's forward (its reads are fetched to the device "
-                   "there), or under torch.no_grad() where it needs no gradient")
-            fix_text = fix[0].upper() + fix[1:]
-            if failed is not None:
-                raise RuntimeError(f"memsched: {name} reads parameters of {what}, with tensors on the device "
-                                   f"before the forward: {fix}") from failed
-
-            def refuse(_grad: torch.Tensor) -> None:
-                raise RuntimeError(
-                    f"memsched: backward reaches a term that {name} computed between steps from parameters "
-                    f"of {what}: their gradient would be a host tensor, added to their device gradients. "
-                    f"{fix_text}")
-
-            for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
-                    t.register_hook(refuse)
-            return out
+        if away:  # parameters that live on the host only: fetched first (one rank has a fetcher for them)
+            if store.fetch_between is None:
+                raise RuntimeError(f"memsched internal error: chunks {away} have no device copy to read")
+            with torch._C.DisableTorchFunction():
+                store.fetch_between(away)  # their parameters are bound below, with the other chunks'
         del out, failed  # the host graph goes (and with it the accumulators it made for host tensors)
         torch.set_rng_state(rng)
         with torch._C.DisableTorchFunction():

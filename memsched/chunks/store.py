@@ -89,6 +89,8 @@ class ChunkStore:
         # Called before a chunk's parameters become device views between steps: reads of them from here on
         # (outside any forward, so no module hook waits for them) must come after its H2D copy in flight
         self.before_device_read: Callable[[Chunk], None] = lambda c: None
+        # fetches chunks whose parameters live on the host only, for a read between steps (ParamFetcher)
+        self.fetch_between: Callable[[list[int]], None] | None = None
         # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
         # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
         self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}

@@ -615,6 +615,28 @@ class ParamFetcher:
                 self.recording.append(Read(p, phase, sample, module))
         self.read_group(sorted({self.store.param_chunk[id(p)].index for p in params}), phase)
 
+    def fetch_between(self, indices: Iterable[int]) -> None:
+        """[Note: graph reads between steps] (:mod:`memsched.chunks.binding`): one rank, between steps, a read
+        that records a graph needs chunks ``indices``, whose parameters live on the host only: each is fetched
+        now (after its update), off the schedule (no miss: the step's schedule starts at its forward) and
+        kept like a prefetch, so the forward's reads find it and the schedule evicts it at its first read
+        that does not target it. The caller binds the parameters to the device views.
+
+        Raises:
+            torch.OutOfMemoryError (or the stand-in's): no room even after the other offloaded chunks left.
+        """
+        indices = [i for i in indices if i in self.offloaded]
+        try:
+            with torch._C.DisableTorchFunction(), torch.inference_mode(False):
+                for i in indices:
+                    self._ready(self.store.chunks[i])
+        except OUT_OF_MEMORY as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11
+                e.add_note(f"memsched: while fetching chunks {indices} for a term that reads them with "
+                           "gradients between steps, before the forward; computed after the attached model's "
+                           "forward, its reads follow the plan")
+            raise
+
     def read_group(self, indices: Iterable[int], phase: str) -> None:
         """Chunks read together (a module's forward, one torch function): each is made ready and none of them
         leaves the device while the others are."""
