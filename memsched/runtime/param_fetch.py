@@ -626,6 +626,7 @@ class ParamFetcher:
             torch.OutOfMemoryError (or the stand-in's): no room even after the other offloaded chunks left.
         """
         indices = [i for i in indices if i in self.offloaded]
+        self._pinned = frozenset(indices)  # read together: none leaves to make room for another
         try:
             with torch._C.DisableTorchFunction(), torch.inference_mode(False):
                 for i in indices:
@@ -636,6 +637,8 @@ class ParamFetcher:
                            "gradients between steps, before the forward; computed after the attached model's "
                            "forward, its reads follow the plan")
             raise
+        finally:
+            self._pinned = frozenset()
 
     def read_group(self, indices: Iterable[int], phase: str) -> None:
         """Chunks read together (a module's forward, one torch function): each is made ready and none of them
