@@ -61,7 +61,6 @@ _ABSENT_KEY = "absent"
 _HOST_KEY = "host"
 #: (class, mark) -> the class a marked parameter takes (made once per class and mark).
 _MARKED_TYPES: dict[tuple[type, str], type] = {}
-_MARKED_CLASSES: set[type] = set()
 #: id(parameter) -> (mark, its bindings (weak), its chunk's index, the parameter (weak)), while it is marked.
 #: Kept here, not in the parameter's ``__dict__``: ``torch.save(model)`` pickles that (and a weak reference
 #: cannot be pickled). An entry goes with its parameter: an id is reused only after that (see _mark_of).
@@ -170,7 +169,6 @@ def _mark(p: torch.Tensor, key: str, bindings: weakref.ref, index: int) -> None:
                 "__torch_function__": classmethod(fn), "__deepcopy__": _unmarked_deepcopy,
                 "__reduce_ex__": _unmarked_reduce_ex,
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-            _MARKED_CLASSES.add(marked)
         p.__class__ = marked
         ref = weakref.ref(p, functools.partial(_forget, id(p)))
     else:
@@ -183,29 +181,32 @@ def present(p: torch.Tensor) -> None:
     ([Note: foreign reads], [Note: graph reads between steps]). Idempotent."""
     if _mark_of(p) is not None:
         del _MARKS[id(p)]
-    if type(p) in _MARKED_CLASSES:
+    if type(p) in _MARKED_TYPES.values():
         p.__class__ = type(p).__mro__[1]
+
+
+@contextlib.contextmanager
+def _own_class(p: torch.Tensor) -> Iterator[None]:
+    """``p`` is of its own class (its marked class's base) inside the block."""
+    marked = type(p)
+    p.__class__ = marked.__mro__[1]
+    try:
+        yield
+    finally:
+        p.__class__ = marked
 
 
 def _unmarked_deepcopy(self: torch.Tensor, memo: dict) -> Any:
     """``copy.deepcopy`` of a marked parameter: a copy of its own class (its class's ``__deepcopy__`` makes
     an instance of ``type(self)``)."""
-    marked = type(self)
-    self.__class__ = marked.__mro__[1]
-    try:
+    with _own_class(self):
         return copy.deepcopy(self, memo)
-    finally:
-        self.__class__ = marked
 
 
 def _unmarked_reduce_ex(self: torch.Tensor, protocol: int) -> Any:
     """Pickling a marked parameter pickles it as its own class."""
-    marked = type(self)
-    self.__class__ = marked.__mro__[1]
-    try:
+    with _own_class(self):
         return self.__reduce_ex__(protocol)
-    finally:
-        self.__class__ = marked
 
 
 class Binding(enum.Enum):
