@@ -452,6 +452,41 @@ def test_a_graph_read_between_backward_and_step_is_followed_by_an_exact_step():
                 assert_params_same(model, ref, f"step {i}")
 
 
+def test_a_graph_read_between_backward_and_step_leaves_the_clip_every_gradient_with_parameters_on_host():
+    """``auto`` keeping some chunks' parameters on the host only: a sum over every parameter with gradients
+    enabled, between backward and the step, fetches those chunks and takes every chunk to the device
+    ([Note: graph reads between steps]). torch's ``clip_grad_norm_(model.parameters())`` then still sees every
+    gradient: the same count and the same total norm at every step, and the same parameters at the end, as
+    the run without that read."""
+
+    def run(read: bool):
+        torch.manual_seed(0)
+        model = WithExtra()
+        g = torch.Generator().manual_seed(1)
+        seen = []
+        sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=4096, policy="auto",
+                                device="sim:100KiB")
+        with sched:
+            for _ in range(5):
+                x, y = torch.randn(4, D, generator=g).to(SIM), torch.randn(4, D, generator=g).to(SIM)
+                penalty = sum(p.pow(2).sum() for p in model.parameters()) * 1e-3
+                sched.backward(penalty + F.mse_loss(model(x), y))
+                if read:
+                    total = sum(p.sum() for p in model.parameters())
+                    assert total.device == SIM and total.grad_fn is not None
+                with_grad = sum(p.grad is not None for p in model.parameters())
+                seen.append((with_grad, float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))))
+                sched.optimizer.step()
+                sched.optimizer.zero_grad()
+            assert sched.plan.param_host_chunks  # some parameters live on the host only
+        return seen, [p.detach().cpu() for p in model.parameters()]
+
+    seen, params = run(read=False)
+    seen_read, params_read = run(read=True)
+    assert all(n == len(params) for n, _ in seen) and seen_read == seen
+    assert all(same(p, q) for p, q in zip(params, params_read, strict=True))
+
+
 def test_host_views_between_steps_copy_pickle_and_close_as_plain_parameters():
     """Between backward and ``zero_grad()`` the host chunks' parameters are host views whose class carries
     memsched's check of graph reads ([Note: graph reads between steps]): ``isinstance`` holds, a deepcopy (an
