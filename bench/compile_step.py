@@ -22,7 +22,12 @@ bit-identity to it says whether compiled torch is deterministic here at all. Thr
 process share Dynamo's caches (a frame compiled for one is guarded on its hooks, and recompiled for another),
 so their graphs may be cut differently from a process that trains one model; ``--own-process-steps`` steps of
 memsched and of the reference then also run each in a process of its own (``--side``), as a user's training
-runs, and their parameters and losses are compared there too.
+runs, and their parameters and losses are compared there too, each process with an empty inductor and Triton
+cache of its own, with the reference trained twice as their control. Through warmup the run also compares the
+gradients after each backward and the parameters after each update, so a difference is placed in the
+compiled forward and backward or in the update; and it records the process-wide numerics settings
+(matmul precision, TF32, attention kernels) memsched would have changed. ``--inductor-deterministic`` runs
+all of it under inductor's deterministic mode (no kernel or padding chosen by timing on the device).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import subprocess
 import sys
@@ -70,13 +76,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--side", choices=["memsched", "adamw"],
                     help="(internal) train this side alone for --own-process-steps steps, save to --save")
     ap.add_argument("--save", type=Path, help="(internal) where --side writes its parameters and losses")
+    ap.add_argument("--inductor-deterministic", action="store_true",
+                    help="inductor's deterministic mode (torch._inductor.config.deterministic: no choice "
+                         "made by timing on the device), on both sides and in the processes of their own")
     ap.add_argument("--name", default="compile_step")
     args = ap.parse_args(argv)
+    if args.inductor_deterministic:
+        if not hasattr(torch._inductor.config, "deterministic"):
+            ap.error(f"--inductor-deterministic: torch {torch.__version__} has no "
+                     "torch._inductor.config.deterministic")
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)  # see the module docstring
+    mode = (torch._inductor.config.patch(deterministic=True) if args.inductor_deterministic
+            else contextlib.nullcontext())
     try:
-        return train_alone(args) if args.side else run(args)
-    finally:  # the process's setting back (a test calls main in its own process)
+        with mode:
+            return train_alone(args) if args.side else run(args)
+    finally:  # the process's settings back (a test calls main in its own process)
         torch.use_deterministic_algorithms(deterministic)
 
 
@@ -111,15 +127,55 @@ def start(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
     return model, batches
 
 
-def step(side: dict[str, Any], batch: torch.Tensor, eager: bool) -> None:
-    """One training step of ``side``; ``eager``: the traced warmup step (memsched holds ``force_eager``; the
-    reference does the same)."""
+def forward_backward(side: dict[str, Any], batch: torch.Tensor, eager: bool) -> None:
+    """The forward and backward of one training step of ``side``; ``eager``: the traced warmup step (memsched
+    holds ``force_eager``; the reference does the same)."""
     with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
         loss = lm_loss(side["model"], batch[:, :-1], batch[:, 1:])
     side["backward"](loss)
     side["losses"].append(loss.detach())
+
+
+def update(side: dict[str, Any]) -> None:
     side["opt"].step()
     side["opt"].zero_grad()
+
+
+def step(side: dict[str, Any], batch: torch.Tensor, eager: bool) -> None:
+    """One training step of ``side`` (see :func:`forward_backward`)."""
+    forward_backward(side, batch, eager)
+    update(side)
+
+
+def differences(ours: torch.nn.Module, theirs: torch.nn.Module, grads: bool) -> dict[str, float]:
+    """``{name: max |difference|}`` of the parameters (``grads``: their gradients) of two copies of a model
+    that differ (a missing gradient on one side only: ``inf``)."""
+    out = {}
+    with torch.no_grad():
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            a, b = (p.grad, q.grad) if grads else (p, q)
+            if a is None or b is None:
+                if (a is None) != (b is None):
+                    out[name] = float("inf")
+                continue
+            a = a.to(b.device)
+            if not torch.equal(a, b):
+                out[name] = float((a.double() - b.double()).abs().max())
+    return out
+
+
+def global_flags() -> dict[str, Any]:
+    """Process-wide numerics settings a library could change: matmul precision, TF32, SDPA kernels."""
+    flags: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
+                             "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+                             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled()}
+    cuda = torch.backends.cuda
+    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
+        if hasattr(cuda, name):
+            flags[name] = getattr(cuda, name)()
+    flags["matmul_allow_tf32"] = cuda.matmul.allow_tf32
+    flags["matmul_allow_fp16_reduced"] = cuda.matmul.allow_fp16_reduced_precision_reduction
+    return flags
 
 
 def train_alone(args: argparse.Namespace) -> int:
@@ -137,23 +193,35 @@ def train_alone(args: argparse.Namespace) -> int:
 
 
 def in_own_processes(args: argparse.Namespace) -> dict[str, Any]:
-    """Each side trained alone in a child process (:func:`train_alone`); compared bit for bit."""
+    """Each side trained alone in a child process (:func:`train_alone`), each with an empty inductor and
+    Triton cache of its own (nothing compiled or tuned by another run is reused); compared bit for bit. The
+    reference is trained twice: the control says whether compiled torch alone gives the same bits in two
+    processes here at all."""
     saved = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("memsched", "adamw"):
-            path = Path(tmp) / f"{name}.pt"
-            argv = [sys.executable, str(Path(__file__).resolve()), "--side", name, "--save", str(path)]
+        for run_name, side in (("memsched", "memsched"), ("adamw", "adamw"), ("adamw_again", "adamw")):
+            path = Path(tmp) / f"{run_name}.pt"
+            argv = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--save", str(path)]
             for key in ("size", "batch", "seq_len", "device", "backend", "warmup", "own_process_steps"):
                 argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-            if args.overlap:
-                argv.append("--overlap")
-            subprocess.run(argv, check=True)
-            saved[name] = torch.load(path)
-    ours, theirs = saved["memsched"], saved["adamw"]
-    return {"steps": args.own_process_steps,
-            "bit_identical": all(torch.equal(p, q) for p, q in zip(ours["params"], theirs["params"],
-                                                                    strict=True)),
-            "first_step_with_a_different_loss": first_difference(ours["losses"], theirs["losses"])}
+            argv += [flag for flag, on in (("--overlap", args.overlap),
+                                           ("--inductor-deterministic", args.inductor_deterministic)) if on]
+            cache = Path(tmp) / f"cache_{run_name}"
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                   "TRITON_CACHE_DIR": str(cache / "triton")}
+            subprocess.run(argv, check=True, env=env)
+            saved[run_name] = torch.load(path)
+
+    def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        same = all(torch.equal(p, q) for p, q in zip(a["params"], b["params"], strict=True))
+        return {"bit_identical": same,
+                "first_step_with_a_different_loss": first_difference(a["losses"], b["losses"]),
+                "loss_max_abs_diff": max(float((x.double() - y.double()).abs()) for x, y in
+                                         zip(a["losses"], b["losses"], strict=True))}
+
+    return {"steps": args.own_process_steps, "fresh_caches": True,
+            **compare(saved["memsched"], saved["adamw"]),
+            "control": compare(saved["adamw_again"], saved["adamw"])}
 
 
 def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None:
@@ -167,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
     model, batches = start(args)
     ref = copy.deepcopy(model)
     control = copy.deepcopy(model)
+    flags_before = global_flags()
     memsched_one, sched = memsched_side(model, args)
     sides: dict[str, dict[str, Any]] = {"memsched": memsched_one, "adamw": adamw_side(ref, args),
                                         "control": adamw_side(control, args)}
@@ -184,9 +253,25 @@ def run(args: argparse.Namespace) -> int:
         sync()
         return time.perf_counter() - t0
 
+    # Warmup, step by step: where the gradients first differ from the reference's (the compiled forward and
+    # backward), and where the parameters do (the update).
+    first_grads, first_params = None, None
     for i in range(args.warmup):
         for side in sides.values():
-            train(side, batches[i:i + 1], eager=i == 0)
+            forward_backward(side, batches[i], eager=i == 0)
+        sched.synchronize()
+        grads = differences(model, ref, grads=True)
+        if grads and first_grads is None:
+            first_grads = {"step": i, "parameters": len(grads), "max_abs_diff": max(grads.values()),
+                           "first": dict(list(grads.items())[:5])}
+        for side in sides.values():
+            update(side)
+        sched.synchronize()
+        sync()
+        params = differences(model, ref, grads=False)
+        if params and first_params is None:
+            first_params = {"step": i, "parameters": len(params), "max_abs_diff": max(params.values()),
+                            "first": dict(list(params.items())[:5])}
     breaks_after_warmup = sum(counters["graph_break"].values())
     graphs_after_warmup = counters["stats"]["unique_graphs"]
     times: dict[str, list[float]] = {k: [] for k in sides}
@@ -222,6 +307,12 @@ def run(args: argparse.Namespace) -> int:
         "bit_identical": same,
         "first_step_with_a_different_loss": first_difference(sides["memsched"]["losses"],
                                                              sides["adamw"]["losses"]),
+        "warmup_first_different_gradients": first_grads,
+        "warmup_first_different_parameters": first_params,
+        "loss_max_abs_diff": max(float((x.double() - y.double()).abs()) for x, y in
+                                 zip(sides["memsched"]["losses"], sides["adamw"]["losses"], strict=True)),
+        "global_flags_changed_by_memsched": {k: [v, global_flags()[k]] for k, v in flags_before.items()
+                                             if global_flags()[k] != v},
         "control_bit_identical": control_same,
         "control_first_step_with_a_different_loss": first_difference(sides["control"]["losses"],
                                                                      sides["adamw"]["losses"]),

@@ -113,7 +113,10 @@ def measure(world: int, stage: int, steps: int, policy: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         # not fork: autograd refuses to run in a process forked after a backward on the stand-in (or CUDA)
         # started its device threads
-        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+        # not from a fork server where CUDA is available (see tests/_dist_utils.py: its preload initialises
+        # CUDA's driver, and ranks forked after that cannot run a backward)
+        forks = "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available()
+        method = "forkserver" if forks else "spawn"
         mp.start_processes(_rank, args=(world, _free_port(), stage, steps, policy, out), nprocs=world,
                            start_method=method)
         rows = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]

@@ -28,16 +28,19 @@ from memsched.data import batches, load_stdlib_corpus
 
 
 def main(steps: int = 20, accum: int = 2, max_norm: float = 1.0, mixed_precision: str = "no",
-         report: bool = False) -> list[float]:
+         report: bool = False, device: str | None = None) -> list[float]:
+    """The losses of each optimizer step. ``device``: memsched's; by default CUDA where Accelerate's device is
+    CUDA, else the stand-in (``sim:64MiB``, with half of the optimizer state on the host)."""
     torch.manual_seed(0)
     accelerator = Accelerator(gradient_accumulation_steps=accum, mixed_precision=mixed_precision)
     config = GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2,  # bytes as tokens
                         bos_token_id=None, eos_token_id=None)
     model = GPT2LMHeadModel(config)
-    if accelerator.device.type == "cuda":
-        placement = {"device": "cuda", "policy": "auto"}
+    device = device or ("cuda" if accelerator.device.type == "cuda" else "sim:64MiB")
+    if not device.startswith("sim"):
+        placement = {"device": device, "policy": "auto"}
     else:  # the stand-in, with half of the optimizer state on the host so that the run shows offload
-        placement = {"device": "sim:64MiB", "policy": "static", "policy_options": {"offload_optim_frac": 0.5}}
+        placement = {"device": device, "policy": "static", "policy_options": {"offload_optim_frac": 0.5}}
     sched = memsched.attach(model, lr=3e-3, weight_decay=0.1, **placement)
     lr_schedule = get_linear_schedule_with_warmup(sched.optimizer, num_warmup_steps=3,
                                                   num_training_steps=steps)

@@ -1,7 +1,8 @@
 """Train a Hugging Face ``transformers`` GPT-2 with memsched over several ranks at a ZeRO stage.
 
 Run it with ``torchrun --nproc_per_node 2 examples/zero_train.py --zero-stage 3`` (gloo on the CPU with
-the stand-in accelerator ``sim:SIZE`` when there is no GPU, NCCL with one GPU per rank otherwise). Each rank
+the stand-in accelerator ``sim:SIZE`` where the machine has fewer GPUs than ranks, NCCL with one GPU per rank
+otherwise). Each rank
 trains on its own batches; at ZeRO-3 the parameters are sharded over the ranks between steps, so the weight
 norm logged on rank 0 is read inside ``sched.gathered_params()``, which every rank enters. At the end the
 model and the sharded optimizer state are saved with ``memsched.checkpoint.save`` (every rank) when
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--save", metavar="DIR", default=None, help="save a checkpoint there at the end")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
+    # NCCL with one GPU per rank where the machine has that many, else gloo and the stand-in
+    cuda = torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     if cuda:

@@ -59,7 +59,10 @@ def _start_method() -> str:
     # Not fork: a backward over device tensors (the stand-in's, CUDA's, even fake CUDA ones) starts autograd's
     # device threads, and autograd refuses to run in a process forked after that. A fork server is started
     # fresh once (torch and memsched imported there) and forks the ranks from itself, so launches stay quick.
-    if "forkserver" in mp.get_all_start_methods():
+    # Where CUDA is available, loading memsched and the stand-in there initialises CUDA's driver, and ranks
+    # forked after that die at their first backward (autograd's CUDA thread: "CUDA error: initialization
+    # error", the H200 on 2026-11-27): spawn there.
+    if "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available():
         return "forkserver"
     return "spawn"
 

@@ -108,12 +108,23 @@ def test_pinned_host_memory_and_its_views_are_pinned_in_whole_pages():
     p = torch.empty(1000).pin_memory()
     assert p.is_pinned() and p[10:20].is_pinned() and not torch.empty(10).is_pinned()
     assert sim_backend.pinned_bytes() == before + page
-    q = torch.empty(3 * page // 4 + 1, pin_memory=True)  # 3 pages and 4 bytes: 4 pages, not 4 x 2 pages
-    assert q.is_pinned() and sim_backend.pinned_bytes() == before + page + 4 * page
-    big = torch.empty(2**20 + 1, dtype=torch.uint8, pin_memory=True)  # a mapping of its own (>= 1 MiB)
+    # Where CUDA is available torch's factories pin with CUDA's allocator (the H200, torch 2.11), so memsched
+    # pins through the stand-in's own function there (memsched.devices.pinned)
+    if torch.cuda.is_available():
+        q = sim_backend.pinned_empty(3 * page + 4).view(torch.float32)
+        big = sim_backend.pinned_empty(2**20 + 1)
+    else:
+        q = torch.empty(3 * page // 4 + 1, pin_memory=True)  # 3 pages and 4 bytes: 4 pages, not 4 x 2 pages
+        big = torch.empty(2**20 + 1, dtype=torch.uint8, pin_memory=True)  # a mapping of its own (>= 1 MiB)
+    assert q.is_pinned() and q[5:].is_pinned()
     assert big.is_pinned() and big[2**20:].is_pinned()
     assert sim_backend.pinned_bytes() == before + 5 * page + 2**20 + page
     del p, q, big
+    assert sim_backend.pinned_bytes() == before
+    own = sim_backend.pinned_empty(3 * page + 4)  # the stand-in's own function, as memsched pins
+    assert own.dtype == torch.uint8 and own.shape == (3 * page + 4,) and own.is_pinned()
+    assert sim_backend.pinned_bytes() == before + 4 * page
+    del own
     assert sim_backend.pinned_bytes() == before
 
 

@@ -298,9 +298,10 @@ def test_compile_step_records_what_tells_a_difference_apart(tmp_path: Path,
 
     monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
     before = torch.are_deterministic_algorithms_enabled()
+    inductor_deterministic = torch._inductor.config.deterministic
     assert compile_step.main(["--size", "tiny", "--device", "cpu", "--backend", "aot_eager", "--blocks", "1",
                               "--block", "2", "--warmup", "2", "--own-process-steps", "3",
-                              "--name", "compile"]) == 0
+                              "--inductor-deterministic", "--name", "compile"]) == 0
     result = json.loads((tmp_path / "compile.json").read_text())
     assert result["bit_identical"] and result["control_bit_identical"]
     assert result["first_step_with_a_different_loss"] is None
@@ -308,6 +309,13 @@ def test_compile_step_records_what_tells_a_difference_apart(tmp_path: Path,
     assert result["graph_breaks_total"] == 0 and result["graph_break_reasons"] == {}
     assert isinstance(result["recompile_guard_failures"], dict)
     assert set(result["placement"]) == {"device"}
-    alone = result["in_own_processes"]  # each side trained alone in a process of its own
-    assert alone == {"steps": 3, "bit_identical": True, "first_step_with_a_different_loss": None}
+    # step by step through warmup: the gradients, then the parameters after each update, equal
+    assert result["warmup_first_different_gradients"] is None
+    assert result["warmup_first_different_parameters"] is None
+    assert result["loss_max_abs_diff"] == 0.0 and result["global_flags_changed_by_memsched"] == {}
+    assert result["config"]["inductor_deterministic"] is True
+    alone = result["in_own_processes"]  # each side trained alone in a process of its own, fresh caches
+    same = {"bit_identical": True, "first_step_with_a_different_loss": None, "loss_max_abs_diff": 0.0}
+    assert alone == {"steps": 3, "fresh_caches": True, **same, "control": same}
     assert torch.are_deterministic_algorithms_enabled() == before
+    assert torch._inductor.config.deterministic == inductor_deterministic

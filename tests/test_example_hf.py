@@ -21,7 +21,7 @@ def _load():
 
 @pytest.mark.slow
 def test_hf_gpt2_example_loss_goes_down() -> None:
-    losses = _load().main(steps=16, accum=2)
+    losses = _load().main(steps=16, accum=2, device="sim:64MiB")  # the stand-in also on a GPU machine
     assert len(losses) == 16
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     assert first > 5.0  # about ln(256) = 5.55 at initialisation
@@ -44,7 +44,7 @@ def test_accelerate_example_trains() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     try:
-        losses = module.main(steps=8, accum=2)
+        losses = module.main(steps=8, accum=2, device="sim:64MiB")
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()

@@ -222,7 +222,16 @@ def test_the_committed_step_times_are_read() -> None:
                                                     ("h100-80gb", "cpu")}
 
 
-@pytest.mark.parametrize("run", TIMED, ids=str)
+# The model hides the whole CPU update behind the compute with overlap="backward"; on the H200 (2026-11-27)
+# the worker's update beside backward took 3.3x (cpu) and 4.4x (auto) its serial time (it also copies the
+# state into the spare first, and shares the host's cores with the backward's launches), and the step was
+# slower than the serial one. Not modelled yet: bench/GPU-PENDING.md item 13.
+BACKWARD_OVERLAP_UNMODELLED = pytest.mark.xfail(
+    strict=True, reason="overlap='backward': the CPU update beside backward is slower than the model assumes")
+
+
+@pytest.mark.parametrize("run", [pytest.param(t, marks=BACKWARD_OVERLAP_UNMODELLED) if "+backward" in t.policy
+                                 else t for t in TIMED], ids=str)
 def test_the_predicted_step_time_is_within_25_percent_of_the_gpus(run: Timed) -> None:
     from memsched.devices.gpus import get_gpu
     from memsched.planning.step_model import predict_step

@@ -29,6 +29,8 @@ import weakref
 
 import torch
 
+from memsched.devices import sim_backend
+
 __all__ = ["PAGE_BYTES", "can_pin", "pin_empty", "pinned_bytes", "registered_bytes"]
 
 #: The granularity of pinned host memory: one page (``cudaHostRegister`` pins whole pages), bytes.
@@ -85,8 +87,8 @@ def pin_empty(nbytes: int, device: torch.device) -> torch.Tensor:
         raise ValueError(f"a pinned buffer of {nbytes} bytes: the size must be >= 0")
     if not can_pin(device):
         return torch.empty(nbytes, dtype=torch.uint8)
-    if device.type != "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if device.type != "cuda":  # the stand-in's own pinned memory, also where CUDA is available
+        return sim_backend.pinned_empty(nbytes)
     size = pinned_bytes(max(nbytes, 1))
     mapping = mmap.mmap(-1, size)  # anonymous: page-aligned, exact pages
     view = memoryview(mapping)

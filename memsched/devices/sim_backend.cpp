@@ -596,6 +596,16 @@ void reset_peak() {
 }
 int64_t counted_bytes(int64_t nbytes) { return rounded(nbytes); }
 
+// A CPU tensor of nbytes bytes of the stand-in's pinned host memory. Where CUDA is available,
+// torch.empty(..., pin_memory=True) pins with CUDA's allocator, which the stand-in neither counts nor reports
+// as pinned (torch 2.11 on a GPU host): memsched/devices/pinned.py asks here.
+at::Tensor pinned_empty(int64_t nbytes) {
+  TORCH_CHECK(nbytes >= 0, fmt("pinned_empty of %lld bytes: the size must be >= 0",
+                               static_cast<long long>(nbytes)));
+  return at::detail::empty_generic({nbytes}, &g_pinned_alloc, c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   at::kByte, std::nullopt);
+}
+
 void route_cpu_kernels_to_fallback();
 bool g_routed = false;
 void use_cpu_numerics() {  // after the aten IMPL block below is registered (explicit kernels skipped)
@@ -652,6 +662,7 @@ TORCH_LIBRARY(memsched_sim, m) {
   m.def("begin_uncounted() -> ()", &begin_uncounted);
   m.def("end_uncounted() -> ()", &end_uncounted);
   m.def("counted_bytes(int nbytes) -> int", &counted_bytes);
+  m.def("pinned_empty(int nbytes) -> Tensor", &pinned_empty);
   m.def("use_cpu_numerics() -> ()", &use_cpu_numerics);
 }
 

@@ -10,7 +10,8 @@ on a laptop or CI first.
 What it models (bytes, always): the device's capacity (an allocation beyond it raises
 ``torch.OutOfMemoryError``), allocations rounded like the CUDA caching allocator's blocks (512 B), live and
 peak allocated bytes (:func:`memory_allocated`, :func:`max_memory_allocated`), and pinned host memory
-(``tensor.pin_memory()``, ``torch.empty(..., pin_memory=True)``; ``is_pinned()`` holds for the buffer and
+(``tensor.pin_memory()``, :func:`pinned_empty`, and ``torch.empty(..., pin_memory=True)`` where CUDA is not
+available; ``is_pinned()`` holds for the buffer and
 its views) counted in whole pages, as ``cudaHostRegister`` pins memory (:mod:`memsched.devices.pinned`),
 with an optional host capacity. Streams and events are no-ops: copies are
 synchronous (memsched's copy threads model the link, :mod:`memsched.devices.transfers`). Random ops use the
@@ -42,6 +43,7 @@ _SOURCE = Path(__file__).with_name("sim_backend.cpp")
 _lock = threading.Lock()
 _loaded = False
 _autograd_ok = False  # a backward on the stand-in ran (see _check_autograd_threads)
+_pinned_ready = False  # torch initialised the stand-in as its accelerator (see pinned_empty)
 
 
 class SimBackendBuildError(RuntimeError):
@@ -138,6 +140,16 @@ def is_loaded() -> bool:
     return _loaded
 
 
+def took_the_accelerator() -> bool:
+    """Whether this process loaded the stand-in and torch names it, not CUDA, the process's accelerator: a
+    backward over CUDA tensors, fake ones included, then fails inside torch's autograd engine
+    ([Note: one accelerator per process])."""
+    if not _loaded or not _has_accelerator_api():
+        return False
+    current = torch.accelerator.current_accelerator()
+    return current is not None and current.type != "cuda"
+
+
 def check_cuda_autograd() -> None:
     """Refuse CUDA training in a process where the stand-in took the accelerator's place
     ([Note: one accelerator per process]).
@@ -145,10 +157,8 @@ def check_cuda_autograd() -> None:
     Raises:
         RuntimeError: the stand-in is loaded and torch names it, not CUDA, the process's accelerator.
     """
-    if not _loaded or not _has_accelerator_api():
-        return
-    current = torch.accelerator.current_accelerator()
-    if current is not None and current.type != "cuda":
+    if took_the_accelerator():
+        current = torch.accelerator.current_accelerator()
         raise RuntimeError(
             f"this process loaded memsched's stand-in device, so torch takes {current.type!r}, not CUDA, as "
             "its accelerator, and a backward over CUDA tensors would fail inside torch's autograd engine "
@@ -224,6 +234,24 @@ def capacity() -> int:
 def pinned_bytes() -> int:
     """Pinned host memory live now, bytes (each buffer rounded up to the page)."""
     return _stats()[4]
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """A flat ``torch.uint8`` CPU tensor of ``nbytes`` bytes (uninitialised) of the stand-in's pinned host
+    memory, counted in whole pages. ``torch.empty(..., pin_memory=True)`` gives the same where no CUDA is
+    available; where it is, torch pins with CUDA's allocator instead, which the stand-in does not see.
+
+    Raises:
+        RuntimeError: ``nbytes`` < 0.
+        torch.OutOfMemoryError: the stand-in host is full (``sim:SIZE,host=SIZE``).
+    """
+    global _pinned_ready
+    if not _pinned_ready:
+        # torch answers is_pinned() through the accelerator's hooks only once it initialised the accelerator
+        # (at its first pinning), so one pinning through torch comes first.
+        torch.empty(0).pin_memory()  # 0 bytes: nothing counted
+        _pinned_ready = True
+    return torch.ops.memsched_sim.pinned_empty(nbytes)
 
 
 def max_pinned_bytes() -> int:

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from memsched.devices import sim_backend
 from memsched.models import build_gpt, config_for, lm_loss
 from memsched.planning.first_use import first_use_order as order_by_first_use
 from memsched.planning.problem import trainable_groups
@@ -44,8 +45,14 @@ ATTENTION = ("gpu", "default", "math")
 
 
 def fake_device() -> torch.device:
-    """The device of the fake trace: ``cuda`` when CUDA is available, else ``cpu`` (see the module docs)."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """The device of the fake trace: ``cuda`` when CUDA is available, else ``cpu`` (see the module docs).
+
+    Also ``cpu`` in a process that loaded the stand-in where torch then takes it as the accelerator in CUDA's
+    place: a fake CUDA backward fails there inside torch's autograd engine, and the stand-in runs the CPU's
+    kernels, so its activations are the CPU's (pass ``attention="gpu"`` for a GPU's attention kernel)."""
+    if torch.cuda.is_available() and not sim_backend.took_the_accelerator():
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 @contextlib.contextmanager

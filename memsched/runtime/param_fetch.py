@@ -71,6 +71,7 @@ from memsched.chunks import Chunk, ChunkStore
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.sharded_params import ParamShards
+from memsched.runtime.hook_order import register_forward_pre_hook_first
 from memsched.runtime.read_guard import ReadGuard
 from memsched.teardown import weak_method
 from policies.types import BACKWARD, ParamSchedule
@@ -305,7 +306,7 @@ class ParamFetcher:
             return
         # before any read of the forward (its module reads are hooked after it, the root's appended)
         begin = Detachable(lambda *_a: self._forward_begin())
-        self._handles.append(self.model.register_forward_pre_hook(begin, prepend=True))
+        self._handles.append(register_forward_pre_hook_first(self.model, begin))
         end = Detachable(lambda *_a: self._forward_end())
         self._handles.append(self.model.register_forward_hook(end, always_call=True))
 
