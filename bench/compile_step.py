@@ -25,9 +25,11 @@ memsched and of the reference then also run each in a process of its own (``--si
 runs, and their parameters and losses are compared there too, each process with an empty inductor and Triton
 cache of its own, with the reference trained twice as their control. Through warmup the run also compares the
 gradients after each backward and the parameters after each update, so a difference is placed in the
-compiled forward and backward or in the update; and it records the process-wide numerics settings
-(matmul precision, TF32, attention kernels) memsched would have changed. ``--inductor-deterministic`` runs
-all of it under inductor's deterministic mode (no kernel or padding chosen by timing on the device).
+compiled forward and backward or in the update; whether inductor generated the same code (forward and
+backward wrappers and their kernels) for memsched's graphs as for the reference's; and the process-wide
+numerics settings (matmul precision, TF32, attention kernels) memsched would have changed.
+``--inductor-deterministic`` runs all of it under inductor's deterministic mode (no kernel or padding chosen
+by timing on the device).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +166,48 @@ def differences(ours: torch.nn.Module, theirs: torch.nn.Module, grads: bool) -> 
     return out
 
 
+class GeneratedCode:
+    """The source of every module inductor generated and loaded (forward and backward wrappers with their
+    kernels), by the side whose step compiled it: whether memsched's compiled graphs are the reference's,
+    kernel for kernel (fusion decides rounding on a GPU, where Triton contracts multiply-adds)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, list[str]] = {}
+        self._side: str | None = None
+        try:
+            from torch._inductor.codecache import PyCodeCache as cache
+        except ImportError:
+            cache = None
+        self._load = getattr(cache, "load_by_key_path", None)
+        if self._load is not None:  # an internal API: where it is missing nothing is recorded
+            def load(key: str, path: str, *a: Any, **k: Any) -> Any:
+                if self._side is not None:
+                    self.sources.setdefault(self._side, []).append(Path(path).read_text())
+                return self._load(key, path, *a, **k)
+            cache.load_by_key_path = load
+            self._cache = cache
+
+    @contextlib.contextmanager
+    def of(self, side: str) -> Any:
+        self._side = side
+        try:
+            yield
+        finally:
+            self._side = None
+
+    def close(self) -> None:
+        """Stop recording (inductor's own loader back)."""
+        if self._load is not None:
+            self._cache.load_by_key_path = self._load
+
+    def summary(self) -> dict[str, Any] | None:
+        if self._load is None:
+            return None
+        ours, theirs = self.sources.get("memsched", []), self.sources.get("adamw", [])
+        return {"modules": {k: len(v) for k, v in self.sources.items()},
+                "memsched_equals_reference": sorted(ours) == sorted(theirs) if theirs else None}
+
+
 def global_flags() -> dict[str, Any]:
     """Process-wide numerics settings a library could change: matmul precision, TF32, SDPA kernels."""
     flags: dict[str, Any] = {"float32_matmul_precision": torch.get_float32_matmul_precision(),
@@ -229,6 +273,33 @@ def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if not torch.equal(x, y)), None)
 
 
+def warm_up(args: argparse.Namespace, sides: dict[str, dict[str, Any]], batches: list[torch.Tensor],
+            sched: Any, model: torch.nn.Module, ref: torch.nn.Module, code: GeneratedCode,
+            sync: Callable[[], None]) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The untimed warmup steps, step by step: where the gradients first differ from the reference's (the
+    compiled forward and backward), and where the parameters do (the update). Returns both (``None``:
+    equal)."""
+    first_grads, first_params = None, None
+    for i in range(args.warmup):
+        for name, side in sides.items():
+            with code.of(name):  # the compilations happen in the first compiled forward and backward
+                forward_backward(side, batches[i], eager=i == 0)
+        sched.synchronize()
+        grads = differences(model, ref, grads=True)
+        if grads and first_grads is None:
+            first_grads = {"step": i, "parameters": len(grads), "max_abs_diff": max(grads.values()),
+                           "first": dict(list(grads.items())[:5])}
+        for side in sides.values():
+            update(side)
+        sched.synchronize()
+        sync()
+        params = differences(model, ref, grads=False)
+        if params and first_params is None:
+            first_params = {"step": i, "parameters": len(params), "max_abs_diff": max(params.values()),
+                            "first": dict(list(params.items())[:5])}
+    return first_grads, first_params
+
+
 def run(args: argparse.Namespace) -> int:
     """One measurement (see the module docstring); writes the result. Returns 0."""
     dev = torch.device(args.device)
@@ -253,25 +324,11 @@ def run(args: argparse.Namespace) -> int:
         sync()
         return time.perf_counter() - t0
 
-    # Warmup, step by step: where the gradients first differ from the reference's (the compiled forward and
-    # backward), and where the parameters do (the update).
-    first_grads, first_params = None, None
-    for i in range(args.warmup):
-        for side in sides.values():
-            forward_backward(side, batches[i], eager=i == 0)
-        sched.synchronize()
-        grads = differences(model, ref, grads=True)
-        if grads and first_grads is None:
-            first_grads = {"step": i, "parameters": len(grads), "max_abs_diff": max(grads.values()),
-                           "first": dict(list(grads.items())[:5])}
-        for side in sides.values():
-            update(side)
-        sched.synchronize()
-        sync()
-        params = differences(model, ref, grads=False)
-        if params and first_params is None:
-            first_params = {"step": i, "parameters": len(params), "max_abs_diff": max(params.values()),
-                            "first": dict(list(params.items())[:5])}
+    code = GeneratedCode()
+    try:
+        first_grads, first_params = warm_up(args, sides, batches, sched, model, ref, code, sync)
+    finally:
+        code.close()
     breaks_after_warmup = sum(counters["graph_break"].values())
     graphs_after_warmup = counters["stats"]["unique_graphs"]
     times: dict[str, list[float]] = {k: [] for k in sides}
@@ -307,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         "bit_identical": same,
         "first_step_with_a_different_loss": first_difference(sides["memsched"]["losses"],
                                                              sides["adamw"]["losses"]),
+        "generated_code": code.summary(),
         "warmup_first_different_gradients": first_grads,
         "warmup_first_different_parameters": first_params,
         "loss_max_abs_diff": max(float((x.double() - y.double()).abs()) for x, y in

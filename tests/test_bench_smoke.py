@@ -313,9 +313,37 @@ def test_compile_step_records_what_tells_a_difference_apart(tmp_path: Path,
     assert result["warmup_first_different_gradients"] is None
     assert result["warmup_first_different_parameters"] is None
     assert result["loss_max_abs_diff"] == 0.0 and result["global_flags_changed_by_memsched"] == {}
+    assert result["generated_code"] == {"modules": {}, "memsched_equals_reference": None}  # aot_eager: none
     assert result["config"]["inductor_deterministic"] is True
     alone = result["in_own_processes"]  # each side trained alone in a process of its own, fresh caches
     same = {"bit_identical": True, "first_step_with_a_different_loss": None, "loss_max_abs_diff": 0.0}
     assert alone == {"steps": 3, "fresh_caches": True, **same, "control": same}
     assert torch.are_deterministic_algorithms_enabled() == before
     assert torch._inductor.config.deterministic == inductor_deterministic
+
+
+def test_compile_step_tells_whether_memsched_compiled_the_references_kernels() -> None:
+    """The compile bench's record of inductor's generated code by side (issue 28, item 11: fusion decides
+    rounding on a GPU): the same function compiled on both sides gives the same code, another function does
+    not, and inductor's own loader is back afterwards."""
+    from torch._inductor.codecache import PyCodeCache
+
+    from bench.compile_step import GeneratedCode
+
+    torch._dynamo.reset()
+    loader = PyCodeCache.load_by_key_path
+    code = GeneratedCode()
+    x = torch.randn(8, 8)
+    try:
+        with code.of("memsched"):
+            torch.compile(lambda t: (t.sin() * 2 + 1).sum(0))(x)
+        with code.of("adamw"):
+            torch.compile(lambda t: (t.sin() * 2 + 1).sum(0))(x)
+        assert code.summary() == {"modules": {"memsched": 1, "adamw": 1}, "memsched_equals_reference": True}
+        with code.of("adamw"):
+            torch.compile(lambda t: (t.cos() * 3).sum(1))(x)
+        assert code.summary() == {"modules": {"memsched": 1, "adamw": 2}, "memsched_equals_reference": False}
+    finally:
+        code.close()
+        torch._dynamo.reset()
+    assert PyCodeCache.load_by_key_path == loader
