@@ -36,6 +36,8 @@ def free_port() -> int:
 def _entry(
     rank: int, world: int, port: int, outdir: str, pg_timeout_s: float, fn: Callable[..., Any], args: tuple
 ) -> None:
+    import tests._sim_preload  # noqa: F401  (a spawned rank: the stand-in first, as the fork server loads it)
+
     torch.set_num_threads(1)  # 2 cores shared by all ranks and other test runs
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
