@@ -131,9 +131,27 @@ def in_place(module: nn.Module) -> nn.Module:
     return module
 
 
+def _in_place_compile_traces_a_hooked_forward() -> bool:
+    """Whether this torch, compiling a module in place (``module.compile()``), traces its forward when the
+    module has a forward pre-hook. torch 2.11 compiles only the hook and runs the forward eagerly, with or
+    without memsched (seen on the H200's torch and with torch 2.11.0 on the CPU); torch 2.13 compiles both."""
+    torch._dynamo.reset()
+    counters.clear()
+    m = nn.Linear(4, 4)
+    m.register_forward_pre_hook(lambda *_a: None)
+    m.compile(backend=BACKEND)
+    m(torch.randn(2, 4))
+    traced = counters["stats"]["unique_graphs"] > 0
+    torch._dynamo.reset()
+    counters.clear()
+    return traced
+
+
 # ---- 1. nn.Module.compile ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_module_compile_in_place(order):
+    if not _in_place_compile_traces_a_hooked_forward():
+        pytest.skip(f"torch {torch.__version__} compiles only the hooks of a module compiled in place")
     pair = Pair(mlp(), in_place, mlp_loss, order=order)
     with pair.sched:
         for x in mlp_batches(4):
