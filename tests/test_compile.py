@@ -214,15 +214,18 @@ def test_compiled_code_on_the_stand_in_compiles_after_warmup_and_stays_exact(how
     assert counters["frames"]["ok"] > 0 and counters["stats"]["unique_graphs"] >= 1
 
 
-@pytest.mark.parametrize("device", ["cpu", "sim:64MiB"])
-def test_hooks_iterate_in_their_insertion_order_for_dynamos_guards(device):
+@pytest.mark.parametrize("device, options", [
+    ("cpu", {}), ("sim:64MiB", {}),
+    ("sim:64MiB", {"policy": "static", "policy_options": {"offload_param_frac": 0.5}}),  # fetch hooks too
+], ids=["cpu", "sim", "sim-params-on-host"])
+def test_hooks_iterate_in_their_insertion_order_for_dynamos_guards(device, options):
     """[Note: prepended hooks and Dynamo's guards]: every module's forward pre-hooks, the user's among them,
     iterate in the order they sit in the plain dict (torch 2.11's Dynamo names a hook in its guards by that
     position; compiling on the stand-in failed there with "'H2DWaits' object has no attribute 'oom'")."""
     model = mlp()
     model.register_forward_pre_hook(lambda *_a: None)  # the user's, before attach
     model[0].register_forward_pre_hook(lambda *_a: None)
-    sched = memsched.attach(model, device=device, lr=1e-3)
+    sched = memsched.attach(model, device=device, lr=1e-3, **options)
     x = torch.randn(8, 64).to(sched.device.torch_device)
     with sched:
         for _ in range(3):  # warmup's hooks, then the steady state's

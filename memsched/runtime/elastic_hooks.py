@@ -15,7 +15,7 @@ import torch
 import policies
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.planning.elastic import Elastic, shapes
-from memsched.runtime.hook_order import register_forward_pre_hook_first
+from memsched.runtime.hook_order import add_forward_pre_hook
 from policies.types import HOST
 from tracer.hook_handles import Detachable
 
@@ -121,5 +121,5 @@ def install_elastic_hooks(model: torch.nn.Module, elastic: Elastic,
             elastic.on_oom()
 
     observe_zero_grad(on_zero_grad)
-    return [register_forward_pre_hook_first(model, Detachable(before), with_kwargs=True),
+    return [add_forward_pre_hook(model, Detachable(before), prepend=True, with_kwargs=True),
             model.register_forward_hook(Detachable(after), always_call=True)]

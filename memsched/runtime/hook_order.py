@@ -20,13 +20,15 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 
-def register_forward_pre_hook_first(module: torch.nn.Module, hook: Callable[..., Any],
-                                    **kwargs: Any) -> RemovableHandle:
-    """``module.register_forward_pre_hook(hook, prepend=True, **kwargs)`` (``with_kwargs`` passes through),
-    with the hooks' insertion order made equal to their order (see the note above). Returns the handle."""
-    handle = module.register_forward_pre_hook(hook, prepend=True, **kwargs)
-    hooks = module._forward_pre_hooks
-    items = list(hooks.items())
-    hooks.clear()
-    hooks.update(items)
+def add_forward_pre_hook(module: torch.nn.Module, hook: Callable[..., Any], *, prepend: bool,
+                         **kwargs: Any) -> RemovableHandle:
+    """``module.register_forward_pre_hook(hook, prepend=prepend, **kwargs)`` (``with_kwargs`` passes
+    through); after a prepend the hooks' insertion order is made equal to their order (see the note above).
+    Returns the handle."""
+    handle = module.register_forward_pre_hook(hook, prepend=prepend, **kwargs)
+    if prepend:
+        hooks = module._forward_pre_hooks
+        items = list(hooks.items())
+        hooks.clear()
+        hooks.update(items)
     return handle

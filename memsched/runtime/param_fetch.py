@@ -71,7 +71,7 @@ from memsched.chunks import Chunk, ChunkStore
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.sharded_params import ParamShards
-from memsched.runtime.hook_order import register_forward_pre_hook_first
+from memsched.runtime.hook_order import add_forward_pre_hook
 from memsched.runtime.read_guard import ReadGuard
 from memsched.teardown import weak_method
 from policies.types import BACKWARD, ParamSchedule
@@ -306,7 +306,7 @@ class ParamFetcher:
             return
         # before any read of the forward (its module reads are hooked after it, the root's appended)
         begin = Detachable(lambda *_a: self._forward_begin())
-        self._handles.append(register_forward_pre_hook_first(self.model, begin))
+        self._handles.append(add_forward_pre_hook(self.model, begin, prepend=True))
         end = Detachable(lambda *_a: self._forward_end())
         self._handles.append(self.model.register_forward_hook(end, always_call=True))
 
@@ -330,7 +330,7 @@ class ParamFetcher:
             if self.recording is not None:  # every module: the innermost one is recorded with each read
                 own = [p for p in m.parameters(recurse=False) if id(p) in store.param_chunk]
                 pre = Detachable(self._recording_pre(name, own))
-                self._module_handles.append(m.register_forward_pre_hook(pre, prepend=not root))
+                self._module_handles.append(add_forward_pre_hook(m, pre, prepend=not root))
                 post = Detachable(lambda *_a: self._pop_module())
                 self._module_handles.append(m.register_forward_hook(post, always_call=True))
                 continue
@@ -341,7 +341,7 @@ class ParamFetcher:
                                   in self.offloaded}))
             if reads:
                 hook = Detachable(self._module_pre(name, reads))
-                self._module_handles.append(m.register_forward_pre_hook(hook, prepend=not root))
+                self._module_handles.append(add_forward_pre_hook(m, hook, prepend=not root))
 
     def _recording_pre(self, name: str, own: list[torch.nn.Parameter]) -> Callable[..., None]:
         def pre(*_a: Any) -> None:

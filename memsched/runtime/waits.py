@@ -38,7 +38,7 @@ from memsched.chunks import ChunkStore
 from memsched.devices.transfers import Streams
 from memsched.optim.host_updates import HostUpdates
 from memsched.planning.first_use import first_use_owners
-from memsched.runtime.hook_order import register_forward_pre_hook_first
+from memsched.runtime.hook_order import add_forward_pre_hook
 from memsched.runtime.read_guard import ReadGuard
 from memsched.teardown import weak_method
 from memsched.telemetry.step_timeline import WAITS, StepTimeline
@@ -85,7 +85,7 @@ class H2DWaits:
             self.needed = needed
         self.remove()
         begin = Detachable(lambda *_a: self.timeline.forward_begin())
-        self._handles.append(register_forward_pre_hook_first(self.model, begin))
+        self._handles.append(add_forward_pre_hook(self.model, begin, prepend=True))
         end = Detachable(lambda _m, _a, output: self._forward_end(output))
         self._handles.append(self.model.register_forward_hook(end, always_call=True))
         check = Detachable(lambda *_a: self._check_bound())
@@ -111,14 +111,14 @@ class H2DWaits:
         modules = dict(self.model.named_modules())
         for name, indices in by_module.items():
             hook = Detachable(self._hook(name, sorted(indices)))
-            self._handles.append(register_forward_pre_hook_first(modules[name], hook))
+            self._handles.append(add_forward_pre_hook(modules[name], hook, prepend=True))
         # steady state (in warmup the root waits for every chunk); with parameters offloaded, the fetcher's
         # forward pre-hook also pushes the guard (ParamFetcher.on_forward_begin; the second push is a no-op)
         if traced:
             guard = Detachable(lambda *_a: self._guard_begin())
-            self._handles.append(register_forward_pre_hook_first(self.model, guard))
+            self._handles.append(add_forward_pre_hook(self.model, guard, prepend=True))
         compiled = Detachable(self._compiled_wait)
-        self._handles.append(register_forward_pre_hook_first(self.model, compiled))
+        self._handles.append(add_forward_pre_hook(self.model, compiled, prepend=True))
 
     def _hook(self, name: str, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
         label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
