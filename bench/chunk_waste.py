@@ -13,14 +13,16 @@ biases) and a LoRA model (a frozen GPT ``small`` with rank-8 adapters on its fee
 model: ``parameters`` (packed elements, the frozen ones included), ``largest_param`` (elements), and for two
 layouts, ``exact`` (memsched with one rank: each chunk as long as what it holds, a parameter larger than the
 searched size in a chunk of its own, [Note: exact chunks] in :mod:`memsched.chunks.layout`) and ``uniform``
-(every chunk of the searched size, as PatrickStar and Gemini do, and memsched with more ranks):
+(every chunk of the searched size, as PatrickStar and Gemini do, and memsched with more ranks), each packed
+as memsched packs, every parameter at a multiple of :data:`memsched.chunks.PARAM_ALIGN` elements ([Note:
+parameter alignment in chunks]):
 ``chunk_numel`` (the searched size), ``chunks``, ``largest_chunk``, ``smallest_chunk``, ``padding_numel`` and
 ``padding_pct`` (padding over the parameters, percent).
 
 Target (issue 31): padding at most 5 % of the parameter bytes for every model, unless one parameter alone is
 larger than the device allows for a chunk. Uniform chunks of a size between the largest parameter and an
 eighth of the model make a model with one tensor much larger than the rest pay for it in every chunk; exact
-chunks have no padding with one rank (alignment gaps only with more ranks, which keep uniform chunks).
+chunks have no padding with one rank but the alignment gaps between parameters.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._machine import write_result  # noqa: E402
+from memsched.chunks import PARAM_ALIGN  # noqa: E402
 from memsched.chunks.layout import build_layout  # noqa: E402
 from memsched.models import config_for  # noqa: E402
 from memsched.models.gpt import GPT  # noqa: E402
@@ -121,7 +124,7 @@ def measure(name: str, groups: list[list[nn.Parameter]]) -> dict[str, Any]:
     row: dict[str, Any] = {"model": name, "param_groups": len(numels),
                            "largest_param": max(n for g in numels for n in g)}
     for key, exact in (("exact", True), ("uniform", False)):
-        layout = build_layout(numels, exact=exact)
+        layout = build_layout(numels, align=PARAM_ALIGN, exact=exact)
         used = layout.total_numel - layout.waste_numel
         row["parameters"] = used
         row[key] = {"chunk_numel": layout.chunk_numel, "chunks": layout.n_chunks,

@@ -33,11 +33,12 @@ setup)
     (timeout 200 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
         >"$R/ds_cpu_adam_build.log" 2>&1 &)
     ;;
-tests)  # correctness and memory, in parallel (items 2, 6, 11, 12; the CUDA tests again, which passed on the H200)
+tests)  # correctness and memory, in parallel (items 2, 6, 11, 12, 17; the CUDA tests, new cases among them)
     step gpu_pytest_cuda 200 python3 -m pytest -q -m cuda -p no:cacheprovider -rs &
     step gpu_pytest_sim_backend 200 python3 -m pytest -q -p no:cacheprovider tests/sim_backend_cases.py \
         tests/test_training_code.py &
     step demo_cuda_capped 150 memsched demo --steps 30 --out "$R/demo" &
+    step param_alignment 120 python3 bench/param_alignment.py &  # item 17
     step gpu_pytest_full 300 python3 -m pytest -q -m "not cuda" -p no:cacheprovider -n 6 &
     # item 6: its bit-identity does not depend on what runs beside it; its step ratio does (say so)
     { step compile_step_small_cuda 240 python3 bench/compile_step.py --device cuda --size small \

@@ -162,7 +162,8 @@ class Scheduler:
                 self.config.placement.policy.name, dict(self.config.placement.policy.options),
                 self.device.capacity_bytes, sum(map(sum, packed)) * self.compute_dtype.itemsize)
             if self.warmup_params_on_host and alloc.pin:  # checked before anything is pinned
-                check_host_room(build_layout(packed, chunk_numel=chunk_numel, exact=True), config, alloc,
+                layout = build_layout(packed, chunk_numel=chunk_numel, align=self.dp.align, exact=True)
+                check_host_room(layout, config, alloc,
                                 frozen_group=len(groups) if frozen else None, frozen_on_host=True)
 
             def away(store: ChunkStore, c: Any) -> None:  # built: its host state, its parameters leave

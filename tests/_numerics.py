@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Iterator
 import torch
 from torch import nn
 
+from memsched.chunks import PARAM_ALIGN
 from memsched.models.gpt import GPT, GPTConfig, lm_loss
 
 LR, WD = 1e-2, 0.1
@@ -231,10 +232,15 @@ def count_grad_copies(monkeypatch, copies: list) -> None:
     monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
 
 
+# Branchy's chunks (one rank): inp.weight, inp.bias, a.weight, a.bias | b.weight, b.bias, out.weight,
+# out.bias, each parameter at a multiple of PARAM_ALIGN elements ([Note: parameter alignment in chunks]).
+BRANCHY_CHUNK_NUMEL = 5 * PARAM_ALIGN + 4
+
+
 class Branchy(nn.Module):
     """``b`` runs only when ``use_b``: its parameters get no gradient in some steps. With the default sizes
-    and chunk_numel=400 chunk 1 holds a.bias (always used), b (sometimes) and out (always used), chunk 0 inp
-    and a.weight."""
+    and ``chunk_numel=BRANCHY_CHUNK_NUMEL`` chunk 0 holds inp and a (always used), chunk 1 b (sometimes) and
+    out (always used)."""
 
     def __init__(self, d_in: int = 8, width: int = 16, d_out: int = 4) -> None:
         super().__init__()

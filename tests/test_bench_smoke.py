@@ -264,6 +264,21 @@ def test_gpu_numerics_runs_its_cases_on_the_stand_in(tmp_path: Path, monkeypatch
     assert {r["overlap"] for r in result["results"]} == {False, True, "backward"}
 
 
+def test_param_alignment_trains_both_packings_on_the_stand_in(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both packings are exact on the stand-in (CPU kernels do not choose by address); the dense one leaves
+    parameters at addresses off a 16-byte boundary, the aligned one none, and the packing comes back."""
+    from bench import param_alignment
+    from memsched.distributed.base import DataParallel
+
+    monkeypatch.setenv("MEMSCHED_BENCH_OUT", str(tmp_path))
+    assert param_alignment.main(["--device", "sim:64MiB", "--steps", "2"]) == 0
+    runs = json.loads((tmp_path / "param_alignment_sim.json").read_text())["runs"]
+    assert runs["aligned"]["unaligned_parameters"] == 0 and runs["dense"]["unaligned_parameters"] > 0
+    assert all(r["bit_identical"] and r["norms_equal"] for r in runs.values())
+    assert DataParallel.align == runs["aligned"]["align_elements"] > 1
+
+
 def test_zero_memory_measures_a_peak_per_rank_for_each_stage() -> None:
     from bench import zero_memory
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from memsched.chunks import (
+    PARAM_ALIGN,
     Allocator,
     ChunkStore,
     build_layout,
@@ -166,7 +167,8 @@ def test_chunk_bytes_match_the_real_tensors(dtype):
     alloc = store.alloc
     for placement in (HOST, DEVICE):
         for c in store.chunks:
-            assert c.numel == sum(n for _off, n in c.ranges)  # exact: no padding ([Note: exact chunks])
+            # exact: as long as what it holds, rounded up to the alignment ([Note: exact chunks])
+            assert c.numel == -(-max(off + n for off, n in c.ranges) // PARAM_ALIGN) * PARAM_ALIGN
             cb = chunk_bytes(c.numel, compute_dtype=dtype, n_params=len(c.params))
             expected = cb.host_state_bytes if placement == HOST else cb.device_state_bytes
             c.init_state(placement, alloc)
@@ -178,16 +180,38 @@ def test_chunk_bytes_match_the_real_tensors(dtype):
     assert m[0].weight.dtype == dtype
 
 
+def test_parameters_start_at_multiples_of_param_align_in_their_chunk():
+    """[Note: parameter alignment in chunks]: the gaps (and an exact chunk's end, rounded up to the alignment)
+    count as padding; the store packs that way, and each buffer of a chunk's optimizer state, one allocation,
+    starts aligned."""
+    layout = build_layout([100, 3, 50, 7], chunk_numel=2 * PARAM_ALIGN + 50, align=PARAM_ALIGN, exact=True)
+    assert [[(s.offset, s.numel) for s in c] for c in layout.chunks] == [[(0, 100), (128, 3), (256, 50)],
+                                                                         [(0, 7)]]
+    assert layout.numels == (384, 128) and layout.waste_numel == 384 + 128 - 160
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 13), nn.LayerNorm(13), nn.Linear(13, 3))
+    store = make_store(m, chunk_numel=1000)
+    (c,) = store.chunks
+    assert c.numel == 6 * PARAM_ALIGN
+    for p in m.parameters():
+        off, n = store.param_range[id(p)]
+        assert off % PARAM_ALIGN == 0 and n == p.numel()
+        assert p.data_ptr() - c.data.data_ptr() == off * 4
+    c.init_state(DEVICE, store.alloc)
+    assert (c.exp_avg_sq.data_ptr() - c.exp_avg.data_ptr()) % (4 * PARAM_ALIGN) == 0
+
+
 def test_moves_are_bit_exact_round_trips():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
-    store = make_store(m, chunk_numel=80)
+    store = make_store(m, chunk_numel=PARAM_ALIGN + 8)
     c = store.chunks[0]
-    assert c.numel == 72  # the first layer: 8 x 8 + 8
-    c.init_state(HOST, store.alloc, exp_avg=torch.randn(72), exp_avg_sq=torch.rand(72),
+    n = 2 * PARAM_ALIGN
+    assert c.numel == n  # the first layer: 8 x 8, the alignment gap, 8, the gap to the chunk's aligned end
+    c.init_state(HOST, store.alloc, exp_avg=torch.randn(n), exp_avg_sq=torch.rand(n),
                  steps=[3] * len(c.params))
     snap = [t.clone() for t in (c.master, c.exp_avg, c.exp_avg_sq, c.steps)]
-    assert c.move_to(DEVICE, store.alloc) == 3 * 72 * 4
+    assert c.move_to(DEVICE, store.alloc) == 3 * n * 4
     assert c.master is None and c.host_grad is None
     assert same(c.data, snap[0]) and same(c.exp_avg, snap[1]) and same(c.steps, snap[3])
     c.move_to(HOST, store.alloc)
@@ -228,8 +252,8 @@ def test_repack_moves_state_with_parameters():
 
 def test_build_problem_on_meta_matches_the_real_chunks():
     with torch.device("meta"):
-        meta = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
-    real = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 8))
+        meta = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 32))
+    real = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 32))
     real.register_buffer("stat", torch.zeros(10))
     meta.register_buffer("stat", torch.zeros(10, device="meta"))
     problem, layout = build_problem(meta, 1000, 10**6, gpu_margin_mem_ratio=0.5)
@@ -238,7 +262,7 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     # compute buffers and the buffer; the gradient buffers of the host chunks offloading at once (the two
     # largest) count while any chunk is on the host
     sizes = [c.data.nbytes for c in store.chunks]
-    assert len(sizes) == 3 and sizes == [4 * n for n in layout.numels]  # 512 and 256 in chunks of their own
+    assert len(sizes) == 3 and sizes == [4 * n for n in layout.numels]  # 8192 and 4096 in chunks of their own
     resident = sum(sizes) + 40
     assert problem.resident_model_bytes == resident
     assert problem.host_grad_working_bytes == sum(sorted(sizes)[-2:])

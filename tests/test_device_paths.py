@@ -19,10 +19,13 @@ from tests._devices import Target
 from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, same, tiny_gpt
 
 
-def make_model() -> nn.Module:
+def make_model(odd: bool = False) -> nn.Module:
+    """An MLP of 64 inputs; ``odd``: 61 inputs and sizes that are multiples of nothing, so that parameters
+    packed densely would start at any 4-byte offset in their chunk ([Note: parameter alignment in chunks])."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 64),
-                         nn.LayerNorm(64), nn.Linear(64, 8))
+    d, h, o = (61, 253, 7) if odd else (64, 256, 8)
+    return nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, h), nn.GELU(), nn.Linear(h, d),
+                         nn.LayerNorm(d), nn.Linear(d, o))
 
 
 def mlp_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -70,14 +73,17 @@ def test_capacity_is_the_device_memory(target):
         assert d.capacity_bytes == 2**30 and d.link_bytes_per_s == 100e9
 
 
+@pytest.mark.parametrize("odd", [False, True], ids=["even", "odd"])
 @pytest.mark.parametrize("policy", ["static", "auto", "cpu", "cuda"])
-def test_parity_with_adamw(target, policy):
+def test_parity_with_adamw(target, policy, odd):
     """torch's ``clip_grad_norm_(model.parameters())`` that triggers, between memsched's backward and step;
-    bit for bit; between steps every parameter is a tensor of the device, as after ``model.to(device)``."""
-    m = make_model().to(target.device)
+    bit for bit; between steps every parameter is a tensor of the device, as after ``model.to(device)``.
+    ``odd`` sizes: on CUDA, ``_foreach_norm`` sums an unaligned gradient in another order than an aligned one
+    ([Note: parameter alignment in chunks])."""
+    m = make_model(odd).to(target.device)
     ref = Reference(m, device=target.device)
     g = torch.Generator().manual_seed(3)
-    xs = [torch.randn(32, 64, generator=g).to(target.device) for _ in range(5)]
+    xs = [torch.randn(32, m[0].in_features, generator=g).to(target.device) for _ in range(5)]
     norms = []
     with attach(m, target, policy=policy) as sched:
         for x in xs:
@@ -95,6 +101,43 @@ def test_parity_with_adamw(target, policy):
         if policy in ("static", "cpu"):  # auto keeps everything on a device this large
             assert any(c.placement == HOST for c in sched.store.chunks)
     assert min(norms) > 0.05, norms  # the clip triggered in every step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameters_and_gradients_start_where_torch_would_allocate_them(target, dtype):
+    """Every parameter and gradient memsched puts on the device starts on a 512-byte boundary in fp32 (256 in
+    bf16; torch's kernels look at 256 at most), as a tensor torch allocates there does: kernels choose their
+    code by the address ([Note: parameter alignment in chunks]). Half the chunks live on the host: their
+    parameters and gradients visit the device in each step. The sizes are odd: packed densely, most would
+    start at a 4-byte offset."""
+    m = make_model(odd=True).to(target.device)
+    assert torch.empty(3, device=target.device).data_ptr() % 512 == 0  # the device's own allocations
+    x = torch.randn(32, m[0].in_features).to(target.device, dtype)
+    align = 512 if dtype == torch.float32 else 256
+    with attach(m, target, dtype=dtype) as sched:
+        seen = {}
+
+        def look(module, _args, _out):
+            for name, p in module.named_parameters(recurse=False):
+                seen[f"{module.name}.{name}"] = p.data_ptr() % align
+
+        for i, mod in enumerate(m):
+            mod.name = str(i)
+        handles = [mod.register_forward_hook(look) for mod in m]
+        grads = {}  # (step, name): the address of a gradient on the device, modulo align
+        for step in range(3):
+            seen.clear()
+            sched.backward(m(x).float().pow(2).mean())
+            assert len(seen) == 10 and set(seen.values()) == {0}, seen
+            grads.update({(step, n): p.grad.data_ptr() % align for n, p in m.named_parameters()
+                          if p.grad.device.type == target.device.type})
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        for h in handles:
+            h.remove()
+        assert grads and set(grads.values()) == {0}, grads
+        assert {c.placement for c in sched.store.chunks} == {HOST, DEVICE}
+        assert all(p.data_ptr() % align == 0 for p in m.parameters())
 
 
 def test_pinned_host_buffers_streams_and_events(target):
@@ -161,8 +204,10 @@ def test_memscheds_clip_takes_every_norm_on_the_device(target, dtype, monkeypatc
         assert len(seen) == len(list(m.parameters())) and set(seen) == {target.device}
         sched.optimizer.step()
         size = torch.tensor([], dtype=dtype).element_size()  # parameters and gradients in the compute dtype
-        grad_bytes = sum(p.numel() for p in m.parameters()) * size
-        assert sched.transfers.last_h2d_bytes == sum(c.numel for c in host) * size + grad_bytes
+        # each host chunk's updated parameters (its buffer) and, for the clip, the span of its host gradients
+        # from its first parameter's to its last one's end (alignment gaps between them too)
+        spans = sum(max(off + n for off, n in c.ranges) - min(off for off, _n in c.ranges) for c in host)
+        assert sched.transfers.last_h2d_bytes == (sum(c.numel for c in host) + spans) * size
 
 
 def test_bf16_keeps_fp32_masters(target):

@@ -23,6 +23,7 @@ import memsched.checkpoint
 from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import HOST
 from tests._numerics import (
+    BRANCHY_CHUNK_NUMEL,
     LR,
     SIM,
     WD,
@@ -109,7 +110,8 @@ def _branchy_pair(**kw):
     with uncounted():  # the reference beside the scheduler's data on the stand-in is not counted
         ref = copy.deepcopy(model).to(SIM)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
-    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=400, overlap="backward", **CPU, **kw)
+    sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=BRANCHY_CHUNK_NUMEL,
+                            overlap="backward", **CPU, **kw)
     return model, sched, ref, ref_opt
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import memsched
+from memsched.chunks import PARAM_ALIGN
 from memsched.devices.simdevice import SimDevice
 from tests._numerics import LR, SIM, WD, same, uncounted
 
@@ -81,7 +82,8 @@ def test_the_device_peak_with_policy_cpu_is_no_higher_than_torch_adamw_beyond_ch
         peak = sched.sim.peak_bytes
         lay = sched.store.layout
         unused = lay.total_numel - sum(p.numel() for p in sched.store.params())
-        assert unused == lay.waste_numel == 0  # one rank: exact chunks ([Note: exact chunks])
+        # one rank: exact chunks ([Note: exact chunks]), with alignment gaps between parameters only
+        assert unused == lay.waste_numel < PARAM_ALIGN * len(list(sched.store.params()))
         padding = unused * 4 * 2  # the chunks' room beyond their parameters: compute + gradient buffers
         freed = all(c.grad is None for c in sched.store.chunks)
     assert peak <= torch_peak + padding, (peak, torch_peak, padding)

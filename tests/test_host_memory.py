@@ -297,11 +297,11 @@ def test_initial_host_state_over_the_budget_is_refused_with_the_numbers():
 
 def test_training_from_a_model_built_on_the_cpu_holds_no_second_copy_of_the_state() -> None:
     """GPT ``demo`` built on the CPU, policy ``cpu`` (its whole optimizer state pinned on the host), two steps
-    in a process of its own (``bench/host_memory.py``): the pinned bytes are the plan's, at 16 B per parameter
-    (exact chunks: no padding), and the process's peak RSS, over what torch and memsched's code take, stays
-    within the plan: the pinned bytes, the stand-in's device peak (host memory too) and one chunk in flight
-    while the chunks are re-packed at the end of warmup. Before the re-pack staged the state by reference,
-    freeing each old chunk as the new ones were built, the peak was twice the plan."""
+    in a process of its own (``bench/host_memory.py``): the pinned bytes are the plan's, at 16 B per
+    parameter (exact chunks: alignment gaps only), and the process's peak RSS, over what torch and memsched's
+    code take, stays within the plan: the pinned bytes, the stand-in's device peak (host memory too) and one
+    chunk in flight while the chunks are re-packed at the end of warmup. Before the re-pack staged the state
+    by reference, freeing each old chunk as the new ones were built, the peak was twice the plan."""
     import json
     import subprocess
     import sys
@@ -312,7 +312,7 @@ def test_training_from_a_model_built_on_the_cpu_holds_no_second_copy_of_the_stat
                           capture_output=True, text=True, check=True, cwd=root, timeout=600)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["pinned_bytes"] == r["max_pinned_bytes"] == r["planned_pinned_bytes"]
-    assert 16 <= r["pinned_bytes_per_param"] <= 16.5  # exact chunks: no padding (issue 29: <= 16.5)
+    assert 16 <= r["pinned_bytes_per_param"] <= 16.5  # exact chunks: alignment gaps only (issue 29: <= 16.5)
     # Issue 29's bound: the plan's pinned bytes, the stand-in's device peak (host memory here) and at most one
     # chunk in flight, plus 32 MiB for what no plan holds: the malloc arenas of the autograd and copy threads
     # and the C library's free lists (4 MiB beyond the chunk on this VM, about 14 MiB more on CI's machine). A

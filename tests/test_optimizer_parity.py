@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memsched
-from memsched.chunks import Allocator, ChunkStore
+from memsched.chunks import PARAM_ALIGN, Allocator, ChunkStore
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.optim.hybrid_adamw import HybridAdamW
 from policies.types import DEVICE, HOST
@@ -269,8 +269,11 @@ def test_exact_chunks_train_bit_exactly_with_a_large_parameter_in_a_chunk_of_its
     with memsched.attach(model, policy=policy, device="sim:64MiB", lr=LR, weight_decay=WD,
                          warmup_steps=1) as sched:
         chunks = sched.store.chunks
-        # every chunk as long as what it holds; the embedding and the head alone in theirs
-        assert [c.numel for c in chunks] == [sum(n for _off, n in c.ranges) for c in chunks]
+        # every chunk as long as what it holds (each parameter aligned: [Note: parameter alignment in
+        # chunks]); the embedding and the head alone in theirs
+        ends = [max(off + n for off, n in c.ranges) for c in chunks]
+        assert [c.numel for c in chunks] == [-(-end // PARAM_ALIGN) * PARAM_ALIGN for end in ends]
+        assert all(off % PARAM_ALIGN == 0 for c in chunks for off, _n in c.ranges)
         alone = [c.params for c in chunks if len(c.params) == 1]
         assert any(ps[0] is model.emb.weight for ps in alone)
         assert any(ps[0] is model.head.weight for ps in alone)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memsched.chunks import STEP_BYTES
+from memsched.chunks import PARAM_ALIGN, STEP_BYTES
 from memsched.cli.argtypes import positive_int_list
 from memsched.cli.main import main
 from memsched.cli.plan import (
@@ -92,10 +92,11 @@ def test_model_data_follows_adamw_arithmetic(tiny_prediction) -> None:
     cp = plan_for_capacity(tiny_prediction, 2**30)
     md = cp.model_data
     padded = sum(c.numel for c in cp.problem.chunks)
-    # one rank: exact chunks, no padding (tied weights once)
-    assert padded == sum(p.numel() for p in set(tiny_prediction.model.parameters()))
-    assert md["parameter"] == md["gradient"] == 4 * padded  # fp32 compute parameters and gradients
     n_tensors = sum(1 for p in tiny_prediction.model.parameters() if p.requires_grad)
+    # one rank: exact chunks (tied weights once), the alignment gaps between parameters their only padding
+    gaps = padded - sum(p.numel() for p in set(tiny_prediction.model.parameters()))
+    assert gaps == cp.padding["numel"] and 0 < gaps < PARAM_ALIGN * n_tensors
+    assert md["parameter"] == md["gradient"] == 4 * padded  # fp32 compute parameters and gradients
     # fp32 exp_avg + exp_avg_sq, one step count per parameter (as torch.optim.AdamW keeps)
     assert md["optimizer_state"] == 8 * padded + STEP_BYTES * n_tensors
     # One rank: the gradients are placed with their chunk's optimizer state (a host chunk's leave the device
@@ -124,9 +125,12 @@ def test_the_predicted_reads_cover_every_chunk_in_forward_and_backward(tiny_pred
 
 def test_chunk_padding_is_reported_apart_from_the_parameters(tiny_prediction, capsys) -> None:
     own = sum(p.numel() for p in tiny_prediction.model.parameters() if p.requires_grad)  # ties counted once
-    # one rank: exact chunks hold no padding
+    # one rank: exact chunks hold no padding but the alignment gaps between parameters
     exact = plan_for_capacity(tiny_prediction, 2**30)
-    assert exact.padding == {"numel": 0, "parameter": 0, "gradient": 0, "optimizer_state": 0}
+    gaps = sum(c.numel for c in exact.problem.chunks) - own
+    assert 0 < gaps < PARAM_ALIGN * sum(1 for p in tiny_prediction.model.parameters() if p.requires_grad)
+    assert exact.padding == {"numel": gaps, "parameter": 4 * gaps, "gradient": 4 * gaps,
+                             "optimizer_state": 8 * gaps}
     # ZeRO-1 over 2 ranks: uniform chunks, padded to the searched size
     cp = plan_for_capacity(tiny_prediction, 2**30, world_size=2, zero_stage=1)
     pad = cp.n_chunks * cp.chunk_numel - own
@@ -134,9 +138,9 @@ def test_chunk_padding_is_reported_apart_from_the_parameters(tiny_prediction, ca
     assert cp.padding == {"numel": pad, "parameter": 4 * pad, "gradient": 4 * pad, "optimizer_state": 8 * pad}
     # The CLI: parameters without the padding, the padding on its own row, and both in the JSON.
     one = _plan_json(capsys, "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--capacity", "1GiB")
-    assert one["chunks"]["padding"]["numel"] == 0 and one["chunks"]["total_numel"] == own
+    assert one["chunks"]["padding"]["numel"] == gaps and one["chunks"]["total_numel"] == own + gaps
     cp = plan_for_capacity(tiny_prediction, 2**30)
-    pad = 0
+    pad = gaps
     argv = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--capacity", "1GiB"]
     r = _plan_json(capsys, *argv)
     assert r["chunks"]["padding"] == cp.padding
@@ -153,7 +157,8 @@ def test_bf16_adds_the_fp32_master_and_keeps_ties() -> None:
     assert pred.dtype == torch.bfloat16
     assert pred.model.lm_head.weight is pred.model.wte.weight
     cp = plan_for_capacity(pred, 2**30)
-    numel = sum(p.numel() for p in set(pred.model.parameters()))  # exact chunks, the tie once
+    numel = sum(c.numel for c in cp.problem.chunks)  # exact chunks (alignment gaps only), the tie once
+    assert numel - sum(p.numel() for p in set(pred.model.parameters())) == cp.padding["numel"]
     assert cp.model_data["parameter"] == 2 * numel
     # fp32 master + exp_avg + exp_avg_sq (and one step count per parameter)
     n_tensors = sum(1 for p in pred.model.parameters() if p.requires_grad)

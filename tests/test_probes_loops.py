@@ -35,7 +35,18 @@ from torch import nn
 import memsched
 from memsched.models.gpt import GPT, GPTConfig
 from policies.types import DEVICE, HOST
-from tests._numerics import LR, SIM, WD, Branchy, gpt_batches, gpt_loss, same, tiny_gpt, uncounted
+from tests._numerics import (
+    BRANCHY_CHUNK_NUMEL,
+    LR,
+    SIM,
+    WD,
+    Branchy,
+    gpt_batches,
+    gpt_loss,
+    same,
+    tiny_gpt,
+    uncounted,
+)
 from tests.test_overlap import PLACEMENTS, paused
 
 POLICIES = ["cpu", "static", "auto"]
@@ -160,7 +171,7 @@ def test_unused_branch_with_each_zero_grad(overlap, zero):
     ``.grad`` None under ``set_to_none=False`` (not updated); once used, zeroed gradients (not None) update
     them with a zero gradient every step; with ``set_to_none=True`` they are skipped whenever unused."""
     model = Branchy()
-    pair = Pair("cpu", overlap, model=model, chunk_numel=400)
+    pair = Pair("cpu", overlap, model=model, chunk_numel=BRANCHY_CHUNK_NUMEL)
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(4, 8, generator=g).to(SIM) for _ in range(6)]
     with pair.sched:
@@ -648,7 +659,7 @@ def test_varying_accumulation_with_gradient_reads(placement, overlap, slow_early
 # ---- p.grad is None: what user code sees, and what it does with it -----------------------------------------
 
 def branchy_pair(overlap) -> tuple[Pair, list[torch.Tensor]]:
-    pair = Pair("cpu", overlap, model=Branchy(), chunk_numel=400)
+    pair = Pair("cpu", overlap, model=Branchy(), chunk_numel=BRANCHY_CHUNK_NUMEL)
     g = torch.Generator().manual_seed(3)
     return pair, [torch.randn(4, 8, generator=g).to(SIM) for _ in range(5)]
 

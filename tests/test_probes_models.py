@@ -465,7 +465,7 @@ def test_a_graph_read_between_backward_and_step_leaves_the_clip_every_gradient_w
         g = torch.Generator().manual_seed(1)
         seen = []
         sched = memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=4096, policy="auto",
-                                device="sim:100KiB")
+                                device="sim:104KiB")  # some chunks' parameters on the host
         with sched:
             for _ in range(5):
                 x, y = torch.randn(4, D, generator=g).to(SIM), torch.randn(4, D, generator=g).to(SIM)

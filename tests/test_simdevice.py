@@ -10,6 +10,7 @@ from torch import nn
 
 import memsched
 import policies
+from memsched.chunks import PARAM_ALIGN
 from memsched.devices import sim_backend
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice, SimOutOfMemoryError
 from memsched.devices.spec import parse_device
@@ -162,7 +163,9 @@ def test_frozen_parameters_count_as_resident():
         # no gradient buffer before backward; the frozen layer in chunks of its own (issue 31), on the device
         # with policy cpu (no optimizer state to place)
         resident = sum(blocks(c.data.nbytes) for c in sched.store.chunks)
-        assert sum(c.numel for c in sched.store.chunks if c.frozen) == frozen
+        held = [c for c in sched.store.chunks if c.frozen]
+        assert sum(n for c in held for _off, n in c.ranges) == frozen
+        assert all(c.numel % PARAM_ALIGN == 0 for c in held)  # [Note: parameter alignment in chunks]
         assert all(p.device.type == "sim" for p in m[1].parameters())
         assert sched.sim.live_bytes() == before + resident
 

@@ -33,13 +33,13 @@ from memsched.chunks.layout import (
     param_shards,
     search_chunk_size,
 )
-from memsched.chunks.sizing import SHARD_ALIGN, STEP_BYTES, ChunkBytes, chunk_bytes, dtype_bytes
+from memsched.chunks.sizing import PARAM_ALIGN, STEP_BYTES, ChunkBytes, chunk_bytes, dtype_bytes
 from memsched.chunks.store import ChunkStore
 
 __all__ = [
     "DEFAULT_MAX_CANDIDATES",
     "DEFAULT_MIN_CHUNKS",
-    "SHARD_ALIGN",
+    "PARAM_ALIGN",
     "STEP_BYTES",
     "Allocator",
     "Chunk",

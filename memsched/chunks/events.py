@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from memsched.chunks.sizing import PARAM_ALIGN
+
 if TYPE_CHECKING:
     from memsched.chunks.chunk import Chunk
 
@@ -38,7 +40,7 @@ class ChunkEvents(Protocol):
 class OneProcess:
     """:class:`ChunkEvents` of one process with nobody listening."""
 
-    align = 1
+    align = PARAM_ALIGN  # [Note: parameter alignment in chunks]
     world = 1
     shards_grads = False
 

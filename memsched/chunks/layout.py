@@ -8,7 +8,9 @@ in a shard ``[lo, hi)`` of a chunk.
 PatrickStar and Gemini give every chunk the searched size, so each chunk pays for the room its parameters
 leave free: up to 69 % more memory than the parameters, on the device, in pinned host memory and over the link
 (issue 31). With one rank, memsched's chunks are *exact*: the search picks the size parameters are packed
-to, and each chunk is then as long as what it holds. A parameter larger than the searched size (an embedding
+to, and each chunk is then as long as what it holds (rounded up to the parameters' alignment ``align``, so
+that every buffer of the chunk ends, and the next one in its allocation starts, aligned too). A parameter
+larger than the searched size (an embedding
 much larger than a block) gets a chunk of its own, so the size can follow the model's eighth
 (``min_chunks``) rather than its largest tensor. Chunks of different lengths cost nothing at runtime (each
 buffer is allocated for its own chunk); the plan counts each chunk's own bytes. With more ranks every chunk
@@ -180,12 +182,11 @@ def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel
     Args:
         numels: parameter sizes (elements), one flat sequence or one sequence per param group.
         chunk_numel: the chunk size (elements); ``None`` = :func:`search_chunk_size`.
-        align: every parameter starts at a multiple of ``align`` elements (ZeRO uses
-            :data:`SHARD_ALIGN`, so that shard boundaries cut parameters where torch's CPU AdamW kernel
-            would also start a vector: bit-exact updates of parameter shards).
-        exact: each chunk is as long as what it holds, and a searched size may be below the largest
-            parameter, which then has a chunk of its own ([Note: exact chunks]; one rank). Otherwise every
-            chunk has ``chunk_numel`` elements.
+        align: every parameter starts at a multiple of ``align`` elements (memsched packs with
+            :data:`memsched.chunks.PARAM_ALIGN`: [Note: parameter alignment in chunks]).
+        exact: each chunk is as long as what it holds (rounded up to ``align``), and a searched size may be
+            below the largest parameter, which then has a chunk of its own ([Note: exact chunks]; one rank).
+            Otherwise every chunk has ``chunk_numel`` elements.
 
     Raises:
         ValueError: bad numels, or ``chunk_numel`` smaller than the largest parameter without ``exact``
@@ -217,7 +218,8 @@ def build_layout(numels: Sequence[int] | Sequence[Sequence[int]], *, chunk_numel
             used = start + n
     chunks = tuple(tuple(Slot(gi, i, ci, off, n) for i, off, n in slots)
                    for ci, (gi, slots) in enumerate(drafts))
-    sizes = tuple(slots[-1][1] + slots[-1][2] if exact else chunk_numel for _gi, slots in drafts)
+    sizes = tuple(_aligned(slots[-1][1] + slots[-1][2], align) if exact else chunk_numel
+                  for _gi, slots in drafts)
     return ChunkLayout(chunk_numel, tuple(gi for gi, _ in drafts), chunks, sizes)
 
 

@@ -7,10 +7,21 @@ from dataclasses import dataclass
 import torch
 
 STEP_BYTES = 4  # each parameter's fp32 step count lives next to its chunk's moments
-# Elements (64 bytes of fp32: the widest CPU vector torch uses) at which ZeRO aligns parameters in chunks and
-# shard boundaries: torch's CPU fused AdamW computes the last ``numel % vector width`` elements of each tensor
-# on a scalar path with different rounding, so a parameter's part in a shard must start on a vector boundary.
-SHARD_ALIGN = 16
+# [Note: parameter alignment in chunks]
+# Every parameter starts at a multiple of PARAM_ALIGN elements in its chunk (512 bytes in fp32, 256 in
+# fp16/bf16), so on the device its address, and its gradient's, is aligned as a tensor of its own would be:
+# CUDA's caching allocator starts every allocation on a 512-byte boundary. Kernels choose their code by the
+# address: torch's vectorised loads (16 or 32 bytes), its reductions and ``_foreach_norm`` (a vectorised path
+# that sums in another order: ``clip_grad_norm_`` would round differently from torch's), cuBLASLt's
+# algorithms (torch passes the address's alignment, up to 256 bytes) and inductor, which compiles an
+# unaligned input to slower code. Packed densely, a parameter after one of odd size would sit at any
+# 4-byte offset. ZeRO cuts shards at multiples of PARAM_ALIGN too (torch's CPU fused AdamW computes the last
+# ``numel % 16`` elements of each tensor on a scalar path with other rounding, so a parameter's part in a
+# shard must start on a vector boundary). One rank's exact chunks end on a multiple of PARAM_ALIGN too
+# ([Note: exact chunks]), so each buffer of a chunk's optimizer state, one allocation
+# (``memsched.chunks.buffers.Allocator.arena``), starts aligned: torch's fused AdamW takes its vectorised path
+# only where every tensor it updates is. Cost: under PARAM_ALIGN elements per parameter and per chunk.
+PARAM_ALIGN = 128
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:

@@ -23,7 +23,6 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <c10/core/impl/alloc_cpu.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
@@ -35,6 +34,7 @@
 #include <mutex>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <unordered_map>
 
 namespace {
@@ -130,8 +130,18 @@ void uncount(int64_t bytes) {
 // heap kept after the warmup's buffers were freed.
 constexpr size_t kMapAbove = size_t{1} << 20;
 
+// Smaller ones start on a 512-byte boundary, as every block of CUDA's caching allocator does: kernels choose
+// their code by a tensor's address (vectorised loads, cuBLASLt's algorithms), so an address memsched makes
+// ([Note: parameter alignment in chunks] in memsched/chunks/sizing.py) is aligned as torch's own would be.
+constexpr size_t kBlockAlign = 512;
+
 void* host_alloc(size_t n) {
-  if (n < kMapAbove) return c10::alloc_cpu(n == 0 ? 1 : n);
+  if (n < kMapAbove) {
+    void* p = nullptr;
+    TORCH_CHECK_WITH(OutOfMemoryError, posix_memalign(&p, kBlockAlign, n == 0 ? 1 : n) == 0,
+                     fmt("sim: could not allocate %s of host memory", fmt_both(static_cast<int64_t>(n)).c_str()));
+    return p;
+  }
   void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   TORCH_CHECK_WITH(OutOfMemoryError, p != MAP_FAILED,
                    fmt("sim: could not map %s of host memory", fmt_both(static_cast<int64_t>(n)).c_str()));
@@ -140,7 +150,7 @@ void* host_alloc(size_t n) {
 
 void host_free(void* p, size_t n) {
   if (n < kMapAbove) {
-    c10::free_cpu(p);
+    std::free(p);
   } else {
     munmap(p, n);
   }

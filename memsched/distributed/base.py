@@ -18,20 +18,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from memsched.chunks.sizing import PARAM_ALIGN
+
 if TYPE_CHECKING:
     from memsched.chunks import Chunk, ChunkStore
 
 
 class DataParallel:
     """One rank (see the module docstring). Attributes: ``rank`` (0), ``world`` (1), ``sharded`` (False: each
-    rank holds the whole optimizer state), ``align`` (1: parameters need no alignment in chunks), ``group``
-    (None: no process group)."""
+    rank holds the whole optimizer state), ``align`` (:data:`memsched.chunks.PARAM_ALIGN`: parameters start
+    at multiples of it in chunks, elements), ``group`` (None: no process group)."""
 
     rank = 0
     world = 1
     sharded = False
     shards_grads = False
-    align = 1
+    align = PARAM_ALIGN
     group: Any = None
 
     store: ChunkStore | None = None

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from memsched.chunks import ChunkLayout, dtype_bytes
+from memsched.chunks import PARAM_ALIGN, ChunkLayout, dtype_bytes
 from memsched.devices.pinned import can_pin, pin_empty
 from memsched.distributed.options import BUILD_MODES, check_build_mode  # noqa: F401
 
@@ -121,7 +121,7 @@ def stage_params(
 
 def prepare(groups: Sequence[Sequence[torch.nn.Parameter]], chunk_numel: int, device: Any, alloc: Any,
             compute_dtype: torch.dtype, mode: str, *, free_bytes: int | None = None,
-            align: int = 1) -> dict[str, Any]:
+            align: int = PARAM_ALIGN) -> dict[str, Any]:
     """Before the chunks are built: decide per chunk whether it is built on the device or on the CPU
     (:func:`plan_build`) and put its parameters there (:func:`stage_params`).
 

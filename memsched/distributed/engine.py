@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from memsched.chunks import SHARD_ALIGN, Chunk, ChunkStore, ordered_groups, search_chunk_size
+from memsched.chunks import PARAM_ALIGN, Chunk, ChunkStore, ordered_groups, search_chunk_size
 from memsched.distributed.base import DataParallel
 from memsched.distributed.comm import Comm, ZeroCommError
 from memsched.distributed.grad_reduction import GradientReducer
@@ -174,9 +174,9 @@ class ZeroEngine(DataParallel):
     # ---- layout -------------------------------------------------------------------------------------------
     @property
     def align(self) -> int:
-        """Alignment of parameters in chunks (elements): :data:`memsched.chunks.SHARD_ALIGN` when the state is
-        sharded (shard boundaries then fall on vector boundaries of every parameter), else 1."""
-        return SHARD_ALIGN if self.sharded else 1
+        """Alignment of parameters in chunks, and of shard boundaries when the state is sharded (elements):
+        :data:`memsched.chunks.PARAM_ALIGN` ([Note: parameter alignment in chunks])."""
+        return PARAM_ALIGN
 
     def chunk_numel(self, numel: int) -> int:
         """The chunk size (elements) to use for a wanted ``numel``: padded to a multiple of the world size

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memsched.chunks import ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
+from memsched.chunks import PARAM_ALIGN, ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
 from memsched.chunks.store import frozen_params
 from memsched.devices.host_memory import HostBudget, host_budget, local_world_size
 from memsched.optim.hyperparams import hyperparameter_groups
@@ -96,7 +96,7 @@ def build_problem(
     param_groups: Sequence[Sequence[torch.nn.Parameter]] | None = None,
     compute_dtype: torch.dtype | None = None,
     host_capacity_bytes: int | None = None,
-    align: int = 1,
+    align: int = PARAM_ALIGN,
     pinned: bool = False,
     host_capacity_source: str | None = None,
     fragmentation_bytes: int | None = None,
@@ -123,8 +123,8 @@ def build_problem(
             ``master_weights`` is set and the parameters are float32.
         host_capacity_bytes: host memory the host-placed chunks may take, bytes (``None`` = unknown); see
             :func:`machine_inputs`.
-        align: parameters start at multiples of ``align`` elements in their chunk (ZeRO:
-            :data:`memsched.chunks.SHARD_ALIGN`).
+        align: parameters start at multiples of ``align`` elements in their chunk, as the store packs them
+            (:data:`memsched.chunks.PARAM_ALIGN`).
         pinned: host-placed state lives in pinned memory (a CUDA device): each chunk's host bytes are those
             of its one pinned allocation as PyTorch's caching host allocator rounds it
             (:func:`memsched.chunks.pinned_bytes`), not the bytes of its tensors.
@@ -178,10 +178,9 @@ def build_problem(
             raise ValueError("give zero_stage or offload_grads, not both: at a ZeRO stage the gradients' "
                              "place follows from the stage")
         if world_size > 1:
-            from memsched.chunks import SHARD_ALIGN, search_chunk_size
+            from memsched.chunks import search_chunk_size
             from memsched.distributed.layout import padded_chunk_numel
 
-            align = SHARD_ALIGN if zero_stage >= 1 else 1
             wanted = chunk_numel if chunk_numel is not None else search_chunk_size(sizes, align=align)
             chunk_numel = padded_chunk_numel(wanted, world_size * align) if zero_stage >= 1 else wanted
             grad_shards, param_shards = zero_stage >= 2, zero_stage >= 3
