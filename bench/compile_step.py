@@ -11,25 +11,25 @@ first ``--warmup`` steps are untimed: memsched's traced warmup step runs eagerly
 sides, then both compile. Then ``--blocks`` interleaved blocks of ``--block`` steps (memsched block, AdamW
 block, ...) are timed, each ending with a device synchronisation, so both see the same moments of the machine.
 
-Recorded: the step time of each (block wall time / steps, median over blocks), their ratio (the target is
-<= 1.02), Dynamo's graph breaks and graphs compiled after warmup (``torch._dynamo.utils.counters``; memsched's
-hooks add one break, where the root waits for its chunks, and only where waits are needed: CUDA,
-``--overlap``), and whether the two models' parameters are bit-identical at the end. To tell where a
-difference comes from (issue 28, item 11: on the H200 not bit-identical, 3 graph breaks), also: each graph
-break's reason, each recompilation's failed guards (``torch._dynamo.utils.guard_failures``), the first step
-whose loss differs, and a control: a third copy trained with torch alone beside the reference, whose
-bit-identity to it says whether compiled torch is deterministic here at all. Three models of one class in one
-process share Dynamo's caches (a frame compiled for one is guarded on its hooks, and recompiled for another),
-so their graphs may be cut differently from a process that trains one model; ``--own-process-steps`` steps of
-memsched and of the reference then also run each in a process of its own (``--side``), as a user's training
-runs, and their parameters and losses are compared there too, each process with an empty inductor and Triton
-cache of its own, with the reference trained twice as their control. Through warmup the run also compares the
-gradients after each backward and the parameters after each update, so a difference is placed in the
-compiled forward and backward or in the update; whether inductor generated the same code (forward and
-backward wrappers and their kernels) for memsched's graphs as for the reference's; and the process-wide
-numerics settings (matmul precision, TF32, attention kernels) memsched would have changed.
-``--inductor-deterministic`` runs all of it under inductor's deterministic mode (no kernel or padding chosen
-by timing on the device).
+Recorded: the step time of each (block wall time / steps, median over blocks), their ratio (the target is <=
+1.02), Dynamo's graph breaks and graphs compiled after warmup (``torch._dynamo.utils.counters``; memsched's
+hooks add one break, where the root waits for its chunks, and only where waits are needed: host chunks on
+CUDA, ``--overlap``; with every chunk on the device none of memsched's hooks is in the graph), and whether the
+two models' parameters are bit-identical at the end. To tell where a difference comes from (issue 28, item 11:
+on the H200 not bit-identical, 3 graph breaks), also: each graph break's reason, each recompilation's failed
+guards (``torch._dynamo.utils.guard_failures``), the first step whose loss differs, and a control: a third
+copy trained with torch alone beside the reference, whose bit-identity to it says whether compiled torch is
+deterministic here at all. Three models of one class in one process share Dynamo's caches (a frame compiled
+for one is guarded on its hooks, and recompiled for another), so their graphs may be cut differently from a
+process that trains one model; ``--own-process-steps`` steps of memsched and of the reference then also run
+each in a process of its own (``--side``), as a user's training runs, and their parameters and losses are
+compared there too, each process with an empty inductor and Triton cache of its own, with the reference
+trained twice as their control. Through warmup the run also compares the gradients after each backward and the
+parameters after each update, so a difference is placed in the compiled forward and backward or in the update;
+whether inductor generated the same code (forward and backward wrappers and their kernels) for memsched's
+graphs as for the reference's; and the process-wide numerics settings (matmul precision, TF32, attention
+kernels) memsched would have changed. ``--inductor-deterministic`` runs all of it under inductor's
+deterministic mode (no kernel or padding chosen by timing on the device).
 """
 
 from __future__ import annotations

@@ -229,6 +229,7 @@ class Scheduler:
         # can be removed without mutating the dict torch is iterating.
         installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
         installed.add_handle(model.register_state_dict_post_hook(own_storage_entries))
+        self._waits_forced = False  # _install_h2d_waits: the waits stay whatever the plan
         self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
                               self.optimizer.timeline, drain_after_forward=self.dp.world > 1,
                               needed=self.streams.asynchronous or config.overlap, fetcher=self.params)
@@ -364,6 +365,7 @@ class Scheduler:
             self.elastic.after_step()
         if self.phase is not Phase.WARMUP:
             self._revise_fetches()
+            self._refresh_waits()
             self.waits.guard_between_steps()  # [Note: reads between steps wait]
             return
         if self.steps < self.warmup_steps:
@@ -395,6 +397,7 @@ class Scheduler:
         if self.elastic is not None and self.problem is not None:
             self.elastic.start(self.problem.peak_non_model_bytes,
                                discount=self.planner.host_grad_working_bytes)
+        self._refresh_waits()
         self._check_plan()
         self.phase = Phase.PLANNED
         # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
@@ -512,8 +515,17 @@ class Scheduler:
 
     def _install_h2d_waits(self) -> None:
         """(Re)install the H2D wait hooks for the trace so far (:class:`memsched.runtime.waits.H2DWaits`),
-        also where copies are synchronous (tests check where the waits are)."""
+        also where copies are synchronous (tests check where the waits are); they stay."""
+        self._waits_forced = True
         self.waits.install(self.traced_modules(), needed=True)
+
+    def _refresh_waits(self) -> None:
+        """Waits only where a forward can meet a copy in flight ([Note: waits only where a copy can be in
+        flight] in :mod:`memsched.runtime.waits`): an overlapped update, or asynchronous copies (CUDA, the
+        stand-in's link) with a chunk on the host or more ranks."""
+        needed = bool(self.config.overlap) or self._waits_forced or (self.streams.asynchronous and (
+            self.dp.world > 1 or any(c.placement == HOST for c in self.store.chunks)))
+        self.waits.refresh(self.traced_modules(), needed=needed)
 
     def synchronize(self) -> None:
         """Wait for every pending update of the parameters: the overlapped CPU update (``overlap=True``; the

@@ -287,6 +287,34 @@ def test_compiled_bit_exact_and_its_graph_breaks(target, overlap):
     assert graphs == 1, graphs
 
 
+@pytest.mark.skipif(not hasattr(torch.compiler, "set_stance"), reason="torch < 2.6: no stance")
+def test_compiled_with_every_chunk_on_the_device_is_torchs_own_graph(target):
+    """policy ``cuda`` (every chunk on the device), no overlap: no copy can be in flight when a forward
+    starts, so after warmup no module waits ([Note: waits only where a copy can be in flight]): the compiled
+    forward has no graph break and no memsched hook inside it (Dynamo guards it as a model without them),
+    bit-exact. A plan that moves chunks to the host later installs the waits before the next forward."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_gpt().to(target.device)
+    ref = Reference(model, device=target.device)
+    batches = gpt_batches(5, device=target.device)
+    with attach(model, target, policy="cuda", chunk_numel=8192) as sched:
+        assert sched.waits.needed  # warmup: every chunk starts on the host
+        train_gpt(sched, model, ref, batches, torch.compile(model, backend="aot_eager"))
+        breaks = dict(counters["graph_break"])
+        graphs = counters["stats"]["unique_graphs"]
+        assert not sched.waits.needed and {c.placement for c in sched.store.chunks} == {DEVICE}
+        assert not any(m._forward_pre_hooks for name, m in model.named_modules() if name)
+        sched.planner.replan(None, "test: every chunk on the host", sched.steps)  # as elastic placement does
+        assert HOST in {c.placement for c in sched.store.chunks} and not sched.waits.needed
+        train_gpt(sched, model, ref, batches[:2], torch.compile(model, backend="aot_eager"))
+        assert sched.waits.needed  # from the end of the first step with host chunks
+    assert_same(model, ref, "compiled, every chunk on the device, then on the host")
+    assert breaks == {} and graphs == 1, (breaks, graphs)
+
+
 def test_a_host_tensor_in_a_device_op_raises_torchs_device_error(target):
     x = torch.ones(4, device=target.device)
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):

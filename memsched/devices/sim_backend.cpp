@@ -3,8 +3,9 @@
 // torch.device("sim") tensors: mixing them with CPU tensors raises torch's device error, as CUDA does.
 //
 // Parts (the shape of PyTorch's OpenReg example backend, written for memsched):
-//   * a counting device allocator: bytes rounded like CUDA's caching allocator (512 B blocks), a capacity
-//     whose excess raises c10::OutOfMemoryError (torch.OutOfMemoryError in Python), live and peak bytes;
+//   * a counting device allocator: bytes rounded and blocks aligned like CUDA's caching allocator (512 B),
+//     a capacity whose excess raises c10::OutOfMemoryError (torch.OutOfMemoryError in Python), live and
+//     peak bytes;
 //   * a pinned host allocator: host memory whose pointers (and views into it) report is_pinned();
 //   * a device guard with one device, streams and events as no-ops (copies are synchronous);
 //   * kernels for allocation, views, resize, copies and scalars, and a boxed fallback that runs every
@@ -139,7 +140,8 @@ void* host_alloc(size_t n) {
   if (n < kMapAbove) {
     void* p = nullptr;
     TORCH_CHECK_WITH(OutOfMemoryError, posix_memalign(&p, kBlockAlign, n == 0 ? 1 : n) == 0,
-                     fmt("sim: could not allocate %s of host memory", fmt_both(static_cast<int64_t>(n)).c_str()));
+                     fmt("sim: could not allocate %s of host memory",
+                         fmt_both(static_cast<int64_t>(n)).c_str()));
     return p;
   }
   void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);

@@ -11,8 +11,10 @@ module's wait waits at the read (:mod:`memsched.runtime.read_guard`). ``model.st
 of chunks still being updated wait at the read ([Note: reads between steps wait]); reads from another thread
 call :meth:`H2DWaits.synchronize` (``sched.synchronize()``) first.
 
-Under ``torch.compile`` these hooks are traced into the model's graph. Where waits are needed (CUDA, or
-``overlap=True``) the per-module waits compile to nothing and the root waits for every chunk, eagerly, before
+After warmup the waits stay only where a copy can be in flight ([Note: waits only where a copy can be in
+flight]: every chunk on the device and no overlap installs none). Under ``torch.compile`` these hooks are
+traced into the model's graph. Where waits are needed (host chunks on CUDA, or ``overlap=True``) the
+per-module waits compile to nothing and the root waits for every chunk, eagerly, before
 the forward (one graph break at its start); without them nothing of this module is in the graph. Where only
 part of the forward is compiled (``model.blocks[0].compile()``, a submodule replaced by ``torch.compile(...)``
 after warmup, a compiled function that calls submodules) and the root runs eagerly, a module whose wait is in
@@ -119,6 +121,23 @@ class H2DWaits:
             self._handles.append(add_forward_pre_hook(self.model, guard, prepend=True))
         compiled = Detachable(self._compiled_wait)
         self._handles.append(add_forward_pre_hook(self.model, compiled, prepend=True))
+
+    def refresh(self, traced: Sequence[str], *, needed: bool) -> None:
+        """[Note: waits only where a copy can be in flight]
+        After warmup the plan decides whether a forward can ever meet a chunk whose H2D copy or CPU update is
+        still running: with every chunk on the device and no overlap (CUDA, or the stand-in's link) nothing
+        is copied to the device between steps, so no module waits and no read is guarded. The hooks then come
+        off, and so does the root's graph break under ``torch.compile``: the compiled forward is torch's own
+        graph, guarded by Dynamo as a model without memsched's hooks (the same compilation as torch's).
+        Called where no forward runs (the end of warmup, each step's end), so a plan that moves a chunk to the
+        host installs the waits before the forward after the step that first copies it back; turning them
+        off, the current stream first waits for every copy still in flight. Reinstalls only on a change
+        (each reinstall makes Dynamo recompile the forward once)."""
+        if needed == self.needed:
+            return
+        if not needed:
+            self.synchronize()
+        self.install(traced, needed=needed)
 
     def _hook(self, name: str, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
         label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
@@ -270,6 +289,11 @@ class H2DWaits:
         start, with one rank); the gradients are not rebound there (backward allocates the gradient and the
         store's post-accumulate hook copies it into the chunk view)."""
         if torch.compiler.is_compiling():  # done by _compiled_wait, in the same graph break
+            # No waits (every chunk was on the device), but a plan moved chunks to the host since: they are
+            # bound here until the step's end installs the waits ([Note: waits only where a copy can be in
+            # flight]).
+            if not self.needed and self.store.offloading:
+                _compiled_root_eager(self)
             return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
             self.store.end_aborted_backward()  # the last backward raised: end it before this forward
