@@ -7,14 +7,13 @@ in a shard ``[lo, hi)`` of a chunk.
 [Note: exact chunks]
 PatrickStar and Gemini give every chunk the searched size, so each chunk pays for the room its parameters
 leave free: up to 69 % more memory than the parameters, on the device, in pinned host memory and over the link
-(issue 31). With one rank, memsched's chunks are *exact*: the search picks the size parameters are packed
-to, and each chunk is then as long as what it holds (rounded up to the parameters' alignment ``align``, so
-that every buffer of the chunk ends, and the next one in its allocation starts, aligned too). A parameter
-larger than the searched size (an embedding
-much larger than a block) gets a chunk of its own, so the size can follow the model's eighth
-(``min_chunks``) rather than its largest tensor. Chunks of different lengths cost nothing at runtime (each
-buffer is allocated for its own chunk); the plan counts each chunk's own bytes. With more ranks every chunk
-keeps the searched size: a rank owns the same share ``[r * s, (r + 1) * s)`` of every chunk
+(issue 31). With one rank, memsched's chunks are *exact*: the search picks the size parameters are packed to,
+and each chunk is then as long as what it holds (rounded up to the parameters' alignment ``align``, so that
+every buffer of the chunk ends, and the next one in its allocation starts, aligned too). A parameter larger
+than the searched size (an embedding much larger than a block) gets a chunk of its own, so the size can follow
+the model's eighth (``min_chunks``) rather than its largest tensor. Chunks of different lengths cost nothing
+at runtime (each buffer is allocated for its own chunk); the plan counts each chunk's own bytes. With more
+ranks every chunk keeps the searched size: a rank owns the same share ``[r * s, (r + 1) * s)`` of every chunk
 (:mod:`memsched.distributed.layout`).
 """
 

@@ -14,11 +14,11 @@ call :meth:`H2DWaits.synchronize` (``sched.synchronize()``) first.
 After warmup the waits stay only where a copy can be in flight ([Note: waits only where a copy can be in
 flight]: every chunk on the device and no overlap installs none). Under ``torch.compile`` these hooks are
 traced into the model's graph. Where waits are needed (host chunks on CUDA, or ``overlap=True``) the
-per-module waits compile to nothing and the root waits for every chunk, eagerly, before
-the forward (one graph break at its start); without them nothing of this module is in the graph. Where only
-part of the forward is compiled (``model.blocks[0].compile()``, a submodule replaced by ``torch.compile(...)``
-after warmup, a compiled function that calls submodules) and the root runs eagerly, a module whose wait is in
-compiled code waits for every chunk, eagerly, at its start (one graph break there per compiled region).
+per-module waits compile to nothing and the root waits for every chunk, eagerly, before the forward (one graph
+break at its start); without them nothing of this module is in the graph. Where only part of the forward is
+compiled (``model.blocks[0].compile()``, a submodule replaced by ``torch.compile(...)`` after warmup, a
+compiled function that calls submodules) and the root runs eagerly, a module whose wait is in compiled code
+waits for every chunk, eagerly, at its start (one graph break there per compiled region).
 
 Before each forward, a parameter converted since attach (``model.double()``, ``model.to(...)``) is refused
 (:meth:`H2DWaits._check_bound`), and gradients set to None since the last step (``model.zero_grad()``) go back
