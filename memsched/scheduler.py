@@ -525,7 +525,7 @@ class Scheduler:
         stand-in's link) with a chunk on the host or more ranks."""
         needed = bool(self.config.overlap) or self._waits_forced or (self.streams.asynchronous and (
             self.dp.world > 1 or any(c.placement == HOST for c in self.store.chunks)))
-        self.waits.refresh(self.traced_modules(), needed=needed)
+        self.waits.refresh(self.traced_modules, needed=needed)
 
     def synchronize(self) -> None:
         """Wait for every pending update of the parameters: the overlapped CPU update (``overlap=True``; the

@@ -122,7 +122,7 @@ class H2DWaits:
         compiled = Detachable(self._compiled_wait)
         self._handles.append(add_forward_pre_hook(self.model, compiled, prepend=True))
 
-    def refresh(self, traced: Sequence[str], *, needed: bool) -> None:
+    def refresh(self, traced: Callable[[], Sequence[str]], *, needed: bool) -> None:
         """[Note: waits only where a copy can be in flight]
         After warmup the plan decides whether a forward can ever meet a chunk whose H2D copy or CPU update is
         still running: with every chunk on the device and no overlap (CUDA, or the stand-in's link) nothing
@@ -132,12 +132,13 @@ class H2DWaits:
         Called where no forward runs (the end of warmup, each step's end), so a plan that moves a chunk to the
         host installs the waits before the forward after the step that first copies it back; turning them
         off, the current stream first waits for every copy still in flight. Reinstalls only on a change
-        (each reinstall makes Dynamo recompile the forward once)."""
+        (each reinstall makes Dynamo recompile the forward once); ``traced`` gives the modules the trace saw
+        run (:meth:`install`), asked for only then."""
         if needed == self.needed:
             return
         if not needed:
             self.synchronize()
-        self.install(traced, needed=needed)
+        self.install(traced(), needed=needed)
 
     def _hook(self, name: str, indices: list[int]) -> Callable[[torch.nn.Module, Any], None]:
         label = f"{name or 'model'} <- chunk{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
