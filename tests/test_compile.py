@@ -65,6 +65,29 @@ def test_close_during_warmup_restores_the_stance():
     assert torch._dynamo.eval_frame._stance.stance == "default"
 
 
+def test_schedulers_whose_warmups_overlap_restore_the_stance_in_any_order():
+    """[Note: one stance for every scheduler]: two schedulers in warmup at once, closed in the order they were
+    attached (a bench's interleaved runs, bench/link_model.py, left ``force_eager`` for the rest of the
+    process), or ending warmup first: the stance from before both comes back once neither holds it."""
+    for close_first in ("first", "second"):
+        a = memsched.attach(mlp(), device="cpu")
+        b = memsched.attach(mlp(), device="cpu")
+        assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+        first, second = (a, b) if close_first == "first" else (b, a)
+        first.close()
+        assert torch._dynamo.eval_frame._stance.stance == "force_eager"  # the other is still in warmup
+        second.close()
+        assert torch._dynamo.eval_frame._stance.stance == "default", close_first
+    a = memsched.attach(model := mlp(), device="cpu")
+    b = memsched.attach(mlp(), device="cpu")
+    with a:  # a's warmup ends in its first step
+        a.backward(model(torch.randn(4, 64)).sum())
+        a.optimizer.step()
+        assert torch._dynamo.eval_frame._stance.stance == "force_eager"  # b is still in warmup
+    b.close()
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
 def test_steady_state_hooks_cause_no_graph_break():
     """memsched's root hooks (step timeline, dropped-gradient binding) compile to nothing after warmup: no
     graph break, one graph, and the step timeline records the compiled steps as one ``compiled`` phase."""

@@ -12,29 +12,45 @@ after the model's forward (the forward itself stays one graph).
 The stand-in device (``sim:``) is a real PyTorch device whose capacity is enforced by its allocator, not by a
 dispatch mode, so compiled code compiles there after warmup too (Dynamo's ``eager`` and ``aot_eager``
 backends; Inductor does not support the stand-in's PrivateUse1 device).
+
+[Note: one stance for every scheduler]
+The stance is the process's. ``set_stance`` returns what restores the stance before it, so stances entered
+by two schedulers whose warmups overlap (two models, a bench's interleaved runs) and left out of order would
+restore the first one's ``force_eager`` last: every later compiled call of the process would run eagerly,
+silently. So the schedulers share one hold: the first to start enters ``force_eager``, the last to stop
+restores the stance from before the first.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
+_lock = threading.Lock()
+_holders: set[int] = set()  # ids of the EagerDuringWarmup objects holding the stance now
+_restore: list[Any] = []  # what restores the stance from before the first holder (while there are holders)
+
 
 class EagerDuringWarmup:
     """Holds the ``force_eager`` stance from :meth:`start` to :meth:`stop` (idempotent; see the module
-    docstring)."""
-
-    def __init__(self) -> None:
-        self._stance: Any = None
+    docstring and [Note: one stance for every scheduler])."""
 
     def start(self) -> None:
         set_stance = getattr(torch.compiler, "set_stance", None)
-        if set_stance is not None and self._stance is None:
-            self._stance = set_stance("force_eager")  # sets it now; keeps the previous stance to restore
+        with _lock:
+            if set_stance is None or id(self) in _holders:
+                return
+            if not _holders:
+                _restore.append(set_stance("force_eager"))  # sets it now; keeps the previous stance
+            _holders.add(id(self))
 
     def stop(self) -> None:
-        stance, self._stance = self._stance, None
-        if stance is not None:
-            stance.__exit__(None, None, None)  # the stance in force before start()
+        with _lock:
+            if id(self) not in _holders:
+                return
+            _holders.discard(id(self))
+            if not _holders:
+                _restore.pop().__exit__(None, None, None)  # the stance in force before the first start()
 
