@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# torch imported already: reserve the stand-in's autograd queue before any backward (devices/sim_backend.py)
+if "torch" in __import__("sys").modules:
+    importlib.import_module("memsched.devices.sim_backend").reserve_autograd_queue()
+
 if TYPE_CHECKING:
     from memsched.optim.hybrid_adamw import HybridAdamW
     from memsched.scheduler import Scheduler, attach

@@ -19,15 +19,19 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/DispatchStub.h>
+#include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
+#include <c10/core/AutogradState.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <atomic>
 #include <cstring>
@@ -65,6 +69,26 @@ thread_local std::vector<std::unique_ptr<c10::DebugInfoGuard>> g_uncounted_guard
 
 bool uncounted_now() {
   return c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::TEST_INFO_2) != nullptr;
+}
+
+// [Note: a backward on the calling thread]
+// torch's autograd engine makes its per-device ready queues once, at the process's first backward, for the
+// device types that have a device guard then (Engine::start_device_threads). A stand-in loaded after that
+// has no queue, and a backward over its tensors fails inside the engine (an internal assert on
+// device_ready_queues_). memsched avoids it by registering a placeholder PrivateUse1 guard early
+// (sim_backend.reserve_autograd_queue); where that was too late, the stand-in runs its backward on the
+// thread that calls it, as torch does for the CPU: every thread that allocates on the stand-in or runs an op
+// on it turns off autograd's multithreading for itself (torch.autograd.set_multithreading_enabled(False),
+// thread-local), so the engine puts the stand-in's nodes on that thread's CPU queue. A thread that computes
+// nothing on the stand-in before its backward (a graph made on another thread, with a gradient made there
+// too) is not covered: see sim_backend.run_backward_on_this_thread.
+std::atomic<bool> g_backward_on_caller{false};
+
+inline void backward_here() {
+  if (g_backward_on_caller.load(std::memory_order_relaxed)) {
+    auto& tls = c10::AutogradState::get_tls_state();
+    if (tls.get_multithreading_enabled()) tls.set_multithreading_enabled(false);
+  }
 }
 
 int64_t rounded(int64_t n) {
@@ -173,6 +197,7 @@ void free_block(void* ctx) {
 
 struct SimAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
+    backward_here();
     int64_t counted = uncounted_now() ? 0 : rounded(static_cast<int64_t>(n));
     count(counted, static_cast<int64_t>(n));
     void* p = nullptr;
@@ -379,6 +404,7 @@ void check_device(const at::Tensor& t, const c10::OperatorHandle& op) {
 
 // ---- the boxed fallback -----------------------------------------------------------------------------
 void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  backward_here();
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t base = stack->size() - nargs;
@@ -490,6 +516,35 @@ void sim_conv_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
   ctx.setUserEnabledMkldnn(was);
 }
 
+// [Note: the stand-in's attention choice]
+// scaled_dot_product_attention picks its kernel through a dispatch stub, not the dispatcher: on a device
+// without a choice of its own it runs the math decomposition, which rounds differently from the CPU's
+// flash-attention kernel. The stand-in chooses what the CPU chooses for the same tensors, so the CPU kernel
+// runs (through the fallback) and attention on the stand-in equals attention on the CPU bit for bit.
+at::Tensor cpu_alias_or_undefined(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() && is_sim(*t) ? cpu_alias(*t) : (t.has_value() ? *t : at::Tensor());
+}
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+int64_t sim_fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                             std::optional<double> scale, bool enable_gqa) {
+  at::Tensor m = cpu_alias_or_undefined(mask);
+  return at::_fused_sdp_choice(cpu_alias(q), cpu_alias(k), cpu_alias(v),
+                               m.defined() ? std::optional<at::Tensor>(m) : std::nullopt, dropout_p, is_causal,
+                               scale, enable_gqa);
+}
+#else
+int64_t sim_fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                             std::optional<double> scale) {
+  at::Tensor m = cpu_alias_or_undefined(mask);
+  return at::_fused_sdp_choice(cpu_alias(q), cpu_alias(k), cpu_alias(v),
+                               m.defined() ? std::optional<at::Tensor>(m) : std::nullopt, dropout_p, is_causal,
+                               scale);
+}
+#endif
+
 // ---- explicit kernels -------------------------------------------------------------------------------
 at::Tensor sim_empty(c10::IntArrayRef size, std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
                      std::optional<c10::Device>, std::optional<bool>,
@@ -528,6 +583,7 @@ const at::Tensor& sim_resize(const at::Tensor& self, c10::IntArrayRef size,
 }
 
 at::Tensor sim_copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+  backward_here();
   at::Tensor d = is_sim(dst) ? cpu_alias(dst) : dst;
   at::Tensor s = is_sim(self) ? cpu_alias(self) : self;
   d.copy_(s);
@@ -607,6 +663,12 @@ void reset_peak() {
   g_pinned_peak = g_pinned_live;
 }
 int64_t counted_bytes(int64_t nbytes) { return rounded(nbytes); }
+// [Note: a backward on the calling thread]: from now on, in every thread that touches the stand-in.
+void run_backward_on_caller_threads() {
+  g_backward_on_caller.store(true);
+  backward_here();
+}
+bool backward_on_caller_threads() { return g_backward_on_caller.load(); }
 
 // A CPU tensor of nbytes bytes of the stand-in's pinned host memory. Where CUDA is available,
 // torch.empty(..., pin_memory=True) pins with CUDA's allocator, which the stand-in neither counts nor reports
@@ -665,6 +727,10 @@ Registrations g_registrations;
 
 }  // namespace
 
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &sim_fused_sdp_choice);
+}  // namespace at::native
+
 TORCH_LIBRARY(memsched_sim, m) {
   m.def("stats() -> int[]", &stats);
   m.def("set_capacity(int bytes) -> ()", &set_capacity);
@@ -676,6 +742,8 @@ TORCH_LIBRARY(memsched_sim, m) {
   m.def("counted_bytes(int nbytes) -> int", &counted_bytes);
   m.def("pinned_empty(int nbytes) -> Tensor", &pinned_empty);
   m.def("use_cpu_numerics() -> ()", &use_cpu_numerics);
+  m.def("run_backward_on_caller_threads() -> ()", &run_backward_on_caller_threads);
+  m.def("backward_on_caller_threads() -> bool", &backward_on_caller_threads);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {

@@ -66,16 +66,18 @@ def _missing_tools() -> list[str]:
 
 def load(*, check_autograd: bool = True) -> None:
     """Build (first use) or load the backend and register it as ``torch.device("sim")`` (idempotent,
-    thread-safe). ``check_autograd``: run one backward on the device to check that autograd can (it sizes
-    its device threads at the process's first backward); ``False`` in a process that forks workers which
-    use autograd (a fork server), since autograd refuses to run in a process forked after its threads
-    started.
+    thread-safe). ``check_autograd``: run one backward on the device, so that autograd can: where the
+    process's first backward ran before the stand-in could reserve its autograd queue, the stand-in's
+    backward runs on the calling thread from then on ([Note: a backward on the stand-in, in any load
+    order]); ``False`` in a process that forks workers which use autograd (a fork server), since autograd
+    refuses to run in a process forked after its threads started.
 
     Raises:
         SimBackendBuildError: no C++ compiler or ninja (the message says which command installs it), or the
             build failed (the compiler's output is in the message).
         RuntimeError: this process already renamed the PrivateUse1 backend to another name, or it already
-            uses CUDA (see [Note: one accelerator per process]).
+            uses CUDA (see [Note: one accelerator per process]), or a backward cannot run on the stand-in
+            (:func:`_check_autograd_threads`).
     """
     global _loaded
     if _loaded:
@@ -166,29 +168,114 @@ def check_cuda_autograd() -> None:
             "(device='sim:SIZE')")
 
 
-def _check_autograd_threads() -> None:
-    """Autograd sizes its device threads once, at the process's first backward: a backend registered after
-    that cannot run backward (torch fails with an internal assert). Say so, with the fix.
-
-    Raises:
-        RuntimeError: a backward ran in this process before the stand-in was loaded.
-    """
-    global _autograd_ok
-    if _autograd_ok:
-        return
+def _probe_backward() -> bool:
+    """One backward on the stand-in; ``False`` where autograd has no ready queue for it (torch's internal
+    assert on ``device_ready_queues_``)."""
     x = torch.ones(1, device=NAME, requires_grad=True)
     try:
         (x * 2).sum().backward()
     except RuntimeError as e:
         if "device_ready_queues_" not in str(e):
             raise
-        raise RuntimeError(
-            "memsched's stand-in device (device='sim:SIZE') was loaded after this process ran its first "
-            "backward, and torch's autograd sizes its device threads at the first backward. Load it first: "
-            "call memsched.devices.sim_backend.load() (or memsched.attach with a sim device) before any "
-            "backward in the process") from None
+        return False
+    return True
+
+
+def _check_autograd_threads() -> None:
+    """Make sure a backward runs on the stand-in ([Note: a backward on the stand-in, in any load order]):
+    where autograd made its device queues before the stand-in was registered, its backward runs on the
+    calling thread from now on.
+
+    Raises:
+        RuntimeError: a backward still cannot run on the stand-in (the message says what to do).
+    """
+    global _autograd_ok
+    if _autograd_ok:
+        return
+    if not _probe_backward():
+        torch.ops.memsched_sim.run_backward_on_caller_threads()
+        if not _probe_backward():
+            raise RuntimeError(
+                "memsched's stand-in device (device='sim:SIZE') was loaded after this process ran its first "
+                "backward, and torch's autograd, which makes its device queues at the first backward, cannot "
+                "run a backward over its tensors, not even on the calling thread. Load it first: import "
+                "memsched after torch and before any backward, or call memsched.devices.sim_backend.load() "
+                "first")
     _autograd_ok = True
-    atexit.register(_let_the_device_thread_finish)
+    if not backward_on_caller_threads():
+        atexit.register(_let_the_device_thread_finish)
+
+
+def backward_on_caller_threads() -> bool:
+    """Whether the stand-in's backward runs on the thread that calls it rather than on a device thread of
+    autograd's ([Note: a backward on the stand-in, in any load order]): the stand-in was loaded after the
+    process's first backward."""
+    return _loaded and bool(torch.ops.memsched_sim.backward_on_caller_threads())
+
+
+def run_backward_on_this_thread() -> None:
+    """Let this thread run a backward over stand-in tensors where the stand-in was loaded after the process's
+    first backward (:func:`backward_on_caller_threads`): turns off autograd's multithreading for this thread
+    (``torch.autograd.set_multithreading_enabled(False)``, thread-local). Every thread that computes on the
+    stand-in does so by itself; only a thread that runs a backward over a graph made on another thread,
+    with a gradient made there too, needs to call it. A no-op otherwise."""
+    if backward_on_caller_threads():
+        torch._C._set_multithreading_enabled(False)
+
+
+# [Note: a backward on the stand-in, in any load order]
+# torch's autograd engine makes its per-device ready queues once, at the process's first backward, from the
+# device guards registered then (`Engine::start_device_threads`); a PrivateUse1 guard registered later has no
+# queue, and a backward over its tensors fails inside the engine. Two remedies, in this order:
+# 1. `reserve_autograd_queue` registers a placeholder PrivateUse1 guard (where torch has `torch._C._acc`) as
+#    soon as memsched is imported with torch (`import memsched` after torch, or any memsched module that
+#    imports torch), where no CUDA device exists (CUDA's guard makes the queue for device index 0 already)
+#    and the PrivateUse1 name is free. The first backward then makes a queue for it, and the stand-in, loaded
+#    later, replaces the placeholder with its own guard: torch.accelerator names no accelerator until then.
+#    Like a CUDA machine's, such a process refuses autograd in children it forks after its first backward.
+# 2. Where the first backward ran before that (torch imported and a backward run before memsched was
+#    imported, or torch without `_acc`), the stand-in runs its backward on the thread that calls it, as torch
+#    runs the CPU's: every thread that allocates on the stand-in or runs an op on it turns autograd's
+#    multithreading off for itself (thread-local, `torch.autograd.set_multithreading_enabled(False)`), so a
+#    training thread, the loading thread or any other, runs its backward. The one backward this cannot serve
+#    is on a thread that touched no stand-in tensor before it: `loss.backward(gradient)` over a graph and a
+#    gradient both made on another thread fails inside torch's engine ("device_ready_queues_"); call
+#    `run_backward_on_this_thread()` on that thread first. The flag stays on those threads (it is part of the
+#    device's registration, which cannot be undone); it changes nothing for CPU tensors, whose backward runs
+#    on the calling thread anyway.
+_reserved = False
+_reserved_guard: object = None  # the placeholder guard (kept alive with the process)
+
+
+def reserve_autograd_queue() -> bool:
+    """Register a placeholder PrivateUse1 device guard so that the process's first backward makes an autograd
+    queue for the stand-in, should it be loaded later ([Note: a backward on the stand-in, in any load
+    order]). Cheap; idempotent. Does nothing where the stand-in is loaded, a CUDA device or another
+    accelerator exists, the PrivateUse1 backend has another name, or torch has no ``torch._C._acc``
+    (older torch). Returns whether the placeholder is registered."""
+    global _reserved, _reserved_guard
+    if _reserved or _loaded:
+        return _reserved
+    acc = getattr(torch._C, "_acc", None)
+    register = getattr(acc, "register_python_privateuseone_device_guard", None)
+    if register is None or not hasattr(acc, "DeviceGuard"):
+        return False
+    with _lock:
+        if _reserved or _loaded or torch._C._get_privateuse1_backend_name() != "privateuseone":
+            return _reserved
+        if torch.cuda.device_count() > 0:  # NVML first: does not initialise CUDA
+            return False
+        if _has_accelerator_api() and torch.accelerator.current_accelerator() is not None:
+            return False
+
+        class _PlaceholderGuard(acc.DeviceGuard):  # type: ignore[misc,name-defined]
+            def type_(self) -> object:
+                return torch._C._autograd.DeviceType.PrivateUse1
+
+        _reserved_guard = _PlaceholderGuard()
+        register(_reserved_guard)
+        _reserved = True
+    return True
 
 
 # [Note: the device thread at exit]
@@ -367,3 +454,7 @@ def _device_module() -> types.ModuleType:
         setattr(mod, k, v)
     sys.modules.setdefault("torch.sim", mod)
     return mod
+
+
+# With any memsched module that imports torch ([Note: a backward on the stand-in, in any load order]).
+reserve_autograd_queue()
