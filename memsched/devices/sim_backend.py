@@ -73,8 +73,11 @@ def load(*, check_autograd: bool = True) -> None:
     refuses to run in a process forked after its threads started.
 
     Raises:
-        SimBackendBuildError: no C++ compiler or ninja (the message says which command installs it), or the
-            build failed (the compiler's output is in the message).
+        SimBackendBuildError: no C++ compiler or ninja (the message says which command installs it), the
+            build failed (the compiler's output is in the message), or another process held the build lock
+            longer than :func:`build_wait_seconds` (the message names the lock file, its holder, and what to
+            do; [Note: the build lock]).
+        ValueError: ``MEMSCHED_SIM_BUILD_WAIT`` is not a positive number of seconds.
         RuntimeError: this process already renamed the PrivateUse1 backend to another name, or it already
             uses CUDA (see [Note: one accelerator per process]), or a backward cannot run on the stand-in
             (:func:`_check_autograd_threads`).
@@ -105,12 +108,7 @@ def load(*, check_autograd: bool = True) -> None:
         from torch.utils import cpp_extension
 
         build_dir = Path(cpp_extension._get_build_directory("memsched_sim", verbose=False))
-        try:
-            cpp_extension.load(name="memsched_sim", sources=[str(_SOURCE)], extra_cflags=["-O2"],
-                               is_python_module=False, verbose=False, build_directory=str(build_dir))
-        except (RuntimeError, OSError, ImportError) as e:
-            raise SimBackendBuildError(
-                f"memsched's stand-in device could not be built from {_SOURCE} in {build_dir}: {e}") from e
+        _build_and_load(cpp_extension, build_dir, build_wait_seconds())
         torch.ops.memsched_sim.use_cpu_numerics()
         if current != NAME:
             torch.utils.rename_privateuse1_backend(NAME)
@@ -121,6 +119,239 @@ def load(*, check_autograd: bool = True) -> None:
         _loaded = True
     if check_autograd:
         _check_autograd_threads()
+
+
+# [Note: the build lock]
+# torch's JIT builder serializes processes on a lock file in the build directory (`<build dir>/lock`, a
+# `torch.utils.file_baton.FileBaton`): the first process creates it, runs ninja (a no-op once built) and
+# removes it; the others wait, with no bound, for the file to go. A process killed in between (an interrupted
+# test run, an OOM kill) leaves the file behind, and every later load waited forever at 0% CPU. memsched
+# loads with a baton of its own kind:
+# - a lock file no process holds open (the owner keeps its file descriptor open until it removes the file;
+#   on Linux /proc tells who holds it, elsewhere `lsof`), seen so twice `_STALE_RECHECK_S` apart, is stale:
+#   it is taken over, under an flock of `<build dir>/memsched_takeover.lock` so that two processes never
+#   take over the same lock, one the other's fresh one;
+# - every wait (for the lock, for the takeover flock) ends after `build_wait_seconds()` (the environment's
+#   MEMSCHED_SIM_BUILD_WAIT, default 600 s: a build takes under a minute, on a loaded machine a few) with an
+#   error that names the lock file, its holder, and what to do;
+# - memsched's baton removes the lock file before it closes its descriptor, so a lock file that exists is
+#   always held while its owner lives.
+# torch's builder looks up `FileBaton` in `torch.utils.cpp_extension` at each build, so memsched swaps in its
+# baton for the duration of its own load only (under this module's lock) and puts torch's back.
+_DEFAULT_BUILD_WAIT_S = 600.0
+_STALE_RECHECK_S = 0.3
+_HOLDERS_EVERY_S = 1.0
+
+
+def build_wait_seconds() -> float:
+    """How long a load waits for another process's build of the stand-in, seconds: the environment's
+    ``MEMSCHED_SIM_BUILD_WAIT`` (default 600) ([Note: the build lock]).
+
+    Raises:
+        ValueError: ``MEMSCHED_SIM_BUILD_WAIT`` is not a positive number of seconds.
+    """
+    raw = os.environ.get("MEMSCHED_SIM_BUILD_WAIT")
+    if raw is None or raw.strip() == "":
+        return _DEFAULT_BUILD_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"MEMSCHED_SIM_BUILD_WAIT={raw!r}: expected a positive, finite number of seconds "
+                         "to wait for another process's build of the stand-in (default 600)")
+    return value
+
+
+def lock_holders(path: str | os.PathLike[str]) -> list[int] | None:
+    """The ids of the processes that hold ``path`` open (the build lock's owner keeps it open), or ``None``
+    where this system cannot tell (no /proc and no ``lsof``, or a process of the file's owner that may not
+    be inspected). ``[]`` when the file does not exist."""
+    path = os.path.realpath(path)
+    try:
+        owner_uid = os.stat(path).st_uid
+    except FileNotFoundError:
+        return []
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return _lsof_holders(path)
+    holders: list[int] = []
+    unknown = False
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(entry / "fd")
+        except PermissionError:
+            try:  # another user's process cannot hold a file of ours; one of the same user might
+                unknown = unknown or entry.stat().st_uid == owner_uid
+            except OSError:
+                pass
+            continue
+        except OSError:  # gone meanwhile
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(entry / "fd" / fd)
+            except OSError:
+                continue
+            if target == path:
+                holders.append(int(entry.name))
+                break
+    return None if unknown and not holders else holders
+
+
+def _lsof_holders(path: str) -> list[int] | None:
+    lsof = shutil.which("lsof")
+    if lsof is None:
+        return None
+    import subprocess
+
+    try:
+        done = subprocess.run([lsof, "-t", "--", path], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode not in (0, 1):
+        return None
+    return [int(x) for x in done.stdout.split() if x.isdigit()]
+
+
+def _describe(pids: list[int] | None) -> str:
+    """``process 123 (python -m pytest ...)`` for the lock's holders, as far as this system tells."""
+    if pids is None:
+        return "an owner this system cannot name"
+    if not pids:
+        return "no process (its owner is gone)"
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = ""
+        cmd = cmd.strip()
+        out.append(f"process {pid}" + (f" ({cmd[:120]})" if cmd else ""))
+    return ", ".join(out)
+
+
+class _StaleLock(Exception):
+    """The build lock's owner went away while this process waited: load again (and take it over)."""
+
+
+def _lock_inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _is_stale(path: str) -> bool:
+    """The lock file exists and no process holds it, seen twice ``_STALE_RECHECK_S`` apart (the same file)."""
+    first = _lock_inode(path)
+    if first is None or lock_holders(path) != []:
+        return False
+    time.sleep(_STALE_RECHECK_S)
+    return _lock_inode(path) == first and lock_holders(path) == []
+
+
+def _bounded_baton(deadline: float) -> type:
+    """A ``FileBaton`` whose waits end at ``deadline`` (``time.monotonic()``) and which takes over a stale
+    lock ([Note: the build lock])."""
+    from torch.utils.file_baton import FileBaton
+
+    def timeout_error(lock: str, what: str) -> SimBackendBuildError:
+        return SimBackendBuildError(
+            f"memsched's stand-in device: gave up after waiting {build_wait_seconds():.0f} s for {what} "
+            f"{lock}, held by {_describe(lock_holders(lock))}. A build of the stand-in takes under a minute "
+            "(a few on a loaded machine). If that process is stuck, end it; if no build is running, delete "
+            f"{lock}; to wait longer, set MEMSCHED_SIM_BUILD_WAIT=SECONDS")
+
+    class Baton(FileBaton):  # type: ignore[misc,valid-type]
+        def try_acquire(self) -> bool:
+            if super().try_acquire():
+                return True
+            with self._takeover_mutex():
+                if not _is_stale(self.lock_file_path):
+                    return False
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.lock_file_path)
+                return bool(super().try_acquire())
+
+        def wait(self) -> None:
+            last_check = time.monotonic()
+            while os.path.exists(self.lock_file_path):
+                now = time.monotonic()
+                if now >= deadline:
+                    raise timeout_error(self.lock_file_path, "torch's build lock")
+                if now - last_check >= _HOLDERS_EVERY_S:
+                    last_check = now
+                    if _is_stale(self.lock_file_path):
+                        raise _StaleLock(self.lock_file_path)
+                time.sleep(min(self.wait_seconds, max(0.0, deadline - now)))
+
+        def release(self) -> None:  # the file goes before the descriptor that marks it held
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.lock_file_path)
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+        @contextlib.contextmanager
+        def _takeover_mutex(self) -> Iterator[None]:
+            try:
+                import fcntl
+            except ImportError:  # no flock here: no takeover either
+                yield
+                return
+            path = os.path.join(os.path.dirname(self.lock_file_path), "memsched_takeover.lock")
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise timeout_error(path, "the takeover lock") from None
+                        time.sleep(0.05)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
+
+    return Baton
+
+
+def _build_and_load(cpp_extension: types.ModuleType, build_dir: Path, wait_s: float) -> None:
+    """``cpp_extension.load`` of the stand-in with memsched's baton ([Note: the build lock]).
+
+    Raises:
+        SimBackendBuildError: the build failed, or the wait for another process's build ran out.
+    """
+    deadline = time.monotonic() + wait_s
+    original = cpp_extension.FileBaton
+    cpp_extension.FileBaton = _bounded_baton(deadline)
+    try:
+        for _attempt in range(3):
+            try:
+                cpp_extension.load(name="memsched_sim", sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                                   is_python_module=False, verbose=False, build_directory=str(build_dir))
+                return
+            except _StaleLock:
+                # the owner died mid-build: load again and take its lock over; torch's builder would take
+                # the build as done by this process (its in-process version record), so forget that first
+                versions = getattr(cpp_extension, "JIT_EXTENSION_VERSIONER", None)
+                getattr(versions, "entries", {}).pop("memsched_sim", None)
+            except SimBackendBuildError:
+                raise
+            except (RuntimeError, OSError, ImportError) as e:
+                raise SimBackendBuildError(f"memsched's stand-in device could not be built from {_SOURCE} in "
+                                           f"{build_dir}: {e}") from e
+        raise SimBackendBuildError(
+            f"memsched's stand-in device: the build lock {build_dir / 'lock'} was left behind three times in "
+            "a row by processes that ended mid-build; load again, or delete the lock file if no build is "
+            "running")
+    finally:
+        cpp_extension.FileBaton = original
 
 
 # [Note: one accelerator per process]
