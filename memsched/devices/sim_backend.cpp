@@ -26,12 +26,12 @@
 #include <ATen/ops/view_native.h>
 #include <c10/core/AutogradState.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/version.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/library.h>
-#include <torch/version.h>
 
 #include <atomic>
 #include <cstring>
@@ -41,6 +41,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <unordered_map>
+
+// [Note: the stand-in's allocator and torch.accelerator]
+// From torch 2.9 torch.accelerator's memory functions (memory_allocated, empty_cache, memory_stats, ...) ask
+// the device's allocator, which must be a c10::DeviceAllocator; before, it is a plain c10::Allocator and
+// those functions do not exist.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
+#define MEMSCHED_SIM_DEVICE_ALLOCATOR 1
+#include <c10/core/CachingDeviceAllocator.h>
+#endif
 
 namespace {
 
@@ -60,6 +69,12 @@ int64_t g_live = 0, g_peak = 0, g_allocs = 0;
 // parameters), and the peak of live minus those: the peak of what stays.
 int64_t g_moving = 0, g_peak_fixed = 0;
 int64_t g_pinned_live = 0, g_pinned_peak = 0;
+// What torch.accelerator.memory_stats reports besides: live blocks and their peak, running totals of blocks
+// and bytes allocated and freed, the bytes requested (not rounded), out-of-memory errors.
+int64_t g_blocks = 0, g_peak_blocks = 0, g_blocks_total = 0, g_blocks_freed = 0;
+int64_t g_bytes_total = 0, g_bytes_freed = 0;
+int64_t g_req_live = 0, g_req_peak = 0, g_req_total = 0, g_req_freed = 0;
+int64_t g_ooms = 0;
 
 // Allocations made inside begin_uncounted()/end_uncounted() are not counted (a reference computation kept
 // beside a scheduler's data on the stand-in). The mark is thread-local debug info, which autograd carries to
@@ -133,6 +148,7 @@ void count(int64_t bytes, int64_t requested) {
   std::lock_guard<std::mutex> lock(g_mu);
   int64_t cap = g_capacity.load();
   if (g_live + bytes > cap) {
+    ++g_ooms;
     TORCH_CHECK_WITH(OutOfMemoryError, false,
         fmt("sim out of memory: tried to allocate %s on the stand-in device sim:0 with %s allocated of a "
             "capacity of %s; free %s", fmt_both(requested).c_str(), fmt_both(g_live).c_str(),
@@ -142,12 +158,25 @@ void count(int64_t bytes, int64_t requested) {
   ++g_allocs;
   if (g_live > g_peak) g_peak = g_live;
   if (g_live - g_moving > g_peak_fixed) g_peak_fixed = g_live - g_moving;
+  ++g_blocks;
+  ++g_blocks_total;
+  if (g_blocks > g_peak_blocks) g_peak_blocks = g_blocks;
+  g_bytes_total += bytes;
+  g_req_live += requested;
+  g_req_total += requested;
+  if (g_req_live > g_req_peak) g_req_peak = g_req_live;
 }
 
-void uncount(int64_t bytes) {
+// `bytes` (as counted) and `requested` (as asked for) fewer on the device.
+void uncount(int64_t bytes, int64_t requested) {
   if (bytes == 0) return;
   std::lock_guard<std::mutex> lock(g_mu);
   g_live -= bytes;
+  --g_blocks;
+  ++g_blocks_freed;
+  g_bytes_freed += bytes;
+  g_req_live -= requested;
+  g_req_freed += requested;
 }
 
 // Large buffers (device and pinned) are mapped pages of their own, given back to the OS when freed, as GPU
@@ -191,11 +220,17 @@ struct Block {
 void free_block(void* ctx) {
   auto* b = static_cast<Block*>(ctx);
   host_free(b->ptr, b->n);
-  uncount(b->counted);
+  uncount(b->counted, b->counted == 0 ? 0 : static_cast<int64_t>(b->n));
   delete b;
 }
 
-struct SimAllocator final : c10::Allocator {
+#ifdef MEMSCHED_SIM_DEVICE_ALLOCATOR
+using SimAllocatorBase = c10::DeviceAllocator;
+#else
+using SimAllocatorBase = c10::Allocator;
+#endif
+
+struct SimAllocator final : SimAllocatorBase {
   c10::DataPtr allocate(size_t n) override {
     backward_here();
     int64_t counted = uncounted_now() ? 0 : rounded(static_cast<int64_t>(n));
@@ -204,7 +239,7 @@ struct SimAllocator final : c10::Allocator {
     try {
       p = host_alloc(n);
     } catch (...) {
-      uncount(counted);
+      uncount(counted, counted == 0 ? 0 : static_cast<int64_t>(n));
       throw;
     }
     return {p, new Block{p, n, counted}, &free_block, kSimDevice};
@@ -213,17 +248,70 @@ struct SimAllocator final : c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
+#ifdef MEMSCHED_SIM_DEVICE_ALLOCATOR
+  // [Note: the stand-in's allocator and torch.accelerator]. Nothing is cached: a freed block goes back at
+  // once, so reserved bytes are allocated bytes and empty_cache has nothing to release.
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {}
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}  // one synchronous stream
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override;
+  void resetAccumulatedStats(c10::DeviceIndex) override;
+  void resetPeakStats(c10::DeviceIndex) override;
+  // (free, total) bytes: the capacity less what is allocated (torch.accelerator.get_memory_info, newer torch)
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const int64_t cap = g_capacity.load();
+    return {static_cast<size_t>(cap > g_live ? cap - g_live : 0), static_cast<size_t>(cap)};
+  }
+#endif
 };
 SimAllocator g_alloc;
+
+#ifdef MEMSCHED_SIM_DEVICE_ALLOCATOR
+c10::CachingDeviceAllocator::DeviceStats SimAllocator::getDeviceStats(c10::DeviceIndex) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto set = [](auto& st, int64_t current, int64_t peak, int64_t allocated, int64_t freed) {
+    st.current = current;
+    st.peak = peak;
+    st.allocated = allocated;
+    st.freed = freed;
+  };
+  c10::CachingDeviceAllocator::DeviceStats out;
+  constexpr size_t all = 0;  // StatType::AGGREGATE, "all" in memory_stats (no small and large pools here)
+  for (auto* counts : {&out.allocation, &out.segment, &out.active}) {
+    set((*counts)[all], g_blocks, g_peak_blocks, g_blocks_total, g_blocks_freed);
+  }
+  for (auto* bytes : {&out.allocated_bytes, &out.reserved_bytes, &out.active_bytes}) {
+    set((*bytes)[all], g_live, g_peak, g_bytes_total, g_bytes_freed);
+  }
+  set(out.requested_bytes[all], g_req_live, g_req_peak, g_req_total, g_req_freed);
+  out.num_ooms = g_ooms;
+  out.num_device_alloc = g_blocks_total;
+  out.num_device_free = g_blocks_freed;
+  return out;
+}
+
+void reset_accumulated();
+void SimAllocator::resetAccumulatedStats(c10::DeviceIndex) { reset_accumulated(); }
+
+void SimAllocator::resetPeakStats(c10::DeviceIndex) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_peak = g_live;
+  g_peak_fixed = g_live - g_moving;
+  g_peak_blocks = g_blocks;
+  g_req_peak = g_req_live;
+}
+#endif
 
 // Memory a CPU kernel allocated, now owned by a device tensor: counted from adoption to release.
 struct Adopted {
   c10::Storage cpu;
   int64_t counted;
+  int64_t requested;
 };
 void free_adopted(void* ctx) {
   auto* a = static_cast<Adopted*>(ctx);
-  uncount(a->counted);
+  uncount(a->counted, a->requested);
   delete a;
 }
 
@@ -323,6 +411,8 @@ struct SimGuard final : c10::impl::DeviceGuardImplInterface {
   void synchronizeEvent(void*) const override {}
   void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
   double elapsedTime(void*, void*, const c10::DeviceIndex) const override { return 0.0; }
+  // torch.accelerator.synchronize (newer torch; no `override`, so older torch, without it, builds too)
+  void synchronizeDevice(const c10::DeviceIndex) const {}
 };
 C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuard);
 
@@ -373,7 +463,7 @@ at::Tensor adopt(const at::Tensor& cpu) {
   int64_t nbytes = static_cast<int64_t>(st.nbytes());
   int64_t counted = uncounted_now() ? 0 : rounded(nbytes);
   count(counted, nbytes);
-  auto* a = new Adopted{st, counted};
+  auto* a = new Adopted{st, counted, counted == 0 ? 0 : nbytes};
   c10::Storage dev(c10::Storage::use_byte_size_t(), st.nbytes(),
                    c10::DataPtr(st.mutable_data(), a, &free_adopted, kSimDevice), &g_alloc, true);
   return with_geometry(std::move(dev), cpu);
@@ -633,7 +723,13 @@ bool sim_compatible(const at::Tensor& self, const at::Tensor& from) {
 std::vector<int64_t> stats() {
   std::lock_guard<std::mutex> lock(g_mu);
   return {g_live, g_peak, g_capacity.load(), g_allocs, g_pinned_live, g_pinned_peak, g_host_capacity.load(),
-          g_round, g_moving, g_peak_fixed};
+          g_round, g_moving, g_peak_fixed, g_blocks, g_peak_blocks, g_blocks_total, g_blocks_freed,
+          g_bytes_total, g_bytes_freed, g_req_live, g_req_peak, g_req_total, g_req_freed, g_ooms};
+}
+void reset_accumulated() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_blocks_total = g_blocks_freed = g_bytes_total = g_bytes_freed = g_req_total = g_req_freed = 0;
+  g_ooms = 0;
 }
 void begin_uncounted() {
   g_uncounted_guards.push_back(std::make_unique<c10::DebugInfoGuard>(c10::DebugInfoKind::TEST_INFO_2,
@@ -661,6 +757,8 @@ void reset_peak() {
   g_peak = g_live;
   g_peak_fixed = g_live - g_moving;
   g_pinned_peak = g_pinned_live;
+  g_peak_blocks = g_blocks;
+  g_req_peak = g_req_live;
 }
 int64_t counted_bytes(int64_t nbytes) { return rounded(nbytes); }
 // [Note: a backward on the calling thread]: from now on, in every thread that touches the stand-in.
@@ -736,6 +834,7 @@ TORCH_LIBRARY(memsched_sim, m) {
   m.def("set_capacity(int bytes) -> ()", &set_capacity);
   m.def("set_host_capacity(int bytes) -> ()", &set_host_capacity);
   m.def("reset_peak() -> ()", &reset_peak);
+  m.def("reset_accumulated() -> ()", &reset_accumulated);
   m.def("move(int bytes) -> ()", &move);
   m.def("begin_uncounted() -> ()", &begin_uncounted);
   m.def("end_uncounted() -> ()", &end_uncounted);

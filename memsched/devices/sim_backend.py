@@ -609,8 +609,47 @@ def uncounted() -> Iterator[None]:
 
 
 def reset_peak_memory_stats(device: object = None) -> None:
-    """Restart both peaks from the bytes live now."""
+    """Restart the peaks (device bytes, blocks, requested bytes, the fixed bytes, pinned bytes) from what is
+    live now. ``torch.accelerator.reset_peak_memory_stats()`` restarts the device's only, as CUDA's."""
     torch.ops.memsched_sim.reset_peak()
+
+
+def memory_reserved(device: object = None) -> int:
+    """Bytes the stand-in holds for tensors, as ``torch.cuda.memory_reserved``: it caches nothing (a freed
+    block goes back at once), so this is :func:`memory_allocated`."""
+    return memory_allocated(device)
+
+
+def max_memory_reserved(device: object = None) -> int:
+    """Peak of :func:`memory_reserved` since the last :func:`reset_peak_memory_stats`, bytes."""
+    return max_memory_allocated(device)
+
+
+def empty_cache() -> None:
+    """As ``torch.cuda.empty_cache``: the stand-in caches no freed memory, so there is nothing to release."""
+
+
+def memory_stats(device: object = None) -> dict[str, int]:
+    """The stand-in's allocator statistics under ``torch.cuda.memory_stats``'s names (the ``all`` pool; the
+    stand-in has no small and large pools): ``allocation``/``segment``/``active`` (blocks) and
+    ``allocated_bytes``/``reserved_bytes``/``active_bytes``/``requested_bytes`` (bytes), each with
+    ``.current``, ``.peak``, ``.allocated`` and ``.freed``; ``num_ooms``. Uncounted allocations
+    (:func:`uncounted`) are left out."""
+    s = _stats()
+    out: dict[str, int] = {}
+    blocks, nbytes, requested = (s[10], s[11], s[12], s[13]), (s[0], s[1], s[14], s[15]), s[16:20]
+    for name, values in (("allocation", blocks), ("segment", blocks), ("active", blocks),
+                         ("allocated_bytes", nbytes), ("reserved_bytes", nbytes), ("active_bytes", nbytes),
+                         ("requested_bytes", requested)):
+        for field, v in zip(("current", "peak", "allocated", "freed"), values, strict=True):
+            out[f"{name}.all.{field}"] = int(v)
+    out["num_ooms"] = int(s[20])
+    return dict(sorted(out.items()))
+
+
+def reset_accumulated_memory_stats(device: object = None) -> None:
+    """Restart the running totals (``.allocated``, ``.freed``, ``num_ooms``) of :func:`memory_stats`."""
+    torch.ops.memsched_sim.reset_accumulated()
 
 
 def set_capacity(nbytes: int) -> None:
@@ -629,7 +668,8 @@ def counted_bytes(nbytes: int) -> int:
 
 
 def mem_get_info(device: object = None) -> tuple[int, int]:
-    """``(free, total)`` bytes, as ``torch.cuda.mem_get_info``."""
+    """``(free, total)`` bytes, as ``torch.cuda.mem_get_info``: total is the capacity in force (``2**63 - 1``
+    while no scheduler caps the stand-in)."""
     s = _stats()
     return max(0, s[2] - s[0]), s[2]
 
@@ -658,7 +698,7 @@ def _device_module() -> types.ModuleType:
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": lambda device: None,
-        "synchronize": lambda device=None: None,
+        "synchronize": lambda device=None: None,  # copies and kernels are synchronous
         "is_initialized": lambda: True,
         "_is_in_bad_fork": lambda: False,
         "_lazy_init": lambda: None,
@@ -674,6 +714,11 @@ def _device_module() -> types.ModuleType:
         "memory_allocated": memory_allocated,
         "max_memory_allocated": max_memory_allocated,
         "reset_peak_memory_stats": reset_peak_memory_stats,
+        "memory_reserved": memory_reserved,
+        "max_memory_reserved": max_memory_reserved,
+        "memory_stats": memory_stats,
+        "reset_accumulated_memory_stats": reset_accumulated_memory_stats,
+        "empty_cache": empty_cache,
         "mem_get_info": mem_get_info,
         # One synchronous stream (torch.distributed.checkpoint asks the accelerator's module for these).
         "current_stream": lambda device=None: _STREAM,
