@@ -58,6 +58,7 @@ from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
 from memsched.planning.plan_check import PlanCheck, check_plan
 from memsched.planning.planner import Planner, check_host_room
 from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, oom_bytes, unfittable_message
+from memsched.runtime.move_guard import MoveGuard
 from memsched.runtime.param_fetch import ParamFetcher
 from memsched.runtime.waits import H2DWaits
 from memsched.runtime.warmup import WarmupTrace
@@ -74,6 +75,61 @@ def _check_not_meta(model: torch.nn.Module) -> None:
         if t.device.type == "meta":
             raise ValueError(f"{name!r} is on the meta device: materialise the model first (e.g. "
                              "model.to_empty(device='cpu') and initialise it) before memsched.attach")
+
+
+def cast_to_compute_dtype(model: torch.nn.Module, trainable: Iterable[torch.nn.Parameter],
+                          dtype: torch.dtype) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """Under ``attach(dtype=torch.bfloat16 or torch.float16)`` the frozen floating-point parameters and the
+    floating-point buffers of ``model`` take the compute ``dtype``, as ``model.to(dtype)`` converts them (the
+    trainable ones become chunk views of that dtype): a frozen block (a LoRA base, a frozen encoder) then
+    computes with the trainable ones instead of failing with torch's "expected scalar type" inside the
+    forward, and the run equals the torch reference of a ``model.to(dtype)`` model with fp32 masters. Tensor
+    subclasses (a quantized weight) and float8 tensors keep their own dtype, as memsched never converts a
+    value it cannot hold exactly in its chunks; integer and complex tensors are not touched
+    (``model.to`` leaves integers too).
+
+    Returns:
+        ``(module, name, old tensor)`` for each converted parameter or buffer, to undo a refused attach
+        (:func:`restore_dtypes`).
+    """
+    if dtype == torch.float32:
+        return []
+    given = {id(p) for p in trainable}
+    done: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+    converted: dict[int, torch.Tensor] = {}  # a tied tensor converts once
+
+    def convertible(t: torch.Tensor) -> bool:
+        return (type(t.data) is torch.Tensor and t.dtype in (torch.float32, torch.float64, torch.float16,
+                                                              torch.bfloat16) and t.dtype != dtype)
+
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in module._parameters.items():
+                if p is None or id(p) in given or p.requires_grad or not convertible(p):
+                    continue
+                if id(p) not in converted:
+                    converted[id(p)] = p.data
+                    p.data = p.data.to(dtype)
+                    done.append((module, name, converted[id(p)]))
+            for name, b in module._buffers.items():
+                if b is None or not convertible(b):
+                    continue
+                new = converted.get(id(b))
+                if new is None:
+                    new = converted[id(b)] = b.to(dtype)
+                module._buffers[name] = new
+                done.append((module, name, b))
+    return done
+
+
+def restore_dtypes(done: list[tuple[torch.nn.Module, str, torch.Tensor]]) -> None:
+    """Undo :func:`cast_to_compute_dtype` (a refused attach leaves the model as it was)."""
+    with torch.no_grad():
+        for module, name, old in reversed(done):
+            if name in module._parameters:
+                module._parameters[name].data = old
+            else:
+                module._buffers[name] = old
 
 
 class Scheduler:
@@ -110,12 +166,18 @@ class Scheduler:
         self.plan_check: PlanCheck | None = None
         groups = config.adamw.groups
         trainable = [p for g in groups for p in g["params"]]
+        cast = cast_to_compute_dtype(model, trainable, config.compute_dtype)  # as model.to(dtype) would
         # frozen parameters are model data too: chunks of their own, placed by the plan (issue 31)
         frozen = frozen_params(model, trainable, config.compute_dtype)
-        claim(model, trainable + frozen)
+        try:
+            claim(model, trainable + frozen)
+        except BaseException:
+            restore_dtypes(cast)
+            raise
         try:
             self._build(model, config, groups, frozen)
         except BaseException:
+            restore_dtypes(cast)
             # A refused attach leaves nothing installed: hooks on the parameters would keep the chunks (and
             # their device memory) alive with the model. The parameters keep their values, in the chunks.
             installed = getattr(self, "_installed", None)
@@ -223,12 +285,14 @@ class Scheduler:
                 self.store.fetch_between = weak_method(self.params.fetch_between)
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates, params=self.params)
-        self.warmup = WarmupTrace(model, self.optimizer, self.device)
+        self.warmup = WarmupTrace(model, self.optimizer, self.device, host_memory=self.store.in_host_memory)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
         # can be removed without mutating the dict torch is iterating.
         installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
         installed.add_handle(model.register_state_dict_post_hook(own_storage_entries))
+        kinds = {(self.compute_dtype, tdev)}  # every chunked parameter reads as this, wherever it lives
+        installed.add_handle(MoveGuard(model, lambda: kinds))  # model.cpu() etc. refused at the move
         self._waits_forced = False  # _install_h2d_waits: the waits stay whatever the plan
         self.waits = H2DWaits(model, self.store, self.streams, self.optimizer.host_updates,
                               self.optimizer.timeline, drain_after_forward=self.dp.world > 1,

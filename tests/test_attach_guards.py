@@ -54,12 +54,13 @@ def test_a_failed_attach_leaves_the_parameters_free():
         pass
 
 
-# A change of memory format alone is followed (tests/test_memory_format.py), not refused.
-@pytest.mark.parametrize("change, match", [
-    (lambda m: m.double(), "dtype changed from torch.float32 to torch.float64"),
-    (lambda m: setattr(m.head.weight, "data", m.head.weight.data.clone()), "got new storage"),
-])
-def test_a_parameter_converted_after_attach_is_refused_at_the_next_step(change, match):
+# A change of memory format alone is followed (tests/test_memory_format.py), not refused. A module conversion
+# is refused at the move itself (memsched.runtime.move_guard); a new storage set by hand at the next step.
+@pytest.mark.parametrize("change, match, at_once", [
+    (lambda m: m.double(), "from torch.float32 to torch.float64", True),
+    (lambda m: setattr(m.head.weight, "data", m.head.weight.data.clone()), "got new storage", False),
+], ids=["double", "new-storage"])
+def test_a_parameter_converted_after_attach_is_refused(change, match, at_once):
     model = ConvNet()
     x = torch.randn(2, 3, 8, 8).to(SIM)
     with memsched.attach(model, device="sim:64MiB") as sched:
@@ -67,8 +68,9 @@ def test_a_parameter_converted_after_attach_is_refused_at_the_next_step(change, 
         with torch.no_grad(), sched.sim.paused():
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             state = sched.optimizer.state_dict()
-        change(model)
         with pytest.raises(RuntimeError, match=match):
+            change(model)
+            assert not at_once
             sched.optimizer.step()
         with sched.sim.paused():  # refused before any write
             after = sched.optimizer.state_dict()
@@ -86,20 +88,21 @@ def test_a_parameter_converted_after_attach_is_refused_at_the_next_step(change, 
     (lambda m: m.bfloat16(), torch.bfloat16),
 ], ids=["double", "to-float64", "half", "bfloat16"])
 @pytest.mark.parametrize("device, steps_before", [("sim:64MiB", 0), ("sim:64MiB", 2), ("cpu", 1)])
-def test_a_dtype_conversion_after_attach_is_refused_at_the_next_forward(convert, dtype, device, steps_before):
-    """Converting the model's dtype after attach is refused by memsched at the next forward, naming memsched
-    and the fix, before autograd fails with torch's ``grad_dtype`` error; close() and re-attach then works."""
+def test_a_dtype_conversion_after_attach_is_refused_at_the_move(convert, dtype, device, steps_before):
+    """Converting the model's dtype after attach is refused by memsched at the conversion itself, naming
+    memsched and the fix, before anything converts (autograd would fail with torch's ``grad_dtype`` error);
+    close() and re-attach then works."""
     model = ConvNet()
     x = torch.randn(2, 3, 8, 8).to(SIM if device.startswith("sim") else "cpu")
     with memsched.attach(model, device=device) as sched:
         for _ in range(steps_before):
             step(sched, model, x)
-        convert(model)
-        with pytest.raises(RuntimeError, match=rf"dtype changed from torch.float32 to {dtype} after "
-                                               r"memsched.attach") as e:
-            model(x.to(dtype))
+        with pytest.raises(RuntimeError, match=rf"from torch.float32 to {dtype}") as e:
+            convert(model)
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing converted
+        step(sched, model, x)  # and training goes on
         message = str(e.value)
-        assert "parameter 'body.0.weight'" in message
+        assert "module 'ConvNet'" in message
         assert "dtype= to memsched.attach" in message and "close() the scheduler" in message
         assert ("float64 is not supported" in message) == (dtype == torch.float64)
     model.float()  # the fix the message gives: close, convert (to a supported dtype), attach again

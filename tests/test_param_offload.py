@@ -340,7 +340,7 @@ def test_bit_exact_with_half_the_parameters_on_the_host_on_a_device_with_copy_st
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             sched.optimizer.step()
             sched.optimizer.zero_grad()
-            ref.step(micro, loss_fn, CLIP, on_host=on_host, clip_on_host=True)
+            ref.step(micro, loss_fn, CLIP, on_host=on_host)  # the clip over device-typed gradients
             sched.synchronize()
             assert_same(model, ref, f"step {step}", optimizer=sched.optimizer)
         assert sched.plan.param_host_chunks and sched.params.stats["fetches"] > 0

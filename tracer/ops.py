@@ -124,3 +124,33 @@ def _torch_exit(mode: Any) -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     TorchDispatchMode.__exit__(mode, None, None, None)
+
+
+# Torch functions that look at a tensor without reading its elements: bookkeeping (a tracer's accounting, a
+# saved-tensor hook, ``p.grad``) is no read. Properties arrive as their getter (``__get__``), named by the
+# descriptor; ``.data``, ``.T`` and the like are views of the elements: reads.
+_METADATA_METHODS = frozenset({
+    "untyped_storage", "data_ptr", "numel", "nelement", "size", "dim", "ndimension", "stride",
+    "storage_offset", "element_size", "is_contiguous", "is_pinned", "is_shared", "get_device", "_is_view",
+    "is_floating_point", "is_complex", "has_names", "__hash__", "__len__", "__sizeof__", "__repr__",
+    "__format__", "__reduce_ex__", "register_hook", "register_post_accumulate_grad_hook", "requires_grad_",
+})
+_METADATA_PROPERTIES = frozenset({
+    "grad", "_grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "_version", "layout",
+    "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "names", "_base", "itemsize",
+    "nbytes", "_grad_fn", "output_nr", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__",
+    "__class__", "is_nested", "retains_grad", "_cdata",
+})
+
+
+_SETTABLE = frozenset({"grad", "_grad", "requires_grad"})
+
+
+def is_metadata(func: Any) -> bool:
+    """Whether the torch function ``func`` only looks at a tensor's metadata (no element is read)."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES
+    if name in ("__set__", "__delete__"):  # ``p.grad = None``, ``del p.grad``: the parameter is not read
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _SETTABLE
+    return name in _METADATA_METHODS

@@ -26,6 +26,8 @@ from torch.utils import _pytree as pytree
 
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.sharded_grad import is_sharded
+from memsched.devices.host_alias import settle
+from tracer.ops import is_metadata
 
 
 def _bookkeeping() -> torch._C.DisableTorchFunction:
@@ -49,6 +51,8 @@ class ChunkViews(Protocol):
     fetch_between: Callable[[list[int]], None] | None
 
     def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor: ...
+
+    def user_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor: ...
 
     def data_view(self, p: torch.nn.Parameter) -> torch.Tensor: ...
 
@@ -93,6 +97,8 @@ def _absent_torch_function(cls: type, func: Callable, types: tuple, args: tuple 
     what to do. The check is Python's per call, only for absent parameters, which no forward reads."""
     kwargs = kwargs or {}
     with torch._C.DisableTorchFunctionSubclass():  # this function's own reads (``a.shape``) are not checked
+        if torch._C._current_graph_task_id() != -1 and not is_metadata(func):
+            _refuse_backward_read(func, args, kwargs)
         for a in _tensors(*args, *kwargs.values()) if torch._C._current_graph_task_id() == -1 else ():
             mark = _mark_of(a)
             if mark is None or mark[0] != _ABSENT_KEY:
@@ -108,6 +114,31 @@ def _absent_torch_function(cls: type, func: Callable, types: tuple, args: tuple 
                     "the training thread, between steps after sched.synchronize() (ZeRO-3: inside `with "
                     "sched.gathered_params():`, entered on every rank), or from a copy made there")
         return func(*args, **kwargs)
+
+
+def _refuse_backward_read(func: Callable, args: tuple, kwargs: dict) -> None:
+    """[Note: parameters read in backward]
+    Backward reads a parameter's values through what autograd saved (``ctx.save_for_backward``, the tensors
+    an op saves): memsched's saved-tensor hooks resolve those to the chunk's device buffer, fetched for
+    backward. A parameter object read in backward otherwise (a custom ``torch.autograd.Function`` that keeps
+    it as ``ctx.w = w``, a gradient hook that computes with it) while its chunk is away holds NaN (see [Note:
+    absent parameters]): the gradient would be silently wrong, so the read is refused.
+
+    Raises:
+        RuntimeError: ``func`` reads an absent parameter (names its chunk, shape, and the fix).
+    """
+    for a in _tensors(*args, *kwargs.values()):
+        mark = _mark_of(a)
+        if mark is None or mark[0] != _ABSENT_KEY:
+            continue
+        raise RuntimeError(
+            f"memsched: {getattr(func, '__name__', func)} reads a parameter of chunk {mark[2]} (shape "
+            f"{tuple(a.shape)}) during backward, but its values are not on the device now (its chunk lives "
+            "on the host and was fetched only for the forward's reads and what autograd saved). A custom "
+            "torch.autograd.Function that keeps a parameter on ctx (ctx.w = w) reads it like this: save it "
+            "with ctx.save_for_backward(w) and read it from ctx.saved_tensors, which memsched fetches for "
+            "backward, bit for bit. (Or keep this parameter on the device: policy='cuda', or a "
+            "policy_options offload_param_frac that leaves its chunk resident.)")
 
 
 def _host_torch_function(cls: type, func: Callable, types: tuple, args: tuple = (),
@@ -312,7 +343,7 @@ class ChunkBindings:
         store = self._store
         c = store.param_chunk[id(p)]
         if self.host_bound(c):
-            return store.host_view("data", p, c)
+            return store.user_view("data", p, c)
         return store.data_view(p) if c.data is not None else self.absent_view(p, c)
 
     def absent_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
@@ -362,12 +393,12 @@ class ChunkBindings:
             for p in c.params:
                 present(p)
                 if c.frozen:  # values only: a frozen parameter's .grad is not memsched's
-                    p.data = store.host_view("data", p, c)
+                    p.data = store.user_view("data", p, c)
                     continue
                 self._take_hand_set_grad(p, c)
-                p.data = store.host_view("data", p, c)
+                p.data = store.user_view("data", p, c)
                 kept = id(p) in store.host_grads and c.grad_host is not None
-                p.grad = store.host_view("grad", p, c) if kept else None
+                p.grad = store.user_view("grad", p, c) if kept else None
                 self._versions[id(p)] = p._version
                 _mark(p, _HOST_KEY, self._ref, c.index)  # [Note: graph reads between steps]
         self._set(c, Binding.HOST)
@@ -441,6 +472,7 @@ class ChunkBindings:
             return
         if c.grad is not None and g.untyped_storage().data_ptr() == c.grad.untyped_storage().data_ptr():
             return  # the chunk's own device gradients (offloaded by the store's observers)
+        settle(c.device)  # a device gradient set by hand, computed by kernels still in flight
         if g.is_sparse or g.shape != p.shape:
             raise ValueError(f"a gradient set by hand on a parameter of shape {tuple(p.shape)} in chunk "
                              f"{c.index} has shape {tuple(g.shape)}{' (sparse)' if g.is_sparse else ''}; "
@@ -478,7 +510,7 @@ class ChunkBindings:
                         store.host_view("grad", p, c).copy_(g)
                     store.host_grads.add(id(p))
                     store.with_grad.add(id(p))
-                    p.grad = store.host_view("grad", p, c)
+                    p.grad = store.user_view("grad", p, c)
                 written |= p._version != self._versions.get(id(p), p._version)
             if written:
                 self.take_host_writes(c)
@@ -491,6 +523,7 @@ class ChunkBindings:
         :meth:`memsched.optim.grads.GradChecks.sync_user_param_writes` does), and the device copy is
         refreshed."""
         store = self._store
+        settle(c.device)  # writes made through the user views by device kernels have landed
         store.before_host_write(c)
         c.wait_h2d()
         with store.alloc.host_context():

@@ -19,6 +19,7 @@ from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
 from memsched.chunks.sharded_grad import ShardedGrad, is_sharded
+from memsched.devices.host_alias import device_alias
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
@@ -456,7 +457,7 @@ class ChunkStore:
                         logical = seg.as_strided(p.shape, old).clone()
                         seg.as_strided(p.shape, new).copy_(logical)
                 self._strides[id(p)] = new
-                for key in ("data", "grad", "data@host", "grad@host"):
+                for key in ("data", "grad", "data@host", "grad@host", "data@user", "grad@user"):
                     self._views.pop((key, id(p)), None)
                 values = p.data
                 grad = p.grad.clone() if p.grad is not None else None  # it may alias the slot it goes to
@@ -466,11 +467,11 @@ class ChunkStore:
                     with self.alloc.host_context():
                         hslot = self.host_view("data", p, c)
                         hslot.copy_(values)
-                        p.data = hslot
+                        p.data = self.user_view("data", p, c)
                         if grad is not None:
                             gview = self.host_view("grad", p, c)
                             gview.copy_(grad)
-                            p.grad = gview
+                            p.grad = self.user_view("grad", p, c)
                     self.bindings.note_bound(p)
                     done.append(p)
                     continue
@@ -537,6 +538,22 @@ class ChunkStore:
         off, _n = self.param_range[id(p)]
         v = self.slot(buf, off - c.lo, p)
         self._views[kind + "@host", id(p)] = (buf, v)
+        return v
+
+    def user_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
+        """:meth:`host_view` typed as the compute device (no copy): what a host-bound parameter
+        (``kind="data"``) and its gradient (``"grad"``) are, so that they read where they compute ([Note:
+        parameters read where they compute] in :mod:`memsched.devices.host_alias`). memsched's own host-side
+        work uses :meth:`host_view`."""
+        c = c or self.param_chunk[id(p)]
+        host = self.host_view(kind, p, c)
+        if host.device == c.device or (c.device.type == "cuda" and not host.is_pinned()):
+            return host  # pageable host memory (pin_memory=False) is no device's: the host view itself
+        hit = self._views.get((kind + "@user", id(p)))
+        if hit is not None and hit[0] is host:
+            return hit[1]
+        v = device_alias(host, c.device)
+        self._views[kind + "@user", id(p)] = (host, v)
         return v
 
     def in_host_memory(self, t: torch.Tensor) -> bool:
@@ -1147,13 +1164,16 @@ class ChunkStore:
                 g = p.grad
                 if g is None or id(p) not in self.host_grads:
                     continue
-                hit = self._views.get(("grad@host", id(p)))
+                # p.grad is its user view (a device alias, cached under "grad@user") or, on the CPU device,
+                # the host view itself
+                key = ("grad@user", id(p)) if ("grad@user", id(p)) in self._views else ("grad@host", id(p))
+                hit = self._views.get(key)
                 cached = hit is not None and hit[1] is g
                 if sys.getrefcount(g) > _unheld_grad_refs() - (not cached):
                     with torch.no_grad(), self.alloc.host_context():
                         g.data = g.detach().clone()
                     if cached:
-                        del self._views["grad@host", id(p)]
+                        del self._views[key]
                 del g
 
     def observe_zero_grad(self, observer: Callable[[], None]) -> None:

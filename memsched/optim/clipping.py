@@ -133,20 +133,25 @@ class Clipper:
     def _on_device(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """``grads`` (one chunk's), those off the device replaced by temporary device copies ([Note: norms on
         the device]): one copy per host buffer they view (a chunk's host gradients: one H2D copy of the span
-        they cover, not one per parameter), each gradient then a view of it with its own shape and strides."""
+        they cover, not one per parameter), each gradient then a view of it with its own shape and strides.
+        Host gradients that read as the device ([Note: parameters read where they compute] in
+        :mod:`memsched.devices.host_alias`) are read in place; their span counts as H2D bytes all the same
+        (the link carries them)."""
         device = self._store.alloc.device
         by_storage: dict[int, list[int]] = {}
         for i, g in enumerate(grads):
-            if g.device != device:
+            if g.device != device or device.type != "cpu" and self._store.in_host_memory(g):
                 by_storage.setdefault(g.untyped_storage().data_ptr(), []).append(i)
         out = list(grads)
         for idx in by_storage.values():
             first = grads[idx[0]]
             lo = min(grads[i].storage_offset() for i in idx)
             hi = max(grads[i].storage_offset() + _extent(grads[i]) for i in idx)
-            span = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,)).to(device)
-            if self._transfers is not None:
+            if self._transfers is not None:  # copied, or read in place over the link (a device-typed view)
                 self._transfers.add_h2d((hi - lo) * first.element_size())
+            if first.device == device:  # host memory the device reads in place: no copy
+                continue
+            span = first.new_empty(0).set_(first.untyped_storage(), lo, (hi - lo,), (1,)).to(device)
             for i in idx:
                 g = grads[i]
                 out[i] = span.as_strided(g.shape, g.stride(), g.storage_offset() - lo)

@@ -117,7 +117,7 @@ class GradChecks:
                 if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
                     continue
             dtype = c.dtype  # the gradient buffer's
-            device = c.grad_host.device if host_bound else c.device
+            device = c.device  # a host-bound gradient reads as the compute device too (its user view)
             if g.shape != p.shape or g.device != device or g.dtype != dtype or g.is_sparse:
                 raise ValueError(
                     f"gradient of parameter {self._name(p)} has shape {tuple(g.shape)}, dtype {g.dtype}, "

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memsched.chunks import Chunk, ChunkStore, param_shards
+from memsched.devices import host_alias
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
 from memsched.optim import state_dict as optim_state
@@ -201,6 +202,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.timeline.step_begin()
         self.wait_updates("step()")  # the previous step's overlapped CPU update
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
+        host_alias.settle(self.store.alloc.device)  # kernels that wrote host buffers through user views
         self.store.settle()  # host chunks' gradients on the host (refuses after a backward that failed)
         if self.scaler is not None:
             self.checks.check_scaled_grads()
@@ -228,7 +230,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 view = store.host_view("grad", p) if host_bound else store.grad_view(p)
                 with store.alloc.host_context() if host_bound else contextlib.nullcontext():
                     view.copy_(g)
-                p.grad = view
+                p.grad = store.user_view("grad", p) if host_bound else view
                 with_grad.add(id(p))
                 if host_bound:
                     store.host_grads.add(id(p))

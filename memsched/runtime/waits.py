@@ -40,6 +40,7 @@ from memsched.chunks import ChunkStore
 from memsched.devices.transfers import Streams
 from memsched.optim.host_updates import HostUpdates
 from memsched.planning.first_use import first_use_owners
+from memsched.runtime.device_errors import device_error_hook
 from memsched.runtime.hook_order import add_forward_pre_hook
 from memsched.runtime.read_guard import ReadGuard
 from memsched.teardown import weak_method
@@ -90,6 +91,9 @@ class H2DWaits:
         self._handles.append(add_forward_pre_hook(self.model, begin, prepend=True))
         end = Detachable(lambda _m, _a, output: self._forward_end(output))
         self._handles.append(self.model.register_forward_hook(end, always_call=True))
+        if self.store.alloc.device.type != "cpu":  # an input on another device: memsched's explanation
+            explain = Detachable(device_error_hook(self.store.alloc.device))
+            self._handles.append(self.model.register_forward_hook(explain, always_call=True))
         check = Detachable(lambda *_a: self._check_bound())
         self._handles.append(self.model.register_forward_pre_hook(check))
         bind = Detachable(lambda *_a: self._bind_dropped_grads())

@@ -5,6 +5,7 @@ arXiv 2108.05818 section 5; ColossalAI Gemini's warmup phase)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,8 +30,12 @@ class WarmupTrace:
         timeline: the :class:`tracer.MemoryTimeline` once the trace stopped, else ``None``.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: DeviceSpec) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: DeviceSpec,
+                 host_memory: Callable[[torch.Tensor], bool] | None = None) -> None:
         self._model = model
+        # parameters and gradients that read as the device but are views of host buffers ([Note: parameters
+        # read where they compute] in memsched.devices.host_alias): no device memory
+        self._host_memory = host_memory
         self._optimizer = optimizer
         self._device = device
         # torch.compile: eager while tracing (memsched.runtime.compile_stance)
@@ -48,7 +53,8 @@ class WarmupTrace:
 
         self._eager.start()
         try:
-            tracer = MemoryTracer(self._model, optimizer=self._optimizer, device=self._device.name)
+            tracer = MemoryTracer(self._model, optimizer=self._optimizer, device=self._device.name,
+                                  ignore=self._host_memory)
             tracer.__enter__()
         except BaseException:
             self._eager.stop()
