@@ -42,12 +42,26 @@ def _data(n: int) -> list[torch.Tensor]:
     return [torch.randint(0, 128, (2, 16), generator=g) for _ in range(n)]
 
 
+def _auto_capacity(model: nn.Module) -> int:
+    """Bytes: the peak of non-model data of a plain torch step of a copy of ``model`` on the stand-in (traced),
+    plus a quarter of its parameters and gradients: auto then keeps some chunks' parameters on the host."""
+    from tracer import MemoryTracer
+
+    with uncounted():
+        probe = copy.deepcopy(model).to(SIM)
+        with MemoryTracer(probe) as tracer:
+            _lm(probe, _data(1)[0].to(SIM)).backward()
+    params = sum(p.numel() for p in model.parameters()) * 4
+    return tracer.timeline.peak_non_model_bytes() + (2 * params) // 4
+
+
 def _attach(model: nn.Module, placement: str, **kw) -> memsched.Scheduler:
     if placement == "static":  # half the parameters (and all optimizer state) on the host
         opts = {"policy": "static", "device": "sim:256MiB",
                 "policy_options": {"offload_optim_frac": 1.0, "offload_param_frac": 0.5}}
     else:  # auto on a device that holds a quarter of the model data beside the activations
-        opts = {"policy": "auto", "device": "sim:600KiB", "policy_options": {"warmup_non_model_share": 1.0}}
+        opts = {"policy": "auto", "device": f"sim:{_auto_capacity(model)}B",
+                "policy_options": {"warmup_non_model_share": 1.0}}
     return memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=4096, **opts, **kw)
 
 
