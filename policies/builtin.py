@@ -92,9 +92,10 @@ def _no_room_for_params(p: PlacementProblem, name: str) -> PlacementError:
 def param_offload_order(p: PlacementProblem, *, anchored: bool = True) -> list[int]:
     """The order in which ``auto`` keeps chunks' parameters on the host: the chunks of frozen parameters
     first, then the others, each in first-use order; with ``anchored``, the chunk holding the model's first
-    parameter (:attr:`PlacementProblem.device_anchor`) last, so that ``model.device`` between steps stays the
-    device (code that puts its inputs there keeps working). ``auto`` tries the anchored order first, and the
-    plain one when no anchored plan fits.
+    parameter (:attr:`PlacementProblem.device_anchor`) last, so that the chunk a forward usually reads first
+    (the embedding) needs no fetch there. (Before parameters read as the device wherever they live, this
+    also kept ``model.device`` reading the device.) ``auto`` tries the anchored order first, and the plain one
+    when no anchored plan fits.
 
     Frozen parameters first (issue 31): they cost one H2D copy per read and nothing else, while a trainable
     chunk's parameters on the host add the copy of its updated values, and their gradients must leave the
@@ -147,8 +148,8 @@ def _param_reasons(p: PlacementProblem, params: list[str], sched: ParamSchedule,
         out.append(f"Predicted device peak {fb(peak)} of {fb(p.capacity_bytes)}.")
     if p.device_anchor is not None and params[p.device_anchor] == HOST:
         out.append(f"Chunk {p.device_anchor}, which holds the model's first parameter, is on the host too "
-                   "(no plan keeping it fits): between steps model.device reads the CPU; put inputs on the "
-                   "scheduler's device (sched.device.torch_device).")
+                   "(no plan keeping it fits); model.device still reads the device (host chunks' parameters "
+                   "are device-typed views of pinned memory).")
     return out
 
 

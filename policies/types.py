@@ -184,9 +184,8 @@ class PlacementProblem:
         accesses: the chunk reads of one traced step, in order (:class:`ChunkAccess`); empty when unknown.
             A plan that keeps some chunks' parameters on the host schedules their fetches from them
             (:func:`policies.schedule.schedule_params`).
-        device_anchor: the chunk holding the model's first parameter, or ``None``: what ``model.device``
-            (Hugging Face) and ``next(model.parameters()).device`` read, a host view between steps when its
-            parameters live on the host; ``auto`` keeps its parameters on the host last
+        device_anchor: the chunk holding the model's first parameter (what ``model.device`` reads), or
+            ``None``; ``auto`` keeps its parameters on the host last
             (:func:`policies.builtin.param_offload_order`).
     """
 
