@@ -4,8 +4,8 @@
 //
 // Parts (the shape of PyTorch's OpenReg example backend, written for memsched):
 //   * a counting device allocator: bytes rounded and blocks aligned like CUDA's caching allocator (512 B),
-//     a capacity whose excess raises c10::OutOfMemoryError (torch.OutOfMemoryError in Python), live and
-//     peak bytes;
+//     a capacity whose excess raises memsched's SimOutOfMemoryError, a torch.OutOfMemoryError ([Note: the
+//     stand-in's out-of-memory error]), live and peak bytes, the statistics torch.accelerator reads;
 //   * a pinned host allocator: host memory whose pointers (and views into it) report is_pinned();
 //   * a device guard with one device, streams and events as no-ops (copies are synchronous);
 //   * kernels for allocation, views, resize, copies and scalars, and a boxed fallback that runs every
@@ -19,8 +19,6 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
-#include <ATen/native/DispatchStub.h>
-#include <ATen/native/transformers/attention.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/view_native.h>
@@ -28,6 +26,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/version.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
@@ -142,29 +141,63 @@ std::string fmt_both(int64_t n) {
   return fmt("%s (%lld bytes)", fmt_bytes(n).c_str(), static_cast<long long>(n));
 }
 
-// Counts `bytes` (already rounded) more on the device; throws torch's out-of-memory error over capacity.
+// [Note: the stand-in's out-of-memory error]
+// An allocation beyond the capacity raises memsched's SimOutOfMemoryError (memsched/devices/simdevice.py), a
+// torch.OutOfMemoryError whose attributes give the bytes requested, in use and the capacity, and whose message
+// adds memsched's explanation: this file calls the operator memsched_sim::raise_out_of_memory, which
+// sim_backend.load() implements in Python. The Python exception travels through the dispatcher and autograd's
+// threads back to the caller unchanged (as a hook's does), in a forward, a backward or at attach. Python's
+// dispatch modes (memsched's warmup tracer) do not see that call. Where the Python side is not registered
+// (a library that loads this file alone) the error is torch's OutOfMemoryError with the same numbers.
+std::atomic<bool> g_python_oom{false};
+
+[[noreturn]] void raise_out_of_memory(int64_t requested, int64_t in_use, int64_t cap) {
+  if (g_python_oom.load()) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("memsched_sim::raise_out_of_memory", "")
+                               .typed<void(int64_t, int64_t, int64_t)>();
+    c10::impl::ExcludeDispatchKeyGuard no_modes(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    try {
+      op.call(requested, in_use, cap);  // raises memsched's error
+    } catch (const c10::NotImplementedError&) {
+      // no Python kernel for this dispatch key: torch's error below
+    }
+  }
+  const int64_t free = cap - in_use < 0 ? 0 : cap - in_use;
+  TORCH_CHECK_WITH(OutOfMemoryError, false,
+      fmt("sim out of memory: tried to allocate %s on the stand-in device sim:0 with %s allocated of a "
+          "capacity of %s: %s requested with %s in use, %s free", fmt_both(requested).c_str(),
+          fmt_both(in_use).c_str(), fmt_both(cap).c_str(), fmt_bytes(requested).c_str(),
+          fmt_bytes(in_use).c_str(), fmt_bytes(free).c_str()));
+}
+
+// Counts `bytes` (already rounded) more on the device; over capacity, raises the out-of-memory error ([Note:
+// the stand-in's out-of-memory error]) with `requested` (the bytes asked for) and the bytes in use before.
 void count(int64_t bytes, int64_t requested) {
   if (bytes == 0) return;
-  std::lock_guard<std::mutex> lock(g_mu);
-  int64_t cap = g_capacity.load();
-  if (g_live + bytes > cap) {
+  int64_t in_use = 0, cap = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    cap = g_capacity.load();
+    if (g_live + bytes <= cap) {
+      g_live += bytes;
+      ++g_allocs;
+      if (g_live > g_peak) g_peak = g_live;
+      if (g_live - g_moving > g_peak_fixed) g_peak_fixed = g_live - g_moving;
+      ++g_blocks;
+      ++g_blocks_total;
+      if (g_blocks > g_peak_blocks) g_peak_blocks = g_blocks;
+      g_bytes_total += bytes;
+      g_req_live += requested;
+      g_req_total += requested;
+      if (g_req_live > g_req_peak) g_req_peak = g_req_live;
+      return;
+    }
     ++g_ooms;
-    TORCH_CHECK_WITH(OutOfMemoryError, false,
-        fmt("sim out of memory: tried to allocate %s on the stand-in device sim:0 with %s allocated of a "
-            "capacity of %s; free %s", fmt_both(requested).c_str(), fmt_both(g_live).c_str(),
-            fmt_both(cap).c_str(), fmt_bytes(cap - g_live < 0 ? 0 : cap - g_live).c_str()));
+    in_use = g_live;
   }
-  g_live += bytes;
-  ++g_allocs;
-  if (g_live > g_peak) g_peak = g_live;
-  if (g_live - g_moving > g_peak_fixed) g_peak_fixed = g_live - g_moving;
-  ++g_blocks;
-  ++g_blocks_total;
-  if (g_blocks > g_peak_blocks) g_peak_blocks = g_blocks;
-  g_bytes_total += bytes;
-  g_req_live += requested;
-  g_req_total += requested;
-  if (g_req_live > g_req_peak) g_req_peak = g_req_live;
+  raise_out_of_memory(requested, in_use, cap);  // without the lock: it runs Python
 }
 
 // `bytes` (as counted) and `requested` (as asked for) fewer on the device.
@@ -606,35 +639,6 @@ void sim_conv_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) 
   ctx.setUserEnabledMkldnn(was);
 }
 
-// [Note: the stand-in's attention choice]
-// scaled_dot_product_attention picks its kernel through a dispatch stub, not the dispatcher: on a device
-// without a choice of its own it runs the math decomposition, which rounds differently from the CPU's
-// flash-attention kernel. The stand-in chooses what the CPU chooses for the same tensors, so the CPU kernel
-// runs (through the fallback) and attention on the stand-in equals attention on the CPU bit for bit.
-at::Tensor cpu_alias_or_undefined(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() && is_sim(*t) ? cpu_alias(*t) : (t.has_value() ? *t : at::Tensor());
-}
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-int64_t sim_fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
-                             std::optional<double> scale, bool enable_gqa) {
-  at::Tensor m = cpu_alias_or_undefined(mask);
-  return at::_fused_sdp_choice(cpu_alias(q), cpu_alias(k), cpu_alias(v),
-                               m.defined() ? std::optional<at::Tensor>(m) : std::nullopt, dropout_p, is_causal,
-                               scale, enable_gqa);
-}
-#else
-int64_t sim_fused_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
-                             std::optional<double> scale) {
-  at::Tensor m = cpu_alias_or_undefined(mask);
-  return at::_fused_sdp_choice(cpu_alias(q), cpu_alias(k), cpu_alias(v),
-                               m.defined() ? std::optional<at::Tensor>(m) : std::nullopt, dropout_p, is_causal,
-                               scale);
-}
-#endif
-
 // ---- explicit kernels -------------------------------------------------------------------------------
 at::Tensor sim_empty(c10::IntArrayRef size, std::optional<at::ScalarType> dtype, std::optional<at::Layout>,
                      std::optional<c10::Device>, std::optional<bool>,
@@ -762,6 +766,7 @@ void reset_peak() {
 }
 int64_t counted_bytes(int64_t nbytes) { return rounded(nbytes); }
 // [Note: a backward on the calling thread]: from now on, in every thread that touches the stand-in.
+void use_python_out_of_memory_errors() { g_python_oom.store(true); }
 void run_backward_on_caller_threads() {
   g_backward_on_caller.store(true);
   backward_here();
@@ -825,10 +830,6 @@ Registrations g_registrations;
 
 }  // namespace
 
-namespace at::native {
-REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &sim_fused_sdp_choice);
-}  // namespace at::native
-
 TORCH_LIBRARY(memsched_sim, m) {
   m.def("stats() -> int[]", &stats);
   m.def("set_capacity(int bytes) -> ()", &set_capacity);
@@ -842,6 +843,9 @@ TORCH_LIBRARY(memsched_sim, m) {
   m.def("pinned_empty(int nbytes) -> Tensor", &pinned_empty);
   m.def("use_cpu_numerics() -> ()", &use_cpu_numerics);
   m.def("run_backward_on_caller_threads() -> ()", &run_backward_on_caller_threads);
+  // [Note: the stand-in's out-of-memory error]: implemented in Python (sim_backend.load)
+  m.def("raise_out_of_memory(int requested, int in_use, int capacity) -> ()");
+  m.def("use_python_out_of_memory_errors() -> ()", &use_python_out_of_memory_errors);
   m.def("backward_on_caller_threads() -> bool", &backward_on_caller_threads);
 }
 

@@ -7,9 +7,10 @@ mixes a device tensor with a CPU tensor (other than a zero-dim scalar) raises to
 "Expected all tensors to be on the same device" error, as CUDA does. So code that would fail on a GPU fails
 on a laptop or CI first.
 
-What it models (bytes, always): the device's capacity (an allocation beyond it raises
-``torch.OutOfMemoryError``), allocations rounded like the CUDA caching allocator's blocks (512 B), live and
-peak allocated bytes (:func:`memory_allocated`, :func:`max_memory_allocated`), and pinned host memory
+What it models (bytes, always): the device's capacity (an allocation beyond it raises memsched's
+:class:`~memsched.devices.simdevice.SimOutOfMemoryError`, a ``torch.OutOfMemoryError`` with the bytes
+requested, in use and the capacity), allocations rounded like the CUDA caching allocator's blocks (512 B),
+live and peak allocated bytes (:func:`memory_allocated`, :func:`max_memory_allocated`), and pinned host memory
 (``tensor.pin_memory()``, :func:`pinned_empty`, and ``torch.empty(..., pin_memory=True)`` where CUDA is not
 available; ``is_pinned()`` holds for the buffer and
 its views) counted in whole pages, as ``cudaHostRegister`` pins memory (:mod:`memsched.devices.pinned`),
@@ -110,6 +111,7 @@ def load(*, check_autograd: bool = True) -> None:
         build_dir = Path(cpp_extension._get_build_directory("memsched_sim", verbose=False))
         _build_and_load(cpp_extension, build_dir, build_wait_seconds())
         torch.ops.memsched_sim.use_cpu_numerics()
+        _use_memscheds_out_of_memory_error()
         if current != NAME:
             torch.utils.rename_privateuse1_backend(NAME)
             torch._register_device_module(NAME, _device_module())
@@ -352,6 +354,30 @@ def _build_and_load(cpp_extension: types.ModuleType, build_dir: Path, wait_s: fl
             "running")
     finally:
         cpp_extension.FileBaton = original
+
+
+_oom_library: object = None  # the Python kernel of memsched_sim::raise_out_of_memory, kept alive
+
+
+def _raise_out_of_memory(requested: int, in_use: int, capacity: int) -> None:
+    """The kernel of ``memsched_sim::raise_out_of_memory``, which the stand-in's allocator calls when an
+    allocation does not fit ([Note: the stand-in's out-of-memory error] in the C++ source).
+
+    Raises:
+        memsched.devices.simdevice.SimOutOfMemoryError: always (a ``torch.OutOfMemoryError``).
+    """
+    from memsched.devices import simdevice  # imports this module: imported here, at the first error
+
+    raise simdevice.allocator_out_of_memory(requested, in_use, capacity)
+
+
+def _use_memscheds_out_of_memory_error() -> None:
+    global _oom_library
+    if _oom_library is None:
+        lib = torch.library.Library("memsched_sim", "IMPL")  # the op is defined in the C++ source
+        lib.impl("raise_out_of_memory", _raise_out_of_memory, "CompositeExplicitAutograd")
+        _oom_library = lib
+    torch.ops.memsched_sim.use_python_out_of_memory_errors()
 
 
 # [Note: one accelerator per process]

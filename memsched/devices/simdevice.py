@@ -4,9 +4,10 @@
 :mod:`memsched.devices.sim_backend`: device tensors whose memory is host memory, counted and capped by the
 backend's allocator like a GPU's (allocations rounded up to 512 B, as CUDA's caching allocator rounds them).
 From :func:`memsched.attach` until ``sched.close()`` the allocator's capacity is the stand-in's size; an
-allocation beyond it raises ``torch.OutOfMemoryError`` from the allocator, as CUDA's does. Everything on the
-device counts, whoever made it (a reference model on ``sim`` too), and nothing on the host does: host
-memory (pinned buffers, datasets, an EMA on the CPU) is ordinary CPU memory.
+allocation beyond it raises :class:`SimOutOfMemoryError`, a ``torch.OutOfMemoryError`` (as CUDA's
+allocator raises one) that carries the bytes requested, in use and the capacity, and memsched's explanation.
+Everything on the device counts, whoever made it (a reference model on ``sim`` too), and nothing on the host
+does: host memory (pinned buffers, datasets, an EMA on the CPU) is ordinary CPU memory.
 """
 
 from __future__ import annotations
@@ -30,18 +31,84 @@ _ACTIVE: list[SimDevice] = []  # stand-ins in use, the latest last: its capacity
 
 
 class SimOutOfMemoryError(_OOM_BASE):  # type: ignore[misc,valid-type]
-    """The stand-in device cannot hold what a step will allocate (raised by :meth:`SimDevice.require`; the
-    allocator itself raises torch's ``OutOfMemoryError``). Attributes (bytes): ``requested``, ``in_use``
-    (before the request), ``capacity``."""
+    """The stand-in device cannot hold an allocation: raised by its allocator wherever one does not fit (a
+    forward, a backward, an optimizer step, attach), and by :meth:`SimDevice.require` and
+    :meth:`SimDevice.start`. A ``torch.OutOfMemoryError``, so retry loops catch it. Attributes (bytes):
+    ``requested``, ``in_use`` (allocated before the request), ``capacity``; ``what`` names the request."""
 
     def __init__(self, requested: int, in_use: int, capacity: int, what: str = "an allocation") -> None:
         self.requested, self.in_use, self.capacity = int(requested), int(in_use), int(capacity)
+        self.what = what
+        free = max(0, self.capacity - self.in_use)
+        fb = format_bytes
+        purpose = "" if what == "an allocation" else f" for {what}"
+        # the first sentence is the allocator's own (memsched.runtime.elastic_hooks.oom_bytes reads it)
+        req, use, cap = self.requested, self.in_use, self.capacity
         super().__init__(
-            f"stand-in device out of memory: {what} of {format_bytes(requested)} ({requested} bytes) "
-            "requested, "
-            f"{format_bytes(in_use)} ({in_use} bytes) in use, capacity {format_bytes(capacity)} "
-            f"({capacity} bytes); free {format_bytes(max(0, capacity - in_use))}"
-        )
+            f"sim out of memory: tried to allocate {fb(req)} ({req} bytes){purpose} on the stand-in device "
+            f"sim:0 with {fb(use)} ({use} bytes) allocated of a capacity of {fb(cap)} ({cap} bytes): "
+            f"{fb(req)} requested with {fb(use)} in use, {fb(free)} free")
+
+
+#: What the message adds where no scheduler explains the error yet (at attach, or a SimDevice of one's own).
+CAPACITY_HINT = ("memsched: from memsched.attach on, the stand-in holds at most its capacity "
+                 "(device='sim:SIZE'): what attach puts there (the chunks of trainable parameters, the "
+                 "buffers and frozen parameters) and each step's tensors must fit; use a larger device or a "
+                 "smaller batch")
+#: What the message adds where the scheduler has nothing more specific to say.
+RETRY_HINT = ("memsched: where the scheduler re-plans (replan='auto', the default) nothing was "
+              "updated and the next step makes room: catch torch.OutOfMemoryError, call "
+              "optimizer.zero_grad() and run the step again; else use a larger device (device='sim:SIZE') "
+              "or a smaller batch")
+
+
+def allocator_out_of_memory(requested: int, in_use: int, capacity: int) -> SimOutOfMemoryError:
+    """The error the stand-in's allocator raises, all arguments bytes ([Note: the stand-in's out-of-memory
+    error] in ``sim_backend.cpp``): the numbers, then the explanation of the scheduler that uses the
+    stand-in (the latest attached; its ``explain``), else what to do. The scheduler's own catch points may
+    add to it later; an explanation already in the message is not repeated there."""
+    err = SimOutOfMemoryError(requested, in_use, capacity)
+    sim = _ACTIVE[-1] if _ACTIVE else None
+    note: str | None = None
+    if sim is not None and sim.explain is not None:
+        try:
+            note = sim.explain(err) or RETRY_HINT
+        except Exception:  # noqa: BLE001 - an explanation that fails must not hide the error itself
+            note = RETRY_HINT
+    err.args = (f"{err.args[0]}\n{note or CAPACITY_HINT}", *err.args[1:])
+    return err
+
+
+def add_oom_numbers(exc: BaseException, device: torch.device | str | None = None) -> BaseException:
+    """Give a CUDA out-of-memory error (torch's ``OutOfMemoryError`` from the caching allocator) the numbers
+    memsched's stand-in error carries, all bytes: ``requested`` (read from the allocator's message, which
+    rounds it to its unit; ``None`` where it does not say), ``in_use`` (``torch.cuda.memory_allocated``) and
+    ``capacity`` (``torch.cuda.mem_get_info``'s total), and one line of them in the message. Errors that
+    carry them already (the stand-in's) and errors of other devices are returned as they are. Returns
+    ``exc``."""
+    if not isinstance(exc, _OOM_BASE) or getattr(exc, "capacity", None) is not None:
+        return exc
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda":
+        return exc
+    first = exc.args[0] if exc.args and isinstance(exc.args[0], str) else ""
+    if "CUDA out of memory" not in first or not torch.cuda.is_available():
+        return exc
+    from memsched.runtime.elastic_hooks import oom_bytes
+
+    try:
+        requested = oom_bytes(exc)[0]
+        in_use = int(torch.cuda.memory_allocated(dev))
+        free, total = (int(x) for x in torch.cuda.mem_get_info(dev))
+    except Exception:  # noqa: BLE001 - the numbers are extra: never hide the error for them
+        return exc
+    exc.requested, exc.in_use, exc.capacity = requested, in_use, total  # type: ignore[attr-defined]
+    asked = f"{format_bytes(requested)} ({requested} bytes) requested" if requested is not None else \
+        "an allocation"
+    exc.args = (f"{first}\nmemsched: {asked} with {format_bytes(in_use)} ({in_use} bytes) allocated by "
+                f"tensors, {format_bytes(free)} free of the GPU's {format_bytes(total)} ({total} bytes)",
+                *exc.args[1:])
+    return exc
 
 
 class SimDevice:
