@@ -356,3 +356,33 @@ def test_a_loss_term_before_a_second_micro_batchs_forward_is_exact(target):
         sched.synchronize()
         target.synchronize()
         assert all(c.placement == HOST for c in sched.store.chunks)
+
+
+def test_between_steps_parameters_and_gradients_read_as_the_device(target):
+    """[Note: parameters read where they compute]: with all optimizer state and half the parameters on the
+    host, every parameter and gradient reads as the device between backward and step and after it (on CUDA:
+    CUDA tensors over mapped pinned memory), an evaluation forward there gives the reference's output, and
+    torch's clip over them is bit-exact."""
+    m = make_model().to(target.device)
+    ref = Reference(m, device=target.device)
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(32, 64, generator=g).to(target.device) for _ in range(4)]
+    with attach(m, target, policy_options={"offload_optim_frac": 1.0, "offload_param_frac": 0.5}) as sched:
+        for i, x in enumerate(xs):
+            host = on_host(sched, m)
+            sched.backward(mlp_loss(m, x))
+            assert all(p.device == target.device and p.grad.device == target.device for p in m.parameters())
+            assert any(sched.store.in_host_memory(p.grad) for p in m.parameters())
+            devices = grad_devices(m)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            ref.step(x, mlp_loss, 0.05, on_host=host, clip_devices=devices)
+            assert_same(m, ref, f"step {i}")
+            with torch.no_grad():
+                out = m(xs[0])
+                want = ref.model(xs[0])
+            target.synchronize()
+            assert torch.equal(out.cpu(), want.cpu()), i
+            assert all(p.device == target.device for p in m.parameters())
+        assert sched.plan.param_host_chunks
