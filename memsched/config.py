@@ -70,6 +70,7 @@ class SchedulerConfig:
     early_update: bool = False  # overlap="backward" (memsched.optim.early_update)
     host_memory_bytes: int | None = None  # host_memory= at attach: the host budget's own limit, bytes
     expected_plan: Mapping[str, Any] | None = None  # `memsched plan --json` to check the runtime plan against
+    update_threads: int | None = None  # the CPU update worker's intra-op threads (None: the default)
 
 
 def _check_warmup(n: Any) -> int:
@@ -139,7 +140,8 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 collective_timeout: float | None = COLLECTIVE_TIMEOUT_S,
                 chunk_build: str = "auto", overlap: bool | str = False,
                 replan: str = "auto", host_memory: int | str | None = None,
-                expected_plan: str | os.PathLike | Mapping[str, Any] | None = None) -> SchedulerConfig:
+                expected_plan: str | os.PathLike | Mapping[str, Any] | None = None,
+                update_threads: int | None = None) -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
 
     Raises:
@@ -180,6 +182,9 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
         except ValueError as e:
             raise ValueError(f"host_memory must be bytes (an int) or a size such as '64GiB': {e}") from None
     expected = load_expected_plan(expected_plan) if expected_plan is not None else None
+    if update_threads is not None and (isinstance(update_threads, bool) or not isinstance(update_threads, int)
+                                       or update_threads < 1):
+        raise ValueError(f"update_threads must be an integer >= 1 or None, got {update_threads!r}")
     adamw = AdamWConfig(defaults, groups, tuple(frozen_given(params, model)))
     return SchedulerConfig(placement, adamw, dp, spec, compute_dtype, chunk_numel,
-                           overlap, replan, early_update, host_bytes, expected)
+                           overlap, replan, early_update, host_bytes, expected, update_threads)

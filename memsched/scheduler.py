@@ -267,7 +267,8 @@ class Scheduler:
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
             transfers=self.transfers, scaler=self.scaler,
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names,
-            dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload)
+            dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload,
+            update_threads=config.update_threads)
         self.store.observe_grads_ready(self.optimizer.grads_ready)
         self.optimizer.checks.frozen_given = config.adamw.frozen_given
         self.streams.trace_to(self.optimizer.timeline)
@@ -735,7 +736,8 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            collective_timeout: float | None = COLLECTIVE_TIMEOUT_S, chunk_build: str = "auto",
            overlap: bool | str = False, replan: str = "auto",
            host_memory: int | str | None = None,
-           expected_plan: str | os.PathLike | Mapping[str, Any] | None = None) -> Scheduler:
+           expected_plan: str | os.PathLike | Mapping[str, Any] | None = None,
+           update_threads: int | None = None) -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -779,6 +781,10 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             complete, into a spare host state that ``step()`` swaps in when it equals the step's own update
             (:mod:`memsched.optim.early_update`; one rank; costs a second host copy of the host chunks'
             state).
+        update_threads: the intra-op threads of the CPU worker that updates host chunks beside the forward or
+            backward (``overlap``), an integer >= 1; ``None``: all of torch's but two on CUDA, half of them
+            where the compute runs on the CPU (the stand-in, ``device="cpu"``). The training thread keeps its
+            own count ([Note: the update worker's threads] in :mod:`memsched.optim.host_updates`).
         replan: ``"auto"`` (default): after warmup the plan follows the inputs' shapes and out-of-memory
             errors, re-planned before the forward that needs it (:mod:`memsched.planning.elastic`; the changes
             are in ``sched.plan_history``); ``"off"``: the warmup plan stays. Nothing to plan on
@@ -816,4 +822,5 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         policy_options=policy_options, dtype=dtype, chunk_numel=chunk_numel, zero_stage=zero_stage,
         process_group=process_group, fetch=fetch, dist_timeout=dist_timeout,
         collective_timeout=collective_timeout, chunk_build=chunk_build,
-        overlap=overlap, replan=replan, host_memory=host_memory, expected_plan=expected_plan))
+        overlap=overlap, replan=replan, host_memory=host_memory, expected_plan=expected_plan,
+        update_threads=update_threads))

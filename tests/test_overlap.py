@@ -287,6 +287,45 @@ def test_overlap_must_be_a_known_mode():
         memsched.attach(tiny_gpt(), overlap="yes", device="sim:64MiB")
 
 
+@pytest.mark.parametrize("threads", [1, 3, None])
+def test_the_update_worker_runs_its_own_thread_count(threads):
+    """[Note: the update worker's threads]: the worker updates with ``update_threads`` intra-op threads of its
+    own (``None``: the default for the device), while the training thread and threads started later keep
+    torch's count; training stays bit-exact against fused AdamW."""
+    from memsched.optim.host_updates import default_update_threads
+
+    before = torch.get_num_threads()
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(3)
+    with memsched.attach(model, lr=LR, weight_decay=WD, overlap=True, update_threads=threads,
+                         **PLACEMENTS["static"]) as sched:
+        for b in batches:
+            sched.backward(gpt_loss(model, b))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(b, gpt_loss, CLIP)
+            sched.synchronize()
+            with paused(sched):
+                assert_same(model, ref)
+        want = threads if threads is not None else default_update_threads(SIM, before)
+        assert sched.optimizer.host_updates.worker_threads() == want
+        assert torch.get_num_threads() == before
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [before]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "4"])
+def test_update_threads_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match=f"update_threads must be an integer >= 1 or None, got {bad!r}"):
+        memsched.attach(tiny_gpt(), overlap=True, update_threads=bad, device="sim:64MiB")
+
+
 @pytest.mark.parametrize("write", [None, "clip", "data-mul", "accumulate"])
 def test_host_gradients_leave_the_device_once_in_backward_and_writes_reach_the_update(write, monkeypatch):
     """Host chunks' gradients go D2H during backward, once per backward, and ``p.grad`` is then the host

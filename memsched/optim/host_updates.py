@@ -34,15 +34,41 @@ class OverlapError(RuntimeError):
     """An overlapped CPU update failed; raised at the next wait (forward, ``step``, ``synchronize``)."""
 
 
+def default_update_threads(device: torch.device, compute_threads: int | None = None) -> int:
+    """The worker's intra-op threads when ``attach(update_threads=None)``: on CUDA all of torch's but two (the
+    training thread, which launches kernels and runs memsched's host-side work, and autograd's device
+    thread); where the compute itself runs on the CPU (the stand-in, ``device="cpu"``) half of them, so that
+    the backward the update overlaps keeps the other half. ``compute_threads``: torch's intra-op threads of
+    the training thread (default: ``torch.get_num_threads()``)."""
+    n = compute_threads if compute_threads is not None else torch.get_num_threads()
+    return max(1, n - 2) if device.type == "cuda" else max(1, n // 2)
+
+
 class HostUpdates:
     """The host-chunk updates of the last step, run on one worker thread (see the module docstring).
 
+    [Note: the update worker's threads]
+    torch's CPU kernels split each op over an OpenMP team of ``torch.get_num_threads()`` threads, and a thread
+    that starts its own team keeps its own count. The training thread's team and a worker whose team is as
+    large oversubscribe the cores while they overlap: spinning team members steal each other's cores, and on
+    the H200 host (16 cores) the worker's update took 2 to 3x its serial time beside the forward or backward
+    (``bench/results/gpu_step_time_nvidia-h200_2026-11-27.json``). So the worker runs its updates with a team
+    of ``threads`` of its own (:func:`default_update_threads`), set once on the worker thread; the training
+    thread's count, and the process's default for threads started later, stay as they were.
+
     Args:
         device: the compute device (the worker makes it current, for the H2D side stream).
+        threads: the worker's intra-op threads (>= 1); ``None``: :func:`default_update_threads`.
+
+    Raises:
+        ValueError: ``threads`` is not an integer >= 1.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, threads: int | None = None) -> None:
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"update_threads must be an integer >= 1 or None, got {threads!r}")
         self.device = device
+        self.threads = threads if threads is not None else default_update_threads(device)
         self._pool: ThreadPoolExecutor | None = None
         self._future: Future | None = None
         self._done: dict[int, threading.Event] = {}  # chunk index -> updated, its H2D issued
@@ -79,8 +105,26 @@ class HostUpdates:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memsched-host-update")
+            default = torch.get_num_threads()
+            ready = threading.Event()
+
+            def own_threads() -> None:  # [Note: the update worker's threads]
+                torch.get_num_threads()  # torch initialises this thread's count first (it would reset it)
+                torch.set_num_threads(self.threads)
+                ready.set()
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memsched-host-update",
+                                            initializer=own_threads)
+            self._pool.submit(lambda: None).result()  # the worker exists, with its count
+            ready.wait()
+            # set_num_threads also moved the default of threads started later: back to the training
+            # thread's (this thread keeps its own count either way)
+            torch.set_num_threads(default)
         return self._pool
+
+    def worker_threads(self) -> int:
+        """The worker's intra-op thread count, as the worker reads it (starts the worker)."""
+        return self._executor().submit(torch.get_num_threads).result()
 
     def _run_one(self, fn: Callable[[], None]) -> None:
         if self.device.type == "cuda":

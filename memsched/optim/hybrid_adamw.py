@@ -76,7 +76,8 @@ class HybridAdamW(torch.optim.Optimizer):
                  streams: Streams, transfers: TransferStats, scaler: LossScaler | None = None,
                  capacity_check: Callable[[int, str], None] | None = None,
                  names: dict[int, str] | None = None, dp: DataParallel | None = None,
-                 owner_thread: int | None = None, grad_offload: Any = None) -> None:
+                 owner_thread: int | None = None, grad_offload: Any = None,
+                 update_threads: int | None = None) -> None:
         full = {**adamw_default_keys(), **defaults}
         super().__init__([dict(g) for g in groups], full)
         for i, g in enumerate(self.param_groups):
@@ -97,7 +98,7 @@ class HybridAdamW(torch.optim.Optimizer):
         # (memsched.optim.host_updates); the step timeline records where each step's time went
         # (memsched.telemetry.step_timeline).
         self.overlap = False
-        self.host_updates = HostUpdates(store.alloc.device)
+        self.host_updates = HostUpdates(store.alloc.device, update_threads)
         self.timeline = StepTimeline()
         self._zero_grad_observers: list[Callable[[], None]] = []  # memsched.runtime.elastic_hooks
         # overlap="backward" (after warmup): host chunks are updated during backward into spare state,
