@@ -275,3 +275,62 @@ def test_no_compile_warning_on_the_cpu_or_the_stand_in(device, compile_it):
                 sched.optimizer.step()
                 sched.optimizer.zero_grad()
     assert not _compile_warnings(caught)
+
+
+@pytest.mark.parametrize("order", ["attach-then-compile", "compile-then-attach"])
+def test_the_default_backend_on_the_stand_in_runs_aot_eager_and_says_so_once(order, monkeypatch):
+    """[Note: torch.compile's default backend on the stand-in]: ``torch.compile(model)`` (Inductor) on a
+    model attached to the stand-in trains past warmup (it died inside Inductor at the first compiled step),
+    through ``aot_eager``: exactly like the same model compiled with ``backend="aot_eager"`` beside it, with
+    one warning that says so."""
+    from memsched.runtime import compile_stance
+
+    monkeypatch.setattr(compile_stance, "_warned", False)  # once per process: this test's process
+    torch._dynamo.reset()
+    counters.clear()
+    model = mlp()
+    with uncounted():
+        ref = copy.deepcopy(model).to(SIM)
+        ref_compiled = torch.compile(ref, backend="aot_eager")
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    if order == "compile-then-attach":
+        compiled = torch.compile(model)
+        sched = memsched.attach(model, device="sim:64MiB", lr=1e-3, weight_decay=0.1)
+    else:
+        sched = memsched.attach(model, device="sim:64MiB", lr=1e-3, weight_decay=0.1)
+        compiled = torch.compile(model)
+    xs = [torch.randn(32, 64, generator=torch.Generator().manual_seed(i)).to(SIM) for i in range(4)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with sched:
+            for i, x in enumerate(xs):
+                frames_before = counters["frames"]["ok"]
+                sched.backward(compiled(x).pow(2).mean())
+                sched.optimizer.step()
+                sched.optimizer.zero_grad()
+                if i == 1:  # the first step after warmup compiled
+                    assert counters["frames"]["ok"] > frames_before
+                with uncounted():
+                    with torch.compiler.set_stance("force_eager") if i == 0 else contextlib.nullcontext():
+                        ref_compiled(x).pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+    said = [str(w.message) for w in caught if compile_stance.STAND_IN_COMPILE_WARNING in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert same(p, q)
+    assert sched.phase.name != "WARMUP" and model[0].weight.device.type == "sim"
+
+
+def test_the_default_backend_still_compiles_cpu_graphs_with_inductor(monkeypatch):
+    """The stand-in's route leaves graphs on other devices to Inductor."""
+    from memsched.runtime import compile_stance
+
+    seen = []
+    original = compile_stance._on_the_stand_in
+    monkeypatch.setattr(compile_stance, "_on_the_stand_in",
+                        lambda inputs, name: seen.append(original(inputs, name)) or seen[-1])
+    torch._dynamo.reset()
+    fn = torch.compile(lambda t: (t * 2).sum())
+    assert fn(torch.ones(3)).item() == 6.0
+    assert seen == [False]

@@ -112,6 +112,9 @@ def load(*, check_autograd: bool = True) -> None:
         _build_and_load(cpp_extension, build_dir, build_wait_seconds())
         torch.ops.memsched_sim.use_cpu_numerics()
         _use_memscheds_out_of_memory_error()
+        from memsched.runtime.compile_stance import route_inductor_around_the_stand_in
+
+        route_inductor_around_the_stand_in(NAME)  # [Note: torch.compile's default backend on the stand-in]
         if current != NAME:
             torch.utils.rename_privateuse1_backend(NAME)
             torch._register_device_module(NAME, _device_module())

@@ -10,8 +10,9 @@ on the root module read ``time.perf_counter``, which Dynamo cannot trace: they b
 after the model's forward (the forward itself stays one graph).
 
 The stand-in device (``sim:``) is a real PyTorch device whose capacity is enforced by its allocator, not by a
-dispatch mode, so compiled code compiles there after warmup too (Dynamo's ``eager`` and ``aot_eager``
-backends; Inductor does not support the stand-in's PrivateUse1 device).
+dispatch mode, so compiled code compiles there after warmup too: Dynamo's ``eager`` and ``aot_eager``
+backends as asked, and torch.compile's default backend, Inductor, through ``aot_eager``, said once
+([Note: torch.compile's default backend on the stand-in]).
 
 [Note: one stance for every scheduler]
 The stance is the process's. ``set_stance`` returns what restores the stance before it, so stances entered
@@ -24,6 +25,8 @@ restores the stance from before the first.
 from __future__ import annotations
 
 import threading
+import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,3 +57,61 @@ class EagerDuringWarmup:
             if not _holders:
                 _restore.pop().__exit__(None, None, None)  # the stance in force before the first start()
 
+
+# [Note: torch.compile's default backend on the stand-in]
+# Inductor generates code per device type, and its scheduler and lowerings decide by "is this the CPU?" in
+# many places, so the stand-in cannot pass as the CPU there (registering the CPU's code generators for "sim"
+# gets as far as the fusion pass and fails in its GPU branch); without a registration the first compiled
+# step after warmup died inside Inductor (LoweringException / KeyError 'sim'). So torch.compile's default
+# backend (torch._TorchCompileInductorWrapper, what `torch.compile(model)` and `model.compile()` use) runs a
+# graph whose inputs are on the stand-in through `aot_eager` instead: Dynamo still captures the graph and AOT
+# autograd still traces forward and backward, then torch's own kernels run them, with eager's numbers and
+# memory (the stand-in's purpose), not Inductor's fused speed. A UserWarning says so once per process. Graphs
+# on other devices go to Inductor as before. Installed when the stand-in is loaded, as part of its
+# registration (which cannot be undone); a torch without that wrapper class is left alone.
+_routed = False
+_warned = False
+STAND_IN_COMPILE_WARNING = (
+    "memsched: torch.compile's default backend (inductor) cannot generate code for the stand-in device "
+    "'sim'; graphs on it run through backend='aot_eager' instead (traced and functionalized, torch's own "
+    "kernels: eager's numbers and memory, not inductor's speed). Pass backend='aot_eager' to torch.compile "
+    "to say so yourself")
+
+
+def _on_the_stand_in(inputs: Iterable[Any], name: str) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == name for t in inputs)
+
+
+def route_inductor_around_the_stand_in(name: str = "sim") -> bool:
+    """Make torch.compile's default backend run graphs whose inputs are on the stand-in device ``name``
+    through ``aot_eager``, with one warning per process ([Note: torch.compile's default backend on the
+    stand-in]). Idempotent; returns whether the route is in place."""
+    global _routed
+    wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+    call = getattr(wrapper, "__call__", None)  # noqa: B004 - the class's method, not callable()
+    if call is None:
+        return False
+    with _lock:
+        if _routed:
+            return True
+
+        def __call__(self: Any, model_: Any, inputs_: Any, *args: Any, **kwargs: Any) -> Any:
+            if _on_the_stand_in(inputs_, name):
+                _warn_once()
+                from torch._dynamo.backends.registry import lookup_backend
+
+                return lookup_backend("aot_eager")(model_, inputs_)
+            return call(self, model_, inputs_, *args, **kwargs)
+
+        wrapper.__call__ = __call__  # type: ignore[union-attr]
+        _routed = True
+    return True
+
+
+def _warn_once() -> None:
+    global _warned
+    with _lock:
+        if _warned:
+            return
+        _warned = True
+    warnings.warn(STAND_IN_COMPILE_WARNING, UserWarning, stacklevel=2)
