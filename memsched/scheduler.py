@@ -44,7 +44,7 @@ from memsched.chunks.grad_offload import GradOffload
 from memsched.chunks.state_entries import own_storage_entries
 from memsched.chunks.store import frozen_params
 from memsched.config import SchedulerConfig, make_config
-from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice
+from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice, add_oom_numbers
 from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
@@ -615,6 +615,7 @@ class Scheduler:
             if self.scaler is not None:
                 self.optimizer.note_scaled_backward()
         except OUT_OF_MEMORY as e:
+            add_oom_numbers(e, self.device.torch_device)  # CUDA's get the numbers the stand-in's carry
             if self.elastic is not None:
                 # nothing was updated; the next step makes room (memsched.planning.elastic)
                 self.elastic.on_oom()

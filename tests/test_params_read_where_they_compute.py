@@ -43,8 +43,9 @@ def _data(n: int) -> list[torch.Tensor]:
 
 
 def _auto_capacity(model: nn.Module) -> int:
-    """Bytes: the peak of non-model data of a plain torch step of a copy of ``model`` on the stand-in (traced),
-    plus a quarter of its parameters and gradients: auto then keeps some chunks' parameters on the host."""
+    """Bytes: the peak of non-model data of a plain torch step of a copy of ``model`` on the stand-in
+    (traced), plus a quarter of its parameters and gradients: auto then keeps some chunks' parameters on the
+    host."""
     from tracer import MemoryTracer
 
     with uncounted():

@@ -1,5 +1,6 @@
 // Device-typed aliases of host memory for memsched's stand-in device (PrivateUse1, "sim"):
-// see [Note: parameters read where they compute] in memsched/devices/host_alias.py.
+// see [Note: parameters read where they compute] in memsched/devices/host_alias.py. Built into the
+// stand-in's extension with sim_backend.cpp (memsched/devices/sim_backend.py).
 //
 // host_alias(t) is a stand-in tensor over the same bytes as the CPU tensor `t` (same sizes, strides and
 // offset; no copy). Its storage holds a reference to `t`'s storage, so the host memory lives as long as any

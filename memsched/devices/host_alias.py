@@ -28,29 +28,16 @@ host-side reads of buffers that user code may have written through aliases synch
 
 from __future__ import annotations
 
-import threading
-from pathlib import Path
-
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-_SOURCE = Path(__file__).with_name("host_alias.cpp")
-_lock = threading.Lock()
-
 
 def _load_sim_op() -> None:
-    if hasattr(torch.ops, "memsched_alias") and hasattr(torch.ops.memsched_alias, "host_alias"):
-        return
-    with _lock:
-        try:
-            torch.ops.memsched_alias.host_alias  # noqa: B018 (built into the stand-in's extension)
-            return
-        except (AttributeError, RuntimeError):
-            pass
-        from torch.utils import cpp_extension
+    """The ``memsched_alias::host_alias`` op is built into the stand-in's extension (``host_alias.cpp``
+    beside ``sim_backend.cpp``) and loaded with it (idempotent)."""
+    from memsched.devices import sim_backend
 
-        cpp_extension.load(name="memsched_alias", sources=[str(_SOURCE)], extra_cflags=["-O2"],
-                           is_python_module=False, verbose=False)
+    sim_backend.load()
 
 
 class _CudaArray:

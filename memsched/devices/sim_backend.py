@@ -41,6 +41,9 @@ import torch
 
 NAME = "sim"
 _SOURCE = Path(__file__).with_name("sim_backend.cpp")
+# device-typed views of host memory ([Note: parameters read where they compute] in
+# memsched.devices.host_alias), built into the same extension
+_SOURCES = (_SOURCE, Path(__file__).with_name("host_alias.cpp"))
 _lock = threading.Lock()
 _loaded = False
 _autograd_ok = False  # a backward on the stand-in ran (see _check_autograd_threads)
@@ -338,8 +341,9 @@ def _build_and_load(cpp_extension: types.ModuleType, build_dir: Path, wait_s: fl
     try:
         for _attempt in range(3):
             try:
-                cpp_extension.load(name="memsched_sim", sources=[str(_SOURCE)], extra_cflags=["-O2"],
-                                   is_python_module=False, verbose=False, build_directory=str(build_dir))
+                cpp_extension.load(name="memsched_sim", sources=[str(p) for p in _SOURCES],
+                                   extra_cflags=["-O2"], is_python_module=False, verbose=False,
+                                   build_directory=str(build_dir))
                 return
             except _StaleLock:
                 # the owner died mid-build: load again and take its lock over; torch's builder would take

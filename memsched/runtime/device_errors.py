@@ -1,4 +1,5 @@
-"""torch's device error in a forward of an attached model, explained by memsched.
+"""torch's errors in a forward of an attached model, explained by memsched: an input on another device, and
+the numbers of a CUDA out-of-memory error.
 
 Every parameter of an attached model reads as the compute device, wherever memsched keeps it ([Note:
 parameters read where they compute] in :mod:`memsched.devices.host_alias`), so an input on another device
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from memsched.devices.simdevice import OUT_OF_MEMORY, add_oom_numbers
+
 _MARK = "memsched: the model computes on"
 
 
@@ -24,6 +27,9 @@ def explain_device_error(device: torch.device) -> None:
     the forward raised): a device-mismatch ``RuntimeError`` in flight gets memsched's explanation in front of
     torch's message (same exception object and type, so ``except RuntimeError`` keeps working)."""
     exc = sys.exc_info()[1]
+    if isinstance(exc, OUT_OF_MEMORY):
+        add_oom_numbers(exc, device)
+        return
     if not isinstance(exc, RuntimeError) or not exc.args or not isinstance(exc.args[0], str):
         return
     msg = exc.args[0]
