@@ -8,8 +8,9 @@ between host and device at the same moment.
 
 Stages (ZeRO, arXiv 1910.02054; ``memsched.attach(zero_stage=...)``):
 
-* ``0``: plain data parallelism. Gradients are all-reduced (averaged) whole; every rank keeps the whole
-  optimizer state and updates whole chunks; nothing is fetched after the step.
+* ``0``: plain data parallelism. Gradients are averaged whole (all-reduced at two ranks; above, summed in
+  rank order as at stage 1); every rank keeps the whole optimizer state and updates whole chunks; nothing is
+  fetched after the step.
 * ``1``: optimizer state sharded. Gradients are all-reduced (averaged) whole; each rank updates its part.
 * ``2``: gradients sharded too. A chunk's whole gradient buffer exists from its first gradient in backward
   to its reduction: as soon as backward completes the chunk's gradients they are reduce-scattered
@@ -26,7 +27,7 @@ Stages (ZeRO, arXiv 1910.02054; ``memsched.attach(zero_stage=...)``):
   reads. Between steps the others are sharded: reading one raises, ``sched.gathered_params()`` makes them
   whole.
 
-Reductions at stages 1 to 3 add the ranks' gradients in rank order, so they are bit-identical to plain torch
+Reductions at every stage add the ranks' gradients in rank order, so they are bit-identical to plain torch
 averaging the per-rank gradients at any world size (:mod:`memsched.distributed.grad_reduction`).
 
 After the update (stages 1 and 2; at 3 the chunks whole then) the updated shards are fetched into the flat

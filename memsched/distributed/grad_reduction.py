@@ -6,7 +6,10 @@ averaged, and finished before the update; ``no_sync`` accumulates without reduci
 
 What each stage does with a chunk's gradient buffer ``[numel]``:
 
-* 0: all-reduce (SUM) in place, then divide by the world size.
+* 0: at two ranks, all-reduce (SUM) in place, then divide by the world size; at three or more, as stage 1
+  (below; [Note: sums in rank order]). Stage 0 does not pad its chunks to a multiple of the world size, so a
+  chunk that is not one is sent as a zero-padded copy (``[world * ceil(numel / world)]``), which then receives
+  the all-gather and is copied into the buffer.
 * 1: the sums of the own shard in rank order (below), divided by the world size, then all-gathered into the
   whole buffer: every rank holds the whole averaged gradients (the bytes of a ring all-reduce).
 * 2: the same sums of the own shard, divided, kept as the chunk's reduced shard (``Chunk.grad_shard``,
@@ -20,11 +23,13 @@ What each stage does with a chunk's gradient buffer ``[numel]``:
 A ring reduce-scatter or all-reduce adds the ranks' values in an order that depends on the element's position
 and the world size, so with three or more ranks its sums differ in the last bit from plain torch averaging the
 per-rank gradients (``(g0 + g1 + g2) / 3``, left to right), and Adam amplifies such bits. With three or more
-ranks, stages 1 and 2 send each rank its part of every rank's buffer with one all-to-all (the bytes a
-reduce-scatter sends; a receive buffer of the chunk's size while in flight) and add the parts in rank order,
-so the averaged gradients are bit-identical to that reference at any world size. Two ranks use the backend's
-reduce-scatter (a sum of two is the same in either order). A backend without all-to-all falls back to its
-reduce-scatter and warns once.
+ranks, every stage (0 included: gloo's all-reduce of three ranks moved parameters by ~6e-8 after three steps,
+tests/test_zero_sharded_grads.py) sends each rank its part of every rank's buffer with one all-to-all (the
+bytes a reduce-scatter sends; a receive buffer of the chunk's size while in flight) and adds the parts in rank
+order, then divides, so the averaged gradients are bit-identical to that reference at any world size; stages 0
+and 1 then all-gather the averaged parts (the bytes of a ring all-reduce). Two ranks use the backend's
+reduce-scatter or all-reduce (a sum of two is the same in either order). A backend without all-to-all falls
+back to its reduce-scatter and warns once.
 
 [Note: the order of gradient reductions]
 Every rank must issue the same collectives in the same order, but backward completes chunks in an order that
@@ -54,14 +59,16 @@ class ZeroAccumulationWarning(UserWarning):
 @dataclass
 class _Reduction:
     """One chunk's reduction in flight: its collective's work, the all-to-all's receive buffer (``[numel]``,
-    or the own shard after a reduce-scatter: ``summed``), and at stage 1 whether its all-gather was
-    launched."""
+    or the own shard after a reduce-scatter: ``summed``), at stages 0 and 1 whether its all-gather was
+    launched, and at stage 0 the zero-padded copy sent when the chunk is not a multiple of the world size
+    (``padded``, ``[world * ceil(numel / world)]``), which then receives the all-gather."""
 
     chunk: Chunk
     work: Any
     recv: torch.Tensor | None = None
     summed: bool = False
     gathering: bool = False
+    padded: torch.Tensor | None = None
 
 
 class GradientReducer:
@@ -69,8 +76,8 @@ class GradientReducer:
 
     Args:
         comm: the process group (:class:`memsched.distributed.comm.Comm`).
-        stage: the ZeRO stage: 0 and 1 all-reduce whole gradients, 2 and 3 reduce-scatter them into the own
-            shard.
+        stage: the ZeRO stage: 0 and 1 average whole gradients, 2 and 3 reduce them into the own shard (see
+            the module docstring).
 
     Attributes:
         reduce_bytes: bytes this rank sent into gradient collectives.
@@ -82,6 +89,8 @@ class GradientReducer:
         self.zero_stage = stage  # as attached (named in warnings)
         self.stage = min(stage, 2)  # ZeRO-3 reduces gradients as ZeRO-2 does
         self.world = comm.world
+        # the averaged parts are all-gathered into the whole buffer: stage 1, and stage 0 above two ranks
+        self._gathers = self.stage == 1 or (self.stage == 0 and self.world > 2)
         self.store: ChunkStore | None = None
         self._sync = True
         self._warned_accumulation = False
@@ -155,7 +164,7 @@ class GradientReducer:
 
     def _launch(self, c: Chunk) -> None:
         w = self.world
-        if self.stage == 1:
+        if self._gathers:
             self._gather_reduced()  # collectives only at launches: the same order on every rank
         elif self.stage == 2:  # one reduction in flight: the whole buffers do not pile up behind backward
             while self._pending:
@@ -165,22 +174,27 @@ class GradientReducer:
         what = f"gradient reduction of chunk {c.index}"
         nbytes = c.grad.numel() * c.grad.element_size()
         with torch.no_grad():
-            if self.stage == 0:
+            if self.stage == 0 and not self._gathers:  # two ranks: a sum of two in either order is the same
                 work = self.comm.all_reduce(c.grad, what=what, async_op=True)
                 self._pending.append(_Reduction(c, work))
                 self.reduce_bytes += 2 * (w - 1) * nbytes // w
             else:
                 r = _Reduction(c, None)
+                sent, k = c.grad, -(-c.grad.numel() // w)  # k: elements of each rank's part
+                if sent.numel() != w * k:  # stage 0: chunks not padded to a multiple of the world size
+                    r.padded = sent = torch.zeros(w * k, dtype=c.grad.dtype, device=c.grad.device)
+                    sent[: c.grad.numel()].copy_(c.grad)
+                    nbytes = sent.numel() * sent.element_size()
                 try:  # [Note: sums in rank order]
                     if w == 2:  # a sum of two is the same in either order: the backend's reduce-scatter
                         raise NotImplementedError
-                    r.recv = torch.empty_like(c.grad)
-                    r.work = self.comm.all_to_all(r.recv, c.grad, what=what, async_op=True)
+                    r.recv = torch.empty_like(sent)
+                    r.work = self.comm.all_to_all(r.recv, sent, what=what, async_op=True)
                 except NotImplementedError:
                     if w > 2:
                         self._warn_unordered()
-                    r.recv = torch.empty(c.shard_numel, dtype=c.grad.dtype, device=c.grad.device)
-                    r.work = self.comm.reduce_scatter(r.recv, c.grad, what=what, async_op=True)
+                    r.recv = torch.empty(k, dtype=c.grad.dtype, device=c.grad.device)
+                    r.work = self.comm.reduce_scatter(r.recv, sent, what=what, async_op=True)
                     r.summed = True
                 self._pending.append(r)
                 self.reduce_bytes += (w - 1) * nbytes // w
@@ -210,26 +224,32 @@ class GradientReducer:
             return own.div_(w)
 
     def _gather_reduced(self) -> None:
-        """Stage 1: every launched reduction whose all-gather is not launched yet gets it now (waiting for its
-        all-to-all first), in launch order."""
+        """Stages 1, and 0 above two ranks: every launched reduction whose all-gather is not launched yet gets
+        it now (waiting for its all-to-all first), in launch order: into the chunk's gradient buffer, or into
+        the padded copy (stage 0), copied into the buffer at :meth:`_finalize`."""
         w = self.world
         for r in self._pending:
             if r.gathering:
                 continue
             own = self._own_average(r)
+            out = r.chunk.grad if r.padded is None else r.padded  # the padded copy is sent: free again
             what = f"gradient reduction of chunk {r.chunk.index} (all-gather)"
-            r.work = self.comm.all_gather(r.chunk.grad, own, what=what, async_op=True)
+            r.work = self.comm.all_gather(out, own, what=what, async_op=True)
             r.gathering = True
-            self.reduce_bytes += (w - 1) * r.chunk.grad.numel() * r.chunk.grad.element_size() // w
+            self.reduce_bytes += (w - 1) * out.numel() * out.element_size() // w
 
     def _finalize(self, r: _Reduction) -> None:
         c = r.chunk
-        if self.stage == 0:
+        if self._gathers:
+            self.comm.wait(r.work, f"gradient reduction of chunk {c.index} (all-gather)")
+            if r.padded is not None:
+                with torch.no_grad():
+                    c.grad.copy_(r.padded[: c.grad.numel()])
+                r.padded = None
+        elif self.stage == 0:
             self.comm.wait(r.work, f"gradient reduction of chunk {c.index}")
             with torch.no_grad():
                 c.grad.div_(self.world)
-        elif self.stage == 1:
-            self.comm.wait(r.work, f"gradient reduction of chunk {c.index} (all-gather)")
         else:
             self.store.keep_grad_shard(c, self._own_average(r))
 
@@ -237,7 +257,7 @@ class GradientReducer:
         """Finish the reductions that are complete, in launch order; none that needs another collective."""
         while self._pending:
             r = self._pending[0]
-            if (self.stage == 1 and not r.gathering) or (r.work is not None and not r.work.is_completed()):
+            if (self._gathers and not r.gathering) or (r.work is not None and not r.work.is_completed()):
                 return
             self._pending.pop(0)
             self._finalize(r)
@@ -246,7 +266,7 @@ class GradientReducer:
         order = self._order()
         for i in order[self._next :]:
             self._launch(self.store.chunks[i])
-        if self.stage == 1:
+        if self._gathers:
             self._gather_reduced()
         for r in self._pending:
             self._finalize(r)
