@@ -95,7 +95,18 @@ def _average(per_rank: list[dict[str, torch.Tensor | None]]) -> dict[str, torch.
 
 def reference(worlds: list[int], accum: int, clip: float | None, each: bool) -> dict[str, torch.Tensor]:
     """Emulated DDP, ``worlds[s]`` ranks at step ``s``. ``each``: every micro-batch is averaged over the ranks
-    and the averages are added (ZeRO-2 without ``no_sync``); else each rank accumulates, then one average."""
+    and the averages are added (ZeRO-2 without ``no_sync``); else each rank accumulates, then one average.
+    With one intra-op thread, as the ranks compute (a matrix product's or a norm's summation can depend on
+    the thread count on other CPUs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(worlds, accum, clip, each)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(worlds: list[int], accum: int, clip: float | None, each: bool) -> dict[str, torch.Tensor]:
     model = make_model().to("sim")  # on the stand-in, as memsched: its backward runs where memsched's does
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD,
                             fused=True)

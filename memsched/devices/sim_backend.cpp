@@ -16,6 +16,7 @@
 // are operators in the memsched_sim namespace.
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
@@ -853,8 +854,33 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&sim_fallback>());
 }
 
-// Autocast on the stand-in: ops without an autocast kernel pass through.
+// [Note: autocast on the stand-in]
+// torch.autocast("sim", dtype=...) casts as torch.autocast("cuda", ...) does: the same op lists (ATen's
+// AT_FORALL_* lists, which torch registers for AutocastCUDA) under AutocastPrivateUse1: matrix products and
+// convolutions in the low-precision dtype, reductions, norms and losses in fp32, the rest promoted or passed
+// through. CUDA's lists, not the CPU's, because the stand-in stands for a GPU: a model that mixes dtypes under
+// CUDA's autocast (nn.TransformerEncoder's fast path beside a decoder) behaves here as it would there. Ops
+// without an autocast kernel pass through.
 TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+#if defined(AT_FORALL_LOWER_PRECISION_FP) && defined(KERNEL_PRIVATEUSEONE)
+namespace at::autocast {  // the lists name ATen's types unqualified, as torch's own registrations do
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+#define MEMSCHED_SIM_LOW_PRECISION_FP(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+  AT_FORALL_LOWER_PRECISION_FP(MEMSCHED_SIM_LOW_PRECISION_FP)
+#define MEMSCHED_SIM_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+  AT_FORALL_FP32(MEMSCHED_SIM_FP32)
+#define MEMSCHED_SIM_FP32_SET_OPT_DTYPE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+  AT_FORALL_FP32_SET_OPT_DTYPE(MEMSCHED_SIM_FP32_SET_OPT_DTYPE)
+#ifndef ADD_NS
+#define ADD_NS(RAW_OP) at::RAW_OP
+#endif
+  AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE(KERNEL_DIFFERENT_REDISPATCH_SIGNATURE_PRIVATEUSEONE)
+#define MEMSCHED_SIM_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
+  AT_FORALL_PROMOTE(MEMSCHED_SIM_PROMOTE)
+}
+}  // namespace at::autocast
+#endif
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   // Convolutions dispatch to convolution_overrideable on PrivateUse1 (no kernel): the CPU's instead.
