@@ -246,3 +246,25 @@ def test_gradients_are_compared_by_their_bits(slow_early_worker):
     early = sched.optimizer.early_updates
     assert early.dropped == 1 and early.committed == len(host) - 1
     sched.close()
+
+
+def test_the_spare_state_is_planned_and_counted():
+    """[Note: the spare state is planned]: with ``overlap="backward"`` the plan's host bytes include each host
+    chunk's spare host state, so the pinned bytes ``sched.host_usage()`` reports held equal those planned, and
+    the plan's reasons say how much of them is spare."""
+    model = tiny_gpt()
+    # policy cpu: every chunk's state on the host from warmup on (with device chunks, the warmup's host state
+    # of the chunks the plan moves to the device stays pinned: docs/limitations.md, host memory)
+    with memsched.attach(model, lr=LR, weight_decay=WD, overlap="backward", chunk_numel=8192,
+                         **PLACEMENTS["cpu"]) as sched:
+        for b in gpt_batches(3):
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        host = [c for c in sched.store.chunks if c.placement == HOST]
+        assert host and all(c.spare is not None for c in host)
+        spare = sum(c.spare_nbytes() for c in host)
+        usage = sched.host_usage()
+        assert usage.pinned_bytes == usage.planned_pinned_bytes == sched.plan.host_bytes
+        assert spare > 0 and sched.plan.host_bytes >= 2 * spare - 4096 * len(host)  # state + spare, in pages
+        assert any("spare host state" in r for r in sched.plan.reasons)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import policies
+from policies import format_bytes
 from memsched.chunks import Allocator, ChunkLayout, ChunkStore, chunk_bytes, pinned_bytes
 from memsched.config import SchedulerConfig
 from memsched.devices.gpus import get_gpu
@@ -287,6 +288,11 @@ class Planner:
                     f"of {len(host)} host chunks {roofline.cpu_update_s * 1e3:.1f} ms at "
                     f"{roofline.cpu_elements_per_s / 1e6:.0f} M elements/s measured in warmup, of which "
                     f"{roofline.exposed_cpu_s * 1e3:.1f} ms exposed.")
+        if self._config.early_update and host:
+            spare = sum(c.host_bytes // 2 for c, where in zip(self.problem.chunks, plan.placement, strict=True)
+                        if where == HOST and not c.frozen) if self.problem is not None else 0
+            text += (f" overlap='backward': the {len(host)} host chunks keep a spare host state for their "
+                     f"updates during backward, {format_bytes(spare)} of the plan's host bytes.")
         return dataclasses.replace(plan, reasons=(*plan.reasons, text))
 
     def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:
@@ -315,6 +321,13 @@ class Planner:
         assert layout == store.layout, "planning and chunks disagree on the layout"
         if self.host_grad_working_bytes and dp.world == 1:
             problem = dataclasses.replace(problem, host_grad_working_bytes=self.host_grad_working_bytes)
+        if self._config.early_update and dp.world == 1:
+            # [Note: the spare state is planned] overlap="backward" keeps, for each chunk the plan puts on the
+            # host, a spare host state of the same layout (memsched.optim.early_update): a host chunk costs
+            # twice its host bytes, so the host budget, the plan's host_bytes and sched.host_usage() count it
+            problem = dataclasses.replace(problem, chunks=tuple(
+                dataclasses.replace(c, host_bytes=2 * c.host_bytes) if not c.frozen else c
+                for c in problem.chunks))
         return problem
 
     def _apply(self, plan: PlacementPlan) -> None:
