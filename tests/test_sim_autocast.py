@@ -1,7 +1,8 @@
 """Autocast on the stand-in casts as CUDA's does ([Note: autocast on the stand-in] in
-memsched/devices/sim_backend.cpp): the op lists torch registers for AutocastCUDA, under AutocastPrivateUse1. So
-HF Trainer's ``bf16=True``-style training (fp32 parameters under ``torch.autocast(device, bfloat16)``) computes
-in bf16 on CI as on a GPU, and memsched's run equals torch's fused AdamW under the same autocast, bit for bit."""
+memsched/devices/sim_backend.cpp): the op lists torch registers for AutocastCUDA, under AutocastPrivateUse1.
+So HF Trainer's ``bf16=True``-style training (fp32 parameters under ``torch.autocast(device, bfloat16)``)
+computes in bf16 on CI as on a GPU, and memsched's run equals torch's fused AdamW under the same autocast, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def _autocast_loss(model: nn.Module, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("policy", ["auto", "cpu"])
 def test_fp32_parameters_under_autocast_train_as_fused_adamw(policy):
-    """The first bf16 form users write (fp32 parameters, autocast), with a clip that triggers: bit-exact against
-    ``torch.optim.AdamW(fused=True)`` under the same autocast; and the autocast really computed in bf16 (the
-    losses differ from fp32's)."""
+    """The first bf16 form users write (fp32 parameters, autocast), with a clip that triggers: bit-exact
+    against ``torch.optim.AdamW(fused=True)`` under the same autocast; and the autocast really computed in
+    bf16 (the losses differ from fp32's)."""
     model = tiny_gpt()
     ref, ref32 = Reference(model), Reference(model)
     batches = gpt_batches(4)

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 import policies
-from policies import format_bytes
 from memsched.chunks import Allocator, ChunkLayout, ChunkStore, chunk_bytes, pinned_bytes
 from memsched.config import SchedulerConfig
 from memsched.devices.gpus import get_gpu
@@ -32,6 +31,7 @@ from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
 from memsched.planning.reads import chunk_accesses, grad_working_bytes, reordered, scaled
 from memsched.planning.step_model import predict_step
+from policies import format_bytes
 from policies.plans import make_plan, schedule_for
 from policies.schedule import schedule_sharded
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
@@ -289,8 +289,9 @@ class Planner:
                     f"{roofline.cpu_elements_per_s / 1e6:.0f} M elements/s measured in warmup, of which "
                     f"{roofline.exposed_cpu_s * 1e3:.1f} ms exposed.")
         if self._config.early_update and host:
-            spare = sum(c.host_bytes // 2 for c, where in zip(self.problem.chunks, plan.placement, strict=True)
-                        if where == HOST and not c.frozen) if self.problem is not None else 0
+            specs = self.problem.chunks if self.problem is not None else ()
+            spare = sum(c.host_bytes // 2 for c, where in zip(specs, plan.placement, strict=False)
+                        if where == HOST and not c.frozen)
             text += (f" overlap='backward': the {len(host)} host chunks keep a spare host state for their "
                      f"updates during backward, {format_bytes(spare)} of the plan's host bytes.")
         return dataclasses.replace(plan, reasons=(*plan.reasons, text))
