@@ -136,7 +136,9 @@ def test_trainer_with_memsched_equals_fused_adamw(tmp_path, monkeypatch):
                                                clip_devices=clip_devices)
     ref_losses, ref, _, _ = _trainer_run(base, data, tmp_path, False, monkeypatch,
                                          clip_devices=clip_devices)
-    assert len(clip_devices) == 4 and {"cpu", "sim"} <= {d.type for d in clip_devices[-1] if d is not None}
+    # host chunks' gradients read as the device too ([Note: parameters read where they compute]): the
+    # Trainer's clip sees one device, as on a GPU
+    assert len(clip_devices) == 4 and {d.type for d in clip_devices[-1] if d is not None} == {"sim"}
     assert set(plan.placement) == {"device", "host"}
     assert len(losses) == 4 and losses == ref_losses
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):

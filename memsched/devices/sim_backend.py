@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -364,6 +364,16 @@ def _build_and_load(cpp_extension: types.ModuleType, build_dir: Path, wait_s: fl
 
 
 _oom_library: object = None  # the Python kernel of memsched_sim::raise_out_of_memory, kept alive
+# The error the allocator raises, made by memsched.devices.simdevice (which imports this module and registers
+# its maker at import: set_out_of_memory_error); until then a plain torch.OutOfMemoryError with the numbers.
+_oom_error: Callable[[int, int, int], BaseException] | None = None
+
+
+def set_out_of_memory_error(make: Callable[[int, int, int], BaseException]) -> None:
+    """``make(requested, in_use, capacity)`` (bytes) builds the error the stand-in's allocator raises
+    (:func:`memsched.devices.simdevice.allocator_out_of_memory`)."""
+    global _oom_error
+    _oom_error = make
 
 
 def _raise_out_of_memory(requested: int, in_use: int, capacity: int) -> None:
@@ -371,11 +381,16 @@ def _raise_out_of_memory(requested: int, in_use: int, capacity: int) -> None:
     allocation does not fit ([Note: the stand-in's out-of-memory error] in the C++ source).
 
     Raises:
-        memsched.devices.simdevice.SimOutOfMemoryError: always (a ``torch.OutOfMemoryError``).
+        memsched.devices.simdevice.SimOutOfMemoryError: always (a ``torch.OutOfMemoryError``; a plain one
+            with the same attributes before :mod:`memsched.devices.simdevice` is imported).
     """
-    from memsched.devices import simdevice  # imports this module: imported here, at the first error
-
-    raise simdevice.allocator_out_of_memory(requested, in_use, capacity)
+    if _oom_error is not None:
+        raise _oom_error(requested, in_use, capacity)
+    base = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+    err = base(f"sim out of memory: tried to allocate {requested} bytes on the stand-in device sim:0 with "
+               f"{in_use} bytes allocated of a capacity of {capacity} bytes")
+    err.requested, err.in_use, err.capacity = requested, in_use, capacity  # type: ignore[attr-defined]
+    raise err
 
 
 def _use_memscheds_out_of_memory_error() -> None:

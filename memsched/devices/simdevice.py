@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -30,6 +31,30 @@ _UNLIMITED = (1 << 63) - 1
 _ACTIVE: list[SimDevice] = []  # stand-ins in use, the latest last: its capacity is the allocator's
 
 
+_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# the stand-in's allocator: "tried to allocate 8.0 MiB (8388608 bytes) on ... with 35.3 MiB (36975104 bytes)
+# allocated of a capacity ..."; CUDA's: "Tried to allocate 20.00 MiB. ... Of the allocated memory 7.50 GiB is
+# allocated by PyTorch, ..."
+_SIM_OOM = re.compile(r"tried to allocate [^(]*\((\d+) bytes\).*? with [^(]*\((\d+) bytes\) allocated", re.S)
+_CUDA_REQUESTED = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
+_CUDA_IN_USE = re.compile(r"Of the allocated memory ([\d.]+) (bytes|KiB|MiB|GiB|TiB) is allocated by PyTorch")
+
+
+def oom_bytes(exc: BaseException | None) -> tuple[int | None, int | None]:
+    """(bytes requested, bytes in use before the request) of an out-of-memory error: the attributes of
+    memsched's own error, else read from the allocator's message (the stand-in's exact byte counts, CUDA's
+    rounded sizes); ``None`` for what it does not say."""
+    requested, in_use = getattr(exc, "requested", None), getattr(exc, "in_use", None)
+    if requested is not None and in_use is not None:
+        return requested, in_use
+    text = str(exc.args[0]) if exc is not None and exc.args else ""
+    if m := _SIM_OOM.search(text):
+        return int(m.group(1)), int(m.group(2))
+    req, use = _CUDA_REQUESTED.search(text), _CUDA_IN_USE.search(text)
+    return (int(float(req.group(1)) * _UNITS[req.group(2)]) if req else requested,
+            int(float(use.group(1)) * _UNITS[use.group(2)]) if use else in_use)
+
+
 class SimOutOfMemoryError(_OOM_BASE):  # type: ignore[misc,valid-type]
     """The stand-in device cannot hold an allocation: raised by its allocator wherever one does not fit (a
     forward, a backward, an optimizer step, attach), and by :meth:`SimDevice.require` and
@@ -42,7 +67,7 @@ class SimOutOfMemoryError(_OOM_BASE):  # type: ignore[misc,valid-type]
         free = max(0, self.capacity - self.in_use)
         fb = format_bytes
         purpose = "" if what == "an allocation" else f" for {what}"
-        # the first sentence is the allocator's own (memsched.runtime.elastic_hooks.oom_bytes reads it)
+        # the first sentence is the allocator's own (oom_bytes reads it)
         req, use, cap = self.requested, self.in_use, self.capacity
         super().__init__(
             f"sim out of memory: tried to allocate {fb(req)} ({req} bytes){purpose} on the stand-in device "
@@ -79,6 +104,9 @@ def allocator_out_of_memory(requested: int, in_use: int, capacity: int) -> SimOu
     return err
 
 
+sim_backend.set_out_of_memory_error(allocator_out_of_memory)
+
+
 def add_oom_numbers(exc: BaseException, device: torch.device | str | None = None) -> BaseException:
     """Give a CUDA out-of-memory error (torch's ``OutOfMemoryError`` from the caching allocator) the numbers
     memsched's stand-in error carries, all bytes: ``requested`` (read from the allocator's message, which
@@ -94,8 +122,6 @@ def add_oom_numbers(exc: BaseException, device: torch.device | str | None = None
     first = exc.args[0] if exc.args and isinstance(exc.args[0], str) else ""
     if "CUDA out of memory" not in first or not torch.cuda.is_available():
         return exc
-    from memsched.runtime.elastic_hooks import oom_bytes
-
     try:
         requested = oom_bytes(exc)[0]
         in_use = int(torch.cuda.memory_allocated(dev))

@@ -5,7 +5,6 @@ optimizer's ``zero_grad()`` notices one that a compiled forward raised (the retr
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -13,34 +12,11 @@ from typing import Any
 import torch
 
 import policies
-from memsched.devices.simdevice import OUT_OF_MEMORY
+from memsched.devices.simdevice import OUT_OF_MEMORY, oom_bytes  # noqa: F401 (oom_bytes: re-exported)
 from memsched.planning.elastic import Elastic, shapes
 from memsched.runtime.hook_order import add_forward_pre_hook
 from policies.types import HOST
 from tracer.hook_handles import Detachable
-
-_UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-# the stand-in's allocator: "tried to allocate 8.0 MiB (8388608 bytes) on ... with 35.3 MiB (36975104 bytes)
-# allocated of a capacity ..."; CUDA's: "Tried to allocate 20.00 MiB. ... Of the allocated memory 7.50 GiB is
-# allocated by PyTorch, ..."
-_SIM_OOM = re.compile(r"tried to allocate [^(]*\((\d+) bytes\).*? with [^(]*\((\d+) bytes\) allocated", re.S)
-_CUDA_REQUESTED = re.compile(r"Tried to allocate ([\d.]+) (bytes|KiB|MiB|GiB|TiB)")
-_CUDA_IN_USE = re.compile(r"Of the allocated memory ([\d.]+) (bytes|KiB|MiB|GiB|TiB) is allocated by PyTorch")
-
-
-def oom_bytes(exc: BaseException | None) -> tuple[int | None, int | None]:
-    """(bytes requested, bytes in use before the request) of an out-of-memory error: the attributes of
-    memsched's own error, else read from the allocator's message (the stand-in's exact byte counts, CUDA's
-    rounded sizes); ``None`` for what it does not say."""
-    requested, in_use = getattr(exc, "requested", None), getattr(exc, "in_use", None)
-    if requested is not None and in_use is not None:
-        return requested, in_use
-    text = str(exc.args[0]) if exc is not None and exc.args else ""
-    if m := _SIM_OOM.search(text):
-        return int(m.group(1)), int(m.group(2))
-    req, use = _CUDA_REQUESTED.search(text), _CUDA_IN_USE.search(text)
-    return (int(float(req.group(1)) * _UNITS[req.group(2)]) if req else requested,
-            int(float(use.group(1)) * _UNITS[use.group(2)]) if use else in_use)
 
 
 def unfittable_message(elastic: Elastic, planner: Any, sig: Any,
