@@ -177,7 +177,6 @@ class Scheduler:
         try:
             self._build(model, config, groups, frozen)
         except BaseException:
-            restore_dtypes(cast)
             # A refused attach leaves nothing installed: hooks on the parameters would keep the chunks (and
             # their device memory) alive with the model. The parameters keep their values, in the chunks.
             installed = getattr(self, "_installed", None)
@@ -185,6 +184,7 @@ class Scheduler:
                 installed.track(store=getattr(self, "store", None))
                 installed.remove()
             release(trainable + frozen)
+            restore_dtypes(cast)  # last: taking the chunks down re-binds parameters
             raise
 
     def _build(self, model: torch.nn.Module, config: SchedulerConfig, groups: list[dict[str, Any]],

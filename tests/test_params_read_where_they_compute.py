@@ -354,3 +354,68 @@ def test_an_input_left_on_the_host_gets_memsched_s_explanation() -> None:
             model(torch.tensor([[1, 2, 3]]))
         with torch.no_grad():
             assert model(torch.tensor([[1, 2, 3]]).to(model.device)).logits.device == SIM
+
+
+def test_a_write_through_host_gradients_is_seen_by_the_fp16_check():
+    """fp16 with every chunk on the host: torch's clip (which does not know the loss scale) writes the host
+    gradients through their device-typed views; the step still sees the write and refuses, as it does for
+    device gradients, and nothing is updated."""
+    from tests._numerics import gpt_batches, gpt_loss, tiny_gpt
+
+    model = tiny_gpt()
+    with memsched.attach(model, policy="cpu", device="sim:64MiB", dtype=torch.float16, lr=LR,
+                         weight_decay=WD, chunk_numel=8192) as sched:
+        batches = gpt_batches(3)
+        for b in batches[:2]:
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+        sched.backward(gpt_loss(model, batches[2]))
+        assert all(sched.store.in_host_memory(p.grad) for p in model.parameters() if p.grad is not None)
+        before = [p.detach().cpu().clone() for p in model.parameters()]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # scales the scaled gradients
+        with pytest.raises(RuntimeError, match="sched.clip_grad_norm_"):
+            sched.optimizer.step()
+        for p, q in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p.detach().cpu(), q)
+
+
+def test_saving_the_model_writes_each_host_buffer_once():
+    """``torch.save(model.state_dict(keep_vars=True))`` between steps, every chunk on the host: the
+    parameters' device-typed views of one host buffer share one storage (the buffer's), as its host views
+    do, so the file holds each host buffer once, not once per parameter."""
+    import io
+
+    model = _gpt2()
+    with memsched.attach(model, policy="cpu", device="sim:256MiB", lr=LR, weight_decay=WD,
+                         chunk_numel=4096) as sched:
+        sched.backward(_lm(model, _data(1)[0].to(SIM)))
+        sched.optimizer.step()
+        assert all(sched.store.in_host_memory(p) for p in model.parameters())
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        assert len(storages) < len(list(model.parameters()))  # shared
+        buf = io.BytesIO()
+        torch.save(model.state_dict(keep_vars=True), buf)
+        assert buf.tell() < 1.1 * sum(storages.values()) + 2**16
+
+
+def test_a_gradient_held_across_zero_grad_keeps_its_values_in_host_memory():
+    """A host gradient the user holds (``g = p.grad``) across ``zero_grad()`` keeps its values, as in torch,
+    in host memory of its own that reads as the device: no device memory is taken for it."""
+    from memsched.devices import sim_backend
+
+    model = _gpt2()
+    with _attach(model, "static") as sched:
+        ids = _data(1)[0].to(SIM)
+        sched.backward(_lm(model, ids))
+        p = next(p for p in model.parameters() if sched.store.in_host_memory(p.grad) and p.numel() > 1000)
+        g = p.grad
+        values = g.detach().cpu().clone()
+        sched.optimizer.step()
+        before = sim_backend.memory_allocated()
+        sched.optimizer.zero_grad()
+        assert g.device == SIM and torch.equal(g.detach().cpu(), values)
+        assert sim_backend.memory_allocated() <= before
+        assert not sched.store.in_host_memory(g)  # its own memory, not the chunk's
+        sched.backward(_lm(model, ids))  # the next backward writes the chunk's gradients, not g
+        assert torch.equal(g.detach().cpu(), values)

@@ -19,7 +19,7 @@ from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
 from memsched.chunks.sharded_grad import ShardedGrad, is_sharded
-from memsched.devices.host_alias import device_alias
+from memsched.devices.host_alias import host_alias_of, settle
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
@@ -68,6 +68,8 @@ class ChunkStore:
         self.compute_dtype = compute_dtype
         self.dp: ChunkEvents = dp if dp is not None else OneProcess()
         self._views: dict[tuple[str, int], torch.Tensor] = {}
+        # id(host buffer) -> (the buffer, its device-typed alias): the base of the user views (user_view)
+        self._host_aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads_ready_observers: list[Callable[[Chunk], None]] = []  # after ``dp`` (the optimizer)
         if on_grads_ready is not None:
             self._grads_ready_observers.append(on_grads_ready)
@@ -190,6 +192,7 @@ class ChunkStore:
         self.param_pos = {id(p): k for c in chunks for k, p in enumerate(c.params)}
         self._trainable = [c for c in chunks if not c.frozen]
         self._views: dict[tuple[str, int], Any] = {}  # (kind, id(p)) -> chunk view, made once
+        self._host_aliases = {}  # the user views' bases (user_view), made anew too
 
     def _build_chunk(self, ci: int, layout: ChunkLayout, slots: Sequence[Slot],
                      groups: list[list[torch.nn.Parameter]], keep_initial: bool, grads: bool = True) -> Chunk:
@@ -282,6 +285,7 @@ class ChunkStore:
         old_layout, old_groups = self.layout, self._packing()
         bindings = self.bindings
         for c in bindings.host_chunks():  # host-bound gradients are staged from the host
+            settle(c.device)
             self.before_host_write(c)
         with torch.no_grad(), self.alloc.host_context():
             for c in self.chunks:
@@ -490,6 +494,7 @@ class ChunkStore:
             c.release()
         self.chunks, self.param_chunk, self.param_range = [], {}, {}
         self._views = {}
+        self._host_aliases = {}
         self.bindings.reset()
 
     def _restore_state(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]],
@@ -544,17 +549,41 @@ class ChunkStore:
         """:meth:`host_view` typed as the compute device (no copy): what a host-bound parameter
         (``kind="data"``) and its gradient (``"grad"``) are, so that they read where they compute ([Note:
         parameters read where they compute] in :mod:`memsched.devices.host_alias`). memsched's own host-side
-        work uses :meth:`host_view`."""
+        work uses :meth:`host_view`. Every user view of one host buffer is a view of one alias of that
+        buffer: they share its storage, as the host views share the buffer's (``torch.save`` writes it
+        once)."""
         c = c or self.param_chunk[id(p)]
-        host = self.host_view(kind, p, c)
-        if host.device == c.device or (c.device.type == "cuda" and not host.is_pinned()):
-            return host  # pageable host memory (pin_memory=False) is no device's: the host view itself
+        buf = c.param_host if kind == "data" else c.grad_host
         hit = self._views.get((kind + "@user", id(p)))
-        if hit is not None and hit[0] is host:
+        if hit is not None and hit[0] is buf:
             return hit[1]
-        v = device_alias(host, c.device)
-        self._views[kind + "@user", id(p)] = (host, v)
+        host = self.host_view(kind, p, c)
+        base = self._host_aliases.get(id(buf))
+        if base is None or base[0] is not buf:
+            alias = host_alias_of(buf, c.device, pinned=self.alloc.pin)
+            if alias is None:  # no device view of this memory (pageable, or a GPU that cannot map it)
+                return host
+            base = self._host_aliases[id(buf)] = (buf, alias)
+        off, _n = self.param_range[id(p)]
+        v = self.slot(base[1], off - c.lo, p)
+        self._views[kind + "@user", id(p)] = (buf, v)
         return v
+
+    def user_grad_version(self, c: Chunk) -> int | None:
+        """The version counter of the alias under ``c``'s gradients' user views (writes through any of them
+        move it: they are views of one alias, whose counter is not the host buffer's), or ``None``."""
+        base = self._host_aliases.get(id(c.grad_host)) if c.grad_host is not None else None
+        return base[1]._version if base is not None and base[0] is c.grad_host else None
+
+    def forget_host_views(self, c: Chunk) -> None:
+        """``c``'s host buffers are replaced or freed: its cached host and user views go (they would keep the
+        old pinned buffers alive), after the device's work that may read them through the user views."""
+        settle(c.device)
+        for p in c.params:
+            for key in ("data@host", "grad@host", "data@user", "grad@user"):
+                self._views.pop((key, id(p)), None)
+        live = {id(b) for ch in self.chunks for b in (ch.param_host, ch.grad_host) if b is not None}
+        self._host_aliases = {k: v for k, v in self._host_aliases.items() if k in live}
 
     def in_host_memory(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view into a chunk's host buffers (a host-bound parameter or gradient)."""
@@ -614,10 +643,8 @@ class ChunkStore:
         if placement != HOST:
             self._grads_to_device(c)  # while its host gradients still exist
         moved = c.move_to(placement, self.alloc)
-        # The cached host views would keep the old host buffers (pinned memory) alive after the move.
-        for p in c.params:
-            self._views.pop(("data@host", id(p)), None)
-            self._views.pop(("grad@host", id(p)), None)
+        # The cached host and user views would keep the old host buffers (pinned memory) alive after the move.
+        self.forget_host_views(c)
         self.note_placements()
         if self.offloads(c):
             self._grads_to_host(c)
@@ -1136,6 +1163,7 @@ class ChunkStore:
                 c.reset_ready()
                 held = [p for p in c.params if id(p) in self.host_grads]
                 if held:  # host gradients: zeroed where they are, as torch zeroes p.grad
+                    settle(c.device)  # after kernels that wrote them through the user views
                     self.before_host_write(c)
                     with self.alloc.host_context():
                         for p in held:
@@ -1171,7 +1199,15 @@ class ChunkStore:
                 cached = hit is not None and hit[1] is g
                 if sys.getrefcount(g) > _unheld_grad_refs() - (not cached):
                     with torch.no_grad(), self.alloc.host_context():
-                        g.data = g.detach().clone()
+                        # a host copy of its own (pinned like the buffer), read as the device as before: the
+                        # held gradient takes no device memory
+                        settle(c.device)
+                        host = self.host_view("grad", p, c)
+                        own = self.alloc.host_empty(host.numel(), host.dtype)
+                        own = own.as_strided(host.shape, dense_strides(host)).copy_(host)
+                        alias = (host_alias_of(own, c.device, pinned=self.alloc.pin)
+                                 if g.device != own.device else None)
+                        g.data = alias if alias is not None else own
                     if cached:
                         del self._views[key]
                 del g
@@ -1231,6 +1267,8 @@ class ChunkStore:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.chunks:
+            settle(self.chunks[0].device)  # no kernel reads a host buffer through a user view any more
         for p in self.all_params():  # memsched lets them go: their own class back ([Note: foreign reads])
             present(p)
         if not self.closed:

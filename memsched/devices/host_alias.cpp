@@ -32,9 +32,11 @@ at::Tensor host_alias(const at::Tensor& t) {
       std::move(alias), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), t.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides());
   out.unsafeGetTensorImpl()->set_storage_offset(t.storage_offset());
+  // A write through the alias is a write to `t`, as through a view: one version counter.
+  out.unsafeGetTensorImpl()->set_version_counter(t.unsafeGetTensorImpl()->version_counter());
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY(memsched_alias, m) { m.def("host_alias(Tensor host) -> Tensor", &host_alias); }
+TORCH_LIBRARY(memsched_alias, m) { m.def("host_alias(Tensor(a) host) -> Tensor(a)", &host_alias); }

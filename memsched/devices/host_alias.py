@@ -28,6 +28,9 @@ host-side reads of buffers that user code may have written through aliases synch
 
 from __future__ import annotations
 
+import ctypes
+import warnings
+
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -77,16 +80,87 @@ def device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
             raise ValueError("device_alias: a CUDA alias needs pinned host memory (unified addressing maps "
                              "pinned memory into the device's address space); this host tensor is pageable")
         st = host.untyped_storage()
-        raw = torch.as_tensor(_CudaArray(host, st.data_ptr(), st.nbytes()),
-                              device=torch.device("cuda", device.index if device.index is not None
-                                                  else torch.cuda.current_device()))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = torch.device("cuda", index)
+        raw = torch.as_tensor(_CudaArray(host, st.data_ptr(), st.nbytes()), device=target)
+        if raw.data_ptr() != st.data_ptr() or raw.device != target:
+            # torch copied it (another device registered the memory, or an older torch): not a view
+            raise ValueError(f"torch made a copy on {raw.device}, not a view of the host memory on {target}")
         return raw.view(host.dtype).as_strided(host.shape, host.stride(), host.storage_offset())
     raise ValueError(f"device_alias: no host alias for device type {kind!r}; expected 'cpu', 'sim' or 'cuda'")
 
 
+_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
+_host_pointer_ok: dict[int, bool] = {}
+_warned: set[str] = set()
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded in this process (found through ``/proc/self/maps``), or
+    ``None``."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart" in line and "/" in line})
+        return ctypes.CDLL(paths[0]) if paths else None
+    except OSError:
+        return None
+
+
+def _registered_memory_is_mapped(index: int) -> bool:
+    """Whether a kernel on CUDA device ``index`` may use the host pointer of memory registered with
+    ``cudaHostRegister`` (as :mod:`memsched.devices.pinned` pins it): the device attribute
+    ``cudaDevAttrCanUseHostPointerForRegisteredMem``, read once per device. ``False`` where it cannot be
+    read."""
+    ok = _host_pointer_ok.get(index)
+    if ok is None:
+        ok = False
+        lib = _cudart()
+        if lib is not None:
+            try:
+                value = ctypes.c_int(0)
+                ok = lib.cudaDeviceGetAttribute(ctypes.byref(value), _CAN_USE_HOST_POINTER, index) == 0 and \
+                    value.value == 1
+            except (AttributeError, OSError):
+                ok = False
+        _host_pointer_ok[index] = ok
+    return ok
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def host_alias_of(host: torch.Tensor, device: torch.device, *, pinned: bool) -> torch.Tensor | None:
+    """:func:`device_alias` where the device can read the memory in place, else ``None`` (the caller keeps
+    the host view, which reads as ``cpu``): ``device="cpu"``; on CUDA, pageable memory (``pinned`` false), a
+    GPU that cannot use registered host memory at its host address, or an alias torch would not build in
+    place (said once, with the reason)."""
+    if device.type == "cpu":
+        return host
+    if device.type != "cuda":
+        return device_alias(host, device)
+    if not pinned:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _registered_memory_is_mapped(index):
+        _warn_once(f"mapped{index}", f"memsched: cuda:{index} cannot use registered host memory at its host "
+                   "address (cudaDevAttrCanUseHostPointerForRegisteredMem is 0, or the CUDA runtime could "
+                   "not be asked): parameters of host chunks read as cpu tensors between steps")
+        return None
+    try:
+        return device_alias(host, torch.device("cuda", index))
+    except (RuntimeError, ValueError, TypeError) as e:
+        _warn_once(f"alias{index}", f"memsched: no CUDA view of pinned host memory ({e}): parameters of "
+                   "host chunks read as cpu tensors between steps")
+        return None
+
+
 def settle(device: torch.device) -> None:
     """Before memsched reads on the host a buffer that device kernels may have written through an alias (a
-    user's ``clip_grad_norm_``, ``load_state_dict`` or ``p.mul_`` between steps): on CUDA, wait for the
-    current stream's work (kernels write mapped memory asynchronously); elsewhere nothing to wait for."""
+    user's ``clip_grad_norm_``, ``load_state_dict`` or ``p.mul_`` between steps), or frees one such a kernel
+    may still read: on CUDA, wait for the device's work (kernels read and write mapped memory
+    asynchronously, on any stream); elsewhere nothing to wait for."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.synchronize(device)

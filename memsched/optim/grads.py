@@ -133,9 +133,11 @@ class GradChecks:
     # ---- fp16 ---------------------------------------------------------------------------------------------
     def _signatures(self) -> list[Any]:
         """What changes whenever any gradient is written: each chunk's device buffer signature and, for host
-        chunks, the version of their host gradients (and which parameters hold one)."""
+        chunks, the version of their host gradients and of the views users write them through (``p.grad``
+        reads as the device: [Note: parameters read where they compute]), and which parameters hold one."""
         store = self._store
         return [(c.grad_signature(), c.grad_host._version if store.offloads(c) else None,
+                 store.user_grad_version(c) if store.offloads(c) else None,
                  sum(1 for p in c.params if id(p) in store.host_grads)) for c in store.trainable_chunks]
 
     def note_scaled_backward(self) -> None:

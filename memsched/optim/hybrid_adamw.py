@@ -203,7 +203,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self.timeline.step_begin()
         self.wait_updates("step()")  # the previous step's overlapped CPU update
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
-        host_alias.settle(self.store.alloc.device)  # kernels that wrote host buffers through user views
+        if self.store.offloading:  # kernels that may have written host buffers through user views
+            host_alias.settle(self.store.alloc.device)
         self.store.settle()  # host chunks' gradients on the host (refuses after a backward that failed)
         if self.scaler is not None:
             self.checks.check_scaled_grads()

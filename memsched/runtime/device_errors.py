@@ -44,8 +44,10 @@ def explain_device_error(device: torch.device) -> None:
 def device_error_hook(device: torch.device) -> Any:
     """A ``register_forward_hook(..., always_call=True)`` hook that calls :func:`explain_device_error`."""
 
-    def hook(_module: torch.nn.Module, _args: Any, _output: Any) -> None:
-        if not torch.compiler.is_compiling():
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        # torch calls it with no output when the forward raised; a forward that succeeds inside the caller's
+        # own ``except`` (a retry) leaves that handled exception alone
+        if output is None and not torch.compiler.is_compiling():
             explain_device_error(device)
 
     return hook

@@ -27,14 +27,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 _GUARDED: weakref.WeakKeyDictionary[torch.nn.Module, Callable[[torch.nn.Module, Callable], None]] = (
     weakref.WeakKeyDictionary())
 _lock = threading.Lock()
-_original: Callable[..., Any] | None = None
+# torch's own, captured once: a thread inside _guarded_apply while the last guard goes still calls it
+_original: Callable[..., Any] = torch.nn.Module._apply
 
 
 def _guarded_apply(self: torch.nn.Module, fn: Callable, *args: Any, **kwargs: Any) -> Any:
     check = _GUARDED.get(self)
     if check is not None:
         check(self, fn)
-    assert _original is not None
     return _original(self, fn, *args, **kwargs)
 
 
@@ -45,7 +45,6 @@ class MoveGuard:
 
     def __init__(self, model: torch.nn.Module,
                  kinds: Callable[[], set[tuple[torch.dtype, torch.device]]]) -> None:
-        global _original
         self._modules = weakref.WeakSet(model.modules())
         self._names = weakref.WeakKeyDictionary(
             {m: n or type(model).__name__ for n, m in model.named_modules()})
@@ -53,8 +52,7 @@ class MoveGuard:
         with _lock:
             for m in self._modules:
                 _GUARDED[m] = self._check
-            if _original is None:
-                _original = torch.nn.Module._apply
+            if torch.nn.Module._apply is not _guarded_apply:
                 torch.nn.Module._apply = _guarded_apply  # type: ignore[method-assign]
 
     def _check(self, module: torch.nn.Module, fn: Callable) -> None:
@@ -84,12 +82,11 @@ class MoveGuard:
                 "again; to compute in bfloat16/float16, pass dtype= to memsched.attach")
 
     def remove(self) -> None:
-        global _original
         with _lock:
             for m in list(self._modules):
                 if _GUARDED.get(m) == self._check:
                     del _GUARDED[m]
             self._modules = weakref.WeakSet()
-            if not _GUARDED and _original is not None:
+            # the last guard takes the patch away, unless another library patched _apply over it since
+            if not _GUARDED and torch.nn.Module._apply is _guarded_apply:
                 torch.nn.Module._apply = _original  # type: ignore[method-assign]
-                _original = None

@@ -837,9 +837,10 @@ class ParamFetcher:
         c, host = self._storage.get(sid), False
         if c is not None and (c.data is None or id(c.data.untyped_storage()) != sid):
             c = None  # a buffer that has left since: not a chunk's any more
-        if c is None:  # between steps: a host view ([Note: saved tensors between steps])
+        if c is None:  # between steps: a host view ([Note: saved tensors between steps]), read as the device
+            ptr = t.untyped_storage().data_ptr()  # its user view: another storage object over the same bytes
             c = next((h for h in store.bindings.host_chunks() if h.param_host is not None
-                      and id(h.param_host.untyped_storage()) == sid), None)
+                      and h.param_host.untyped_storage().data_ptr() == ptr), None)
             host = c is not None
         if c is None:
             return _Plain(t.detach(), t._version)
