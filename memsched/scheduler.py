@@ -762,8 +762,9 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             The parameters become that dtype, so floating-point inputs must be cast to it too.
         chunk_numel: chunk size (elements) instead of the searched one.
         zero_stage: with ``torch.distributed`` initialised and more than one rank: 0 (plain data parallel), 1
-            (optimizer state sharded evenly over the ranks) or 2 (gradients reduce-scattered too); see
-            :mod:`memsched.distributed.engine`. Ignored with one rank.
+            (optimizer state sharded evenly over the ranks), 2 (gradients reduce-scattered too) or 3
+            (parameters sharded too, all-gathered for their reads); see :mod:`memsched.distributed.engine`.
+            Ignored with one rank.
         process_group: the data-parallel group; ``None`` = the default group.
         fetch: how updated shards reach every rank: ``"all_gather"`` or ``"all_reduce"``.
         dist_timeout: seconds the attach barrier waits for every rank (``None``: the group's timeout).

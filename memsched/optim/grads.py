@@ -99,7 +99,7 @@ class GradChecks:
                     "as it is. Nothing was updated. To unfreeze, attach again with the same groups and "
                     "carry the state over: state = sched.optimizer.state_dict(); sched.close(); "
                     "sched = memsched.attach(model, params=<the same groups>); "
-                    "sched.optimizer.load_state_dict(state) (README: Progressive unfreezing). To keep it "
+                    "sched.optimizer.load_state_dict(state) (docs/training-code.md: Progressive unfreezing). To keep it "
                     "frozen, set requires_grad_(False) and its .grad to None")
         fixes = []
         store = self._store
