@@ -129,8 +129,9 @@ def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monk
     "no",
     pytest.param("bf16", marks=pytest.mark.xfail(
         strict=True, raises=AssertionError,
-        reason="Accelerate autocasts its own device type (the CPU here, not sim:0) and the stand-in backend "
-               "registers no autocast kernels: the bf16 run computes in fp32, the same losses as 'no'")),
+        reason="Accelerate autocasts its own device type (the CPU here, cpu=True, not sim:0), which leaves "
+               "the stand-in's tensors uncast (torch.autocast('sim') itself casts as CUDA's: "
+               "tests/test_sim_autocast.py): the bf16 run computes in fp32, the same losses as 'no'")),
 ])
 def test_accelerate_loop_with_memsched_equals_fused_adamw(gpt2, mixed_precision, monkeypatch):
     base, tokens = gpt2
