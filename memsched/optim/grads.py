@@ -99,8 +99,8 @@ class GradChecks:
                     "as it is. Nothing was updated. To unfreeze, attach again with the same groups and "
                     "carry the state over: state = sched.optimizer.state_dict(); sched.close(); "
                     "sched = memsched.attach(model, params=<the same groups>); "
-                    "sched.optimizer.load_state_dict(state) (docs/training-code.md: Progressive unfreezing). To keep it "
-                    "frozen, set requires_grad_(False) and its .grad to None")
+                    "sched.optimizer.load_state_dict(state) (docs/training-code.md: Progressive unfreezing). "
+                    "To keep it frozen, set requires_grad_(False) and its .grad to None")
         fixes = []
         store = self._store
         for p in store.params():
@@ -117,7 +117,10 @@ class GradChecks:
                 if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
                     continue
             dtype = c.dtype  # the gradient buffer's
-            device = c.device  # a host-bound gradient reads as the compute device too (its user view)
+            # a host-bound gradient reads as its user view does: the compute device (a host view where the
+            # device cannot read the host buffer in place: pageable memory on CUDA)
+            device = (store.user_view("grad", p, c).device if host_bound and c.grad_host is not None
+                      else c.device)
             if g.shape != p.shape or g.device != device or g.dtype != dtype or g.is_sparse:
                 raise ValueError(
                     f"gradient of parameter {self._name(p)} has shape {tuple(g.shape)}, dtype {g.dtype}, "

@@ -70,6 +70,7 @@ class HostUpdates:
         self.device = device
         self.threads = threads if threads is not None else default_update_threads(device)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self._future: Future | None = None
         self._done: dict[int, threading.Event] = {}  # chunk index -> updated, its H2D issued
         self._order: list[int] = []  # chunk indices of the batch in flight, in update order
@@ -104,6 +105,10 @@ class HostUpdates:
         return self._executor().submit(self._run_one, fn)
 
     def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:  # one worker, whichever thread asks first (its submissions stay in order)
+            return self._start_pool()
+
+    def _start_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
             default = torch.get_num_threads()
             ready = threading.Event()
