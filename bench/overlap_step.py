@@ -94,7 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                for _ in range(args.warmup + args.blocks * args.block)]
 
     def train(run: dict[str, Any], part: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        return train_seconds(run["sched"], part, lambda b: nn.functional.mse_loss(run["model"](b[0]), b[1]))
+        dev = run["sched"].device.torch_device  # the stand-in is a device: inputs go there, as on a GPU
+        return train_seconds(run["sched"], part,
+                             lambda b: nn.functional.mse_loss(run["model"](b[0].to(dev)), b[1].to(dev)))
 
     for run in runs.values():
         train(run, batches[:args.warmup])
