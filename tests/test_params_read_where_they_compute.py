@@ -66,6 +66,18 @@ def _attach(model: nn.Module, placement: str, **kw) -> memsched.Scheduler:
     return memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=4096, **opts, **kw)
 
 
+def _train(sched: memsched.Scheduler, model: nn.Module, ref: Reference, batches: list, loss_fn) -> None:
+    """A step per batch (on the stand-in) with memsched and with ``ref``, parameters equal after each."""
+    for step, batch in enumerate(batches):
+        batch = batch.to(SIM)
+        sched.backward(loss_fn(model, batch))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+        with sched.sim.paused():
+            ref.step(batch, loss_fn, None)
+            assert_same(model, ref, f"step {step}")
+
+
 def _all_on(model: nn.Module, device: torch.device) -> None:
     for name, p in model.named_parameters():
         assert p.device == device, f"{name} reads as {p.device}"
@@ -162,14 +174,7 @@ def test_peft_merge_and_unload_with_the_base_on_the_host() -> None:
     with uncounted():
         ref = Reference(model)
     with _attach(model, "static") as sched:
-        for step, ids in enumerate(_data(2)):
-            ids = ids.to(SIM)
-            sched.backward(_lm(model, ids))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-            with sched.sim.paused():
-                ref.step(ids, _lm, None)
-                assert_same(model, ref, f"step {step}")
+        _train(sched, model, ref, _data(2), _lm)
         assert any(sched.store.chunks[i].frozen for i in sched.plan.param_host_chunks)  # a base on the host
         merged = model.merge_and_unload()
         with sched.sim.paused():
@@ -240,14 +245,7 @@ def test_a_custom_function_reading_a_weight_in_backward(fn) -> None:
             for p, q in zip(model.parameters(), before, strict=True):  # nothing was lost
                 assert torch.equal(p.detach().cpu(), q)
             return
-        for step, x in enumerate(xs):
-            x = x.to(SIM)
-            sched.backward(_custom_loss(model, x))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-            with sched.sim.paused():
-                ref.step(x, _custom_loss, None)
-                assert_same(model, ref, f"step {step}")
+        _train(sched, model, ref, xs, _custom_loss)
         assert sched.plan.param_host_chunks
 
 
