@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from memsched.cli.argtypes import positive_float, positive_int, positive_int_list, ratio
 from memsched.devices.gpus import gpu_names
+from memsched.models.llama import LLAMA_PRESETS
 from memsched.models.presets import sizes
 from policies.units import parse_positive_bytes
 
@@ -244,7 +245,12 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("target", nargs="?", metavar="TARGET",
                    help="file.py:function or module:function returning (model, loss_fn) for a device "
                         "(see memsched trace); or use --model")
-    p.add_argument("--model", metavar="SIZE", help=f"the built-in GPT at this size: {', '.join(sizes())}")
+    p.add_argument("--model", metavar="SIZE",
+                   help=f"the built-in GPT at this size: {', '.join(sizes())}; or a Llama-class shape built "
+                        f"with transformers (random weights): {', '.join(LLAMA_PRESETS)}")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="with a Llama-class --model: activation checkpointing, as Hugging Face's "
+                        "gradient_checkpointing_enable() does")
     p.add_argument("--lora", type=positive_int, default=None, metavar="RANK",
                    help="with --model: freeze the model and train rank-RANK LoRA adapters on its "
                         "feed-forward layers (the frozen base is model data of its own, offloaded first)")

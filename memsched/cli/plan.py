@@ -25,6 +25,7 @@ from memsched.cli import parsers
 from memsched.devices.gpus import get_gpu, gpu_for_device_name, gpu_names
 from memsched.devices.host_memory import available_bytes
 from memsched.models import config_for, sizes
+from memsched.models.llama import LLAMA_PRESETS, llama_workload
 from memsched.planning.capacity import (  # noqa: F401 (re-exported for the command's users)
     SCHEMA,
     SWEEP_POLICIES,
@@ -99,7 +100,13 @@ def run(args: argparse.Namespace) -> int:
     # ---- validate everything before the (possibly long) trace ----------------------------------------------
     if (args.target is None) == (args.model is None):
         raise ValueError("give either a TARGET (file.py:function or module:function) or --model SIZE "
-                         f"(one of {', '.join(sizes())}), not both or neither")
+                         f"(one of {', '.join([*sizes(), *LLAMA_PRESETS])}), not both or neither")
+    llama = args.model in LLAMA_PRESETS
+    if args.checkpointing and not llama:
+        raise ValueError(f"--checkpointing applies to a Llama-class --model ({', '.join(LLAMA_PRESETS)}); "
+                         "a TARGET enables its own")
+    if llama and args.lora is not None:
+        raise ValueError(f"--lora applies to the built-in GPT sizes, not to {args.model!r}")
     if args.policy not in policies.names():
         raise ValueError(f"unknown policy {args.policy!r}: known policies are {', '.join(policies.names())}")
     if args.world_size is not None and args.world_size < 2:
@@ -122,8 +129,11 @@ def run(args: argparse.Namespace) -> int:
         # Every workload is made (and checked: block size) before the first, possibly long, trace.
         lora = {"lora_rank": args.lora} if args.lora is not None else {}
         runs: list[tuple[str | WorkloadFn, dict[str, Any]]] = [
-            (gpt_workload(args.model, b, s, lora_rank=args.lora),
-             {"model": args.model, "batch_size": b, "seq_len": s, **lora})
+            (llama_workload(args.model, b, s, checkpointing=args.checkpointing) if llama else
+             gpt_workload(args.model, b, s, lora_rank=args.lora),
+             {"model": args.model, "batch_size": b, "seq_len": s, **lora,
+              **({"checkpointing": args.checkpointing, "source": LLAMA_PRESETS[args.model].source}
+                 if llama else {})})
             for b in batches for s in seqs]
     else:
         if args.lora is not None:
@@ -157,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         entries.append((what[over] if over else 0, result, cplan))
     if over is None:
         result = entries[0][1]
-        if args.model is not None and args.largest_preset:
+        if args.model is not None and args.largest_preset and not llama:  # the GPT sizes' ladder
             what = runs[0][1]
             with console.status("finding the largest preset that fits ...") \
                     if not args.json and console.is_terminal else contextlib.nullcontext():
@@ -226,7 +236,9 @@ def render(result: dict[str, Any], console: Console) -> None:
     head.add_column(style="bold")
     head.add_column()
     head.add_row("workload",
-                 w.get("target") or f"GPT {w['model']}, batch {w['batch_size']} x seq {w['seq_len']}")
+                 w.get("target") or f"{'' if w['model'] in LLAMA_PRESETS else 'GPT '}{w['model']}, batch "
+                                    f"{w['batch_size']} x seq {w['seq_len']}"
+                                    + (", activation checkpointing" if w.get("checkpointing") else ""))
     head.add_row("parameters", f"{w['parameters']:,} ({w['dtype']})")
     stand_in = " standing in for CUDA" if tr["device"] == "cpu" else ""
     head.add_row("traced on", f"fake {tr['device']}{stand_in} (attention: {tr['attention']}), "
@@ -374,7 +386,8 @@ def render_sweep(sweep: dict[str, Any], console: Console) -> None:
     fixed = "seq" if over == "batch_size" else "batch"
     fixed_value = w["seq_len"] if over == "batch_size" else w["batch_size"]
     cap = fb(sweep["capacity_bytes"]) + (f" ({sweep['gpu']})" if sweep["gpu"] else "")
-    table = Table(title=f"GPT {w['model']} ({w['parameters']:,} parameters, {w['dtype']}), {fixed} "
+    family = "" if w["model"] in LLAMA_PRESETS else "GPT "
+    table = Table(title=f"{family}{w['model']} ({w['parameters']:,} parameters, {w['dtype']}), {fixed} "
                         f"{fixed_value}, on {cap}, gpu_margin_mem_ratio {sweep['gpu_margin_mem_ratio']:g}",
                   title_justify="left")
     table.add_column(name, justify="right")
