@@ -276,8 +276,11 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     mixed, _ = build_problem(meta, 0, 10**6, master_weights=True)
     n0 = layout.numels[0]
     assert mixed.chunks[0].device_bytes == n0 * (12 + 2) + steps[0]
-    # fp32 master, moments, update gradients; bf16 host values and host gradients
-    assert mixed.chunks[0].host_bytes == n0 * (16 + 2 + 2) + steps[0]
+    # fp32 master and moments; bf16 host values and host gradients (the update's fp32 gradients: one scratch
+    # shared by the chunks, [Note: one fp32 gradient scratch]; a buffer per chunk with overlap)
+    assert mixed.chunks[0].host_bytes == n0 * (12 + 2 + 2) + steps[0]
+    overlapped, _ = build_problem(meta, 0, 10**6, master_weights=True, private_grads=True)
+    assert overlapped.chunks[0].host_bytes == n0 * (16 + 2 + 2) + steps[0]
     zero2, zlayout = build_problem(meta, 0, 10**6, world_size=4)  # more ranks: uniform chunks
     assert zlayout.uniform and zero2.chunks[0].device_bytes == -(-zlayout.chunk_numel // 4) * 8 + steps[0]
     with pytest.raises(ValueError, match="world_size"):

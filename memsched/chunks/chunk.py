@@ -27,7 +27,9 @@ class Chunk:
             that gets no gradient in a step is not updated and its count does not move, as in
             ``torch.optim.AdamW``).
         ``host_grad``: ``[hi - lo]`` fp32 host buffer the CPU update reads its gradients from (host placement
-            only; in fp32 the D2H copy lands there directly).
+            only; in fp32 the D2H copy lands there directly). ``None`` under mixed precision without
+            ``private_grads``: the update upcasts into a scratch buffer shared by the chunks
+            (:meth:`memsched.optim.hybrid_adamw.HybridAdamW.grad_scratch`; [Note: one fp32 gradient scratch]).
         ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the
             parameters' values in the compute dtype, cast from the master on the CPU after each update (the
             H2D copy's source; between steps the parameters are views into it, :mod:`memsched.chunks.store`).
@@ -205,7 +207,7 @@ class Chunk:
         parts = [("exp_avg", f32, n), ("exp_avg_sq", f32, n)]
         if host or self.mixed:
             parts.append(("master", f32, n))
-        if host:
+        if host and not (self.mixed and not self.private_grads):  # [Note: one fp32 gradient scratch]
             parts.append(("host_grad", f32, n))
         parts.append(("steps", f32, len(self.params)))
         if host and self.mixed:

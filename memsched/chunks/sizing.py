@@ -66,7 +66,8 @@ def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
     """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
 
     Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
-    on the device and a compute-dtype H2D staging buffer on the host, and with ``offload_grads`` (one rank: a
+    on the device and a compute-dtype H2D staging buffer on the host, and keeps no fp32 host gradients per
+    chunk unless ``private_grads`` ([Note: one fp32 gradient scratch]); with ``offload_grads`` (one rank: a
     host chunk's gradients go to the host in backward, :mod:`memsched.chunks.grad_offload`; default: the
     state covers the whole chunk) its host gradients in the compute dtype, a buffer of their own in fp32 too
     with ``private_grads`` (``overlap=True``: the CPU update reads its own copy). ``frozen``: a chunk of
@@ -84,7 +85,9 @@ def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
         compute_bytes=chunk_numel * cb,
         grad_bytes=chunk_numel * cb,
         device_state_bytes=shard * 4 * (3 if mixed else 2) + STEP_BYTES * n_params,
-        host_state_bytes=(shard * 4 * 4 + (shard * cb if mixed else 0)
+        # master and moments, the fp32 gradients the update reads (under mixed precision without
+        # private_grads a scratch the chunks share: [Note: one fp32 gradient scratch]), the staging
+        host_state_bytes=(shard * 4 * (3 if mixed and not private_grads else 4) + (shard * cb if mixed else 0)
                           + (shard * cb if offload and (mixed or private_grads) else 0)
                           + STEP_BYTES * n_params),
     )

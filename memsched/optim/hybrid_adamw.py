@@ -99,6 +99,7 @@ class HybridAdamW(torch.optim.Optimizer):
         # (memsched.telemetry.step_timeline).
         self.overlap = False
         self.host_updates = HostUpdates(store.alloc.device, update_threads)
+        self._grad_scratch: torch.Tensor | None = None  # [Note: one fp32 gradient scratch]
         self.timeline = StepTimeline()
         self._zero_grad_observers: list[Callable[[], None]] = []  # memsched.runtime.elastic_hooks
         # overlap="backward" (after warmup): host chunks are updated during backward into spare state,
@@ -354,9 +355,10 @@ class HybridAdamW(torch.optim.Optimizer):
         t0 = time.perf_counter()
         c.wait_d2h()
         t1 = time.perf_counter()
+        grads = c.host_grad
         if not prepared:
-            self._update_grads(c, inv_scale, coefs)
-        self._adamw([c], [c.master], [c.host_grad], hp)
+            grads = self._update_grads(c, inv_scale, coefs)
+        self._adamw([c], [c.master], [grads], hp)
         src = c.master
         if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
             c.staging.copy_(c.master)
@@ -368,14 +370,31 @@ class HybridAdamW(torch.optim.Optimizer):
         span(CPU_UPDATE, "update", t1, t2, chunk=c.index)
         span(CPU_UPDATE, "h2d", t2, t3, chunk=c.index)
 
-    def _update_grads(self, c: Chunk, inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
-        """``c.host_grad``: the fp32 gradients its CPU update reads, upcast, unscaled and clipped from where
-        they are (the host gradients backward offloaded, or the D2H copy of the step)."""
+    def _update_grads(self, c: Chunk, inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]
+                      ) -> torch.Tensor:
+        """The fp32 gradients ``c``'s CPU update reads (``c.host_grad``, or the shared scratch), upcast,
+        unscaled and clipped from where they are (the host gradients backward offloaded, or the D2H copy of
+        the step)."""
         if self.store.offloads(c):
             src = c.grad_host  # where backward's gradients went (and what p.grad shows)
         else:
             src = c.staging if c.staging is not None else c.host_grad
-        fp32_grad(src, c.host_grad, inv_scale, coefs)  # upcast on the CPU
+        out = c.host_grad if c.host_grad is not None else self.grad_scratch(c.shard_numel)
+        return fp32_grad(src, out, inv_scale, coefs)  # upcast on the CPU
+
+    def grad_scratch(self, numel: int) -> torch.Tensor:
+        """[Note: one fp32 gradient scratch]
+        Under mixed precision the CPU update of a host chunk reads fp32 gradients, upcast from the chunk's
+        compute-dtype host gradients. Serial steps update one host chunk at a time on the training thread,
+        so one fp32 buffer of the largest chunk's shard serves them all, instead of 4 bytes per parameter kept
+        for every host chunk (the plan counts those bytes as saved:
+        :func:`memsched.chunks.sizing.chunk_bytes`).
+        With ``overlap`` each host chunk keeps its own (``private_grads``): the step prepares every chunk's
+        gradients before the worker updates them. ``numel`` elements of it, fp32 (host memory, not pinned:
+        it never crosses the link)."""
+        if self._grad_scratch is None or self._grad_scratch.numel() < numel:
+            self._grad_scratch = torch.empty(numel, dtype=torch.float32)
+        return self._grad_scratch[:numel]
 
     def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
