@@ -70,6 +70,7 @@ class ChunkStore:
         self._views: dict[tuple[str, int], torch.Tensor] = {}
         # id(host buffer) -> (the buffer, its device-typed alias): the base of the user views (user_view)
         self._host_aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._alias_versions: list[int] = []  # their version counters when last settled
         self._grads_ready_observers: list[Callable[[Chunk], None]] = []  # after ``dp`` (the optimizer)
         if on_grads_ready is not None:
             self._grads_ready_observers.append(on_grads_ready)
@@ -568,6 +569,17 @@ class ChunkStore:
         v = self.slot(base[1], off - c.lo, p)
         self._views[kind + "@user", id(p)] = (buf, v)
         return v
+
+    def settle_user_writes(self) -> None:
+        """Before the step reads host buffers on the CPU: wait for the device kernels that wrote them through
+        the user views since the last time (a user's ``clip_grad_norm_`` on host gradients), only if any
+        did (the aliases' version counters moved; on CUDA they are their own, so memsched's host-side writes
+        do not move them): a step with no such write keeps the CPU running ahead of the device."""
+        versions = [a._version for _b, a in self._host_aliases.values()]
+        if versions != self._alias_versions:
+            self._alias_versions = versions
+            if self.chunks:
+                settle(self.chunks[0].device)
 
     def user_grad_version(self, c: Chunk) -> int | None:
         """The version counter of the alias under ``c``'s gradients' user views (writes through any of them

@@ -12,6 +12,7 @@ from torch.autograd.graph import increment_version
 
 from memsched.chunks import Chunk, ChunkStore
 from memsched.chunks.sharded_grad import is_sharded
+from memsched.devices.host_alias import settle
 
 
 class GradChecks:
@@ -62,6 +63,8 @@ class GradChecks:
                        if p._version != self._param_versions.get(id(p), p._version)]
             if not changed or c.master is None:
                 continue  # fp32 on the device: the compute buffer is the master already
+            if store.bindings.host_bound(c):  # written through the views, by device kernels on CUDA
+                settle(c.device)
             if store.bindings.host_bound(c) and not c.mixed:
                 # fp32 host-bound: the parameters are views of the master itself, written already; the
                 # state's version counter says so (an update made during backward from the old values is

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from memsched.chunks import Chunk, ChunkStore, param_shards
-from memsched.devices import host_alias
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
 from memsched.optim import state_dict as optim_state
@@ -204,8 +203,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.timeline.step_begin()
         self.wait_updates("step()")  # the previous step's overlapped CPU update
         hps = [check_hyperparameters(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
-        if self.store.offloading:  # kernels that may have written host buffers through user views
-            host_alias.settle(self.store.alloc.device)
+        self.store.settle_user_writes()  # device kernels that wrote host buffers through the user views
         self.store.settle()  # host chunks' gradients on the host (refuses after a backward that failed)
         if self.scaler is not None:
             self.checks.check_scaled_grads()
