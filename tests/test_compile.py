@@ -23,6 +23,15 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 1))
 
 
+def _reference_step(ref_compiled, opt, x: torch.Tensor, *, warmup: bool) -> None:
+    """The compiled reference's step beside memsched's, uncounted; eager where memsched's warmup step is."""
+    with uncounted():
+        with torch.compiler.set_stance("force_eager") if warmup else contextlib.nullcontext():
+            ref_compiled(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
 @pytest.mark.parametrize("order", ["attach-then-compile", "compile-then-attach"])
 def test_compiles_after_warmup_and_stays_exact(order):
     torch._dynamo.reset()
@@ -224,11 +233,7 @@ def test_compiled_code_on_the_stand_in_compiles_after_warmup_and_stays_exact(how
                         assert frames_after == frames_before
                     elif i == 1 and _attach == 0:  # the first step after warmup compiled
                         assert frames_after > frames_before
-                    with uncounted():
-                        with torch.compiler.set_stance("force_eager") if i == 0 else contextlib.nullcontext():
-                            ref_compiled(x).pow(2).mean().backward()
-                        opt.step()
-                        opt.zero_grad()
+                    _reference_step(ref_compiled, opt, x, warmup=i == 0)
             compiled(x)  # after close()
         assert not _compile_warnings(caught), [str(w.message) for w in caught]
         for p, q in zip(model.parameters(), ref.parameters(), strict=True):
@@ -310,11 +315,7 @@ def test_the_default_backend_on_the_stand_in_runs_aot_eager_and_says_so_once(ord
                 sched.optimizer.zero_grad()
                 if i == 1:  # the first step after warmup compiled
                     assert counters["frames"]["ok"] > frames_before
-                with uncounted():
-                    with torch.compiler.set_stance("force_eager") if i == 0 else contextlib.nullcontext():
-                        ref_compiled(x).pow(2).mean().backward()
-                    opt.step()
-                    opt.zero_grad()
+                _reference_step(ref_compiled, opt, x, warmup=i == 0)
     said = [str(w.message) for w in caught if compile_stance.STAND_IN_COMPILE_WARNING in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
