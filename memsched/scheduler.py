@@ -292,6 +292,8 @@ class Scheduler:
         # can be removed without mutating the dict torch is iterating.
         installed.add_handle(register_optimizer_step_post_hook(weak_method(self._global_post_hook)))
         installed.add_handle(model.register_state_dict_post_hook(own_storage_entries))
+        for handle in self.dp.watch_model(model):  # a pipeline stage's reductions wait for the step
+            installed.add_handle(handle)
         kinds = {(self.compute_dtype, tdev)}  # every chunked parameter reads as this, wherever it lives
         installed.add_handle(MoveGuard(model, lambda: kinds))  # model.cpu() etc. refused at the move
         self._waits_forced = False  # _install_h2d_waits: the waits stay whatever the plan

@@ -148,6 +148,10 @@ class ModuleHooks:
                 inputs = grad_tensors(args)
             if kwargs:
                 inputs += grad_tensors(kwargs)
+            # A leaf input (a pipeline stage's received activations) has no node to hook, and torch refuses
+            # a multi-grad hook over a leaf inside autograd.grad (the pipeline schedules' input gradients):
+            # the call's backward then ends at the end of the backward pass, as one whose hook never fires.
+            inputs = [t for t in inputs if t.grad_fn is not None]
             if inputs:
                 self._grad_handles.append(_on_grads(inputs, functools.partial(self._bw_post, call), "all"))
         return None

@@ -239,6 +239,8 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                "          memsched plan --model 2.7b --batch-size 1 --capacity 13GiB --host-memory 128GiB\n"
                "          memsched plan --model 1.3b --seq-len 512,1024,2048 --gpu a100-40gb\n"
                "          memsched plan --model 1.3b --world-size 4 --gpu a100-40gb\n"
+               "          memsched plan --model small --stages 2 --stage 0 --micro-batches 4 --schedule 1f1b "
+               "--capacity 2GiB\n"
                "          memsched plan examples/trace_target.py:build --gpu a100-40gb --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -279,6 +281,17 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="also predict one rank's device peak at each ZeRO stage with N >= 2 data-parallel "
                         "ranks (the batch is per rank; one size only)")
+    p.add_argument("--stages", type=positive_int, default=None, metavar="S",
+                   help="with --model (a GPT size) and --micro-batches: plan one pipeline stage of the GPT "
+                        "cut into S stages (docs/pipeline.md)")
+    p.add_argument("--stage", type=int, default=None, metavar="I",
+                   help="with --stages: the stage to plan, 0 (embeddings) to S-1 (head)")
+    p.add_argument("--micro-batches", type=positive_int, default=None, metavar="N",
+                   help="with --stages: the batch is split into N micro-batches, run in --schedule's order, "
+                        "so the trace holds every micro-batch in flight at once")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b",
+                   help="with --micro-batches: the pipeline schedule (default 1f1b: at most S - I "
+                        "micro-batches in flight; gpipe: all N)")
     p.add_argument("--attention", choices=ATTENTION, default="gpu",
                    help="attention kernel of the trace: the one a CUDA GPU runs (default; without a GPU here "
                         "it is chosen as on one), torch's default for the traced device, or math (keeps the "

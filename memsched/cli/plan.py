@@ -128,14 +128,19 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--world-size predicts one size: give one --{over.replace('_', '-')} value")
         # Every workload is made (and checked: block size) before the first, possibly long, trace.
         lora = {"lora_rank": args.lora} if args.lora is not None else {}
-        runs: list[tuple[str | WorkloadFn, dict[str, Any]]] = [
+    stage = _pipeline_stage(args, llama, over)
+    runs: list[tuple[str | WorkloadFn, dict[str, Any]]]
+    if stage is not None:
+        runs = [stage]
+    elif args.model is not None:
+        runs = [
             (llama_workload(args.model, b, s, checkpointing=args.checkpointing) if llama else
              gpt_workload(args.model, b, s, lora_rank=args.lora),
              {"model": args.model, "batch_size": b, "seq_len": s, **lora,
               **({"checkpointing": args.checkpointing, "source": LLAMA_PRESETS[args.model].source}
                  if llama else {})})
             for b in batches for s in seqs]
-    else:
+    elif args.target is not None:
         if args.lora is not None:
             raise ValueError("--lora applies to --model only: a TARGET freezes its own parameters")
         if args.batch_size is not None or args.seq_len is not None:
@@ -167,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
         entries.append((what[over] if over else 0, result, cplan))
     if over is None:
         result = entries[0][1]
-        if args.model is not None and args.largest_preset and not llama:  # the GPT sizes' ladder
+        # the GPT sizes' ladder (whole models: not for a stage)
+        if args.model is not None and args.largest_preset and not llama and stage is None:
             what = runs[0][1]
             with console.status("finding the largest preset that fits ...") \
                     if not args.json and console.is_terminal else contextlib.nullcontext():
@@ -184,6 +190,35 @@ def run(args: argparse.Namespace) -> int:
     else:
         render_sweep(sweep, console)
     return 0
+
+
+def _pipeline_stage(args: argparse.Namespace, llama: bool, over: str | None,
+                    ) -> tuple[WorkloadFn, dict[str, Any]] | None:
+    """``--stages/--stage/--micro-batches/--schedule``: the workload of one pipeline stage of the built-in GPT
+    (:func:`memsched.planning.pipeline.gpt_stage_workload`) and its description, or ``None`` without them.
+
+    Raises:
+        ValueError: the options are incomplete, or combined with a TARGET, a Llama-class model, --lora or a
+            sweep.
+    """
+    if args.stages is None and args.stage is None and args.micro_batches is None:
+        return None
+    from memsched.planning.pipeline import gpt_stage_workload, in_flight, schedule_order
+
+    if args.stages is None or args.stage is None or args.micro_batches is None:
+        raise ValueError("a pipeline stage's plan needs --stages S, --stage I and --micro-batches N together")
+    if args.model is None or llama or args.lora is not None or over is not None:
+        raise ValueError("--stages/--micro-batches apply to a built-in GPT --model with one --batch-size and "
+                         "--seq-len, without --lora")
+    b = args.batch_size[0] if args.batch_size else DEFAULT_BATCH_SIZE
+    s = args.seq_len[0] if args.seq_len else DEFAULT_SEQ_LEN
+    order = schedule_order(args.schedule, args.stage, args.stages, args.micro_batches)
+    build = gpt_stage_workload(args.model, b, s, stages=args.stages, stage=args.stage,
+                               micro_batches=args.micro_batches, schedule=args.schedule)
+    return build, {"model": args.model, "batch_size": b, "seq_len": s,
+                   "pipeline": {"stages": args.stages, "stage": args.stage,
+                                "micro_batches": args.micro_batches, "schedule": args.schedule,
+                                "in_flight": in_flight(order)}}
 
 
 def _step_time(args: argparse.Namespace, prediction: Any, cplan: CapacityPlan, gpu: str | None,
@@ -238,7 +273,8 @@ def render(result: dict[str, Any], console: Console) -> None:
     head.add_row("workload",
                  w.get("target") or f"{'' if w['model'] in LLAMA_PRESETS else 'GPT '}{w['model']}, batch "
                                     f"{w['batch_size']} x seq {w['seq_len']}"
-                                    + (", activation checkpointing" if w.get("checkpointing") else ""))
+                                    + (", activation checkpointing" if w.get("checkpointing") else "")
+                                    + _pipeline_text(w.get("pipeline")))
     head.add_row("parameters", f"{w['parameters']:,} ({w['dtype']})")
     stand_in = " standing in for CUDA" if tr["device"] == "cpu" else ""
     head.add_row("traced on", f"fake {tr['device']}{stand_in} (attention: {tr['attention']}), "
@@ -336,6 +372,14 @@ def render(result: dict[str, Any], console: Console) -> None:
             f"{largest['seq_len']} ({largest['policy']}):[/bold] {say(largest['any'])}; with the parameters "
             f"on the device {say(largest['params_on_device'])}; with everything on the device "
             f"{say(largest['all_on_device'])}")
+
+
+def _pipeline_text(pipe: dict[str, Any] | None) -> str:
+    """A pipeline stage's workload, for the head table ("" for a whole model)."""
+    if not pipe:
+        return ""
+    return (f"; stage {pipe['stage']} of {pipe['stages']}, {pipe['micro_batches']} micro-batches "
+            f"({pipe['schedule']}, {pipe['in_flight']} in flight at most)")
 
 
 _STYLES = {"fits": "bold green", "offload": "bold yellow", "offload_params": "bold yellow",

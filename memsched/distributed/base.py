@@ -52,6 +52,11 @@ class DataParallel:
                       device: Any, alloc: Any, compute_dtype: torch.dtype) -> None:
         """Before the chunks are built (ZeRO: decide where each chunk is built). One rank: nothing."""
 
+    def watch_model(self, model: torch.nn.Module) -> list[Any]:
+        """Hook what data parallelism must see of ``model``'s forwards (ZeRO: whether it is a pipeline stage,
+        :mod:`memsched.distributed.pipeline`); returns the hook handles. One rank: nothing to see."""
+        return []
+
     def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:
         """Start every rank from the same parameters and buffers. One rank: nothing."""
 

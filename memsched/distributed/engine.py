@@ -70,6 +70,7 @@ from memsched.distributed.comm import Comm, ZeroCommError
 from memsched.distributed.grad_reduction import GradientReducer
 from memsched.distributed.layout import padded_chunk_numel, shard_range
 from memsched.distributed.options import FETCH_MODES, ZERO_STAGES, check_zero_options  # noqa: F401
+from memsched.distributed.pipeline import MicroBatchesInFlight
 
 
 class ZeroEngine(DataParallel):
@@ -96,6 +97,8 @@ class ZeroEngine(DataParallel):
         self.group = comm.group
         self.store: ChunkStore | None = None
         self.reducer = GradientReducer(comm, self.stage)
+        # a pipeline stage reduces once per step ([Note: micro-batches in flight])
+        self.pipeline = MicroBatchesInFlight(on_detect=self._pipeline_stage)
         self._fetches: list[Any] = []
         self._fetch_bytes = 0
         self._fetch_count = 0
@@ -224,6 +227,15 @@ class ZeroEngine(DataParallel):
         self.reducer.install(store)
         if self.shards_grads:
             store.observe_backward_end(self.backward_end)
+
+    def watch_model(self, model: torch.nn.Module) -> list[Any]:
+        """Watch ``model``'s forwards for micro-batches in flight (:mod:`memsched.distributed.pipeline`);
+        returns the hook handles."""
+        return self.pipeline.install(model)
+
+    def _pipeline_stage(self, reason: str) -> None:
+        """The model is a pipeline stage: from now on every gradient reduction waits for the step."""
+        self.reducer.defer_to_step = True
 
     def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:
         """Start every rank from group rank 0's parameters and buffers (as DistributedDataParallel does)."""

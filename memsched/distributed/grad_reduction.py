@@ -93,6 +93,9 @@ class GradientReducer:
         self._gathers = self.stage == 1 or (self.stage == 0 and self.world > 2)
         self.store: ChunkStore | None = None
         self._sync = True
+        # a pipeline stage: every reduction waits for the step ([Note: micro-batches in flight] in
+        # memsched.distributed.pipeline)
+        self.defer_to_step = False
         self._warned_accumulation = False
         self._warned_unordered = False
         self._flushed_at: int | None = None  # store.grad_events at the last flush
@@ -124,8 +127,9 @@ class GradientReducer:
 
     @property
     def synchronizing(self) -> bool:
-        """Whether backward reduces now (outside ``no_sync``)."""
-        return self._sync
+        """Whether backward reduces now (outside ``no_sync``, and not a pipeline stage, whose reductions wait
+        for the step)."""
+        return self._sync and not self.defer_to_step
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -151,7 +155,7 @@ class GradientReducer:
     def grads_ready(self, c: Chunk) -> None:
         """Hook: all of ``c``'s gradients are complete in this backward. Launch reductions in the fixed
         order."""
-        if not self._sync:
+        if not self.synchronizing:
             return
         if c.index in self._launched:  # a second backward in one step window: close the previous round first
             self._finish_round()
