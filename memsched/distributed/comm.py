@@ -142,7 +142,8 @@ class Comm:
             f"{bound.total_seconds():g} s: a peer rank is not running the same collective. Every rank "
             "must run the same modules in the same order: a branch taken on some ranks only, or a "
             "forward (evaluation, generate()) on one rank only, makes the others wait (run it on every "
-            "rank, or inside `with sched.gathered_params():` entered on every rank); or a peer died or "
+            "rank, or inside `with sched.gathered_params():` entered on every rank); the ranks of a pipeline "
+            "stage's data-parallel group run different schedules or micro-batch counts; or a peer died or "
             "hung. The process group cannot be used further. Raise attach(collective_timeout=...) if a "
             "collective legitimately takes longer")
 
