@@ -44,6 +44,7 @@ from memsched.chunks.grad_offload import GradOffload
 from memsched.chunks.state_entries import own_storage_entries
 from memsched.chunks.store import frozen_params
 from memsched.config import SchedulerConfig, make_config
+from memsched.devices.host_alias import settle
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice, add_oom_numbers
 from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import Streams, TransferStats
@@ -58,6 +59,7 @@ from memsched.planning.elastic import Elastic, PeakProbe, PlanChange
 from memsched.planning.plan_check import PlanCheck, check_plan
 from memsched.planning.planner import Planner, check_host_room
 from memsched.runtime.elastic_hooks import explain_oom, install_elastic_hooks, oom_bytes, unfittable_message
+from memsched.runtime.meta_init import MetaBorn, check_meta, materialise, unmaterialise
 from memsched.runtime.move_guard import MoveGuard
 from memsched.runtime.param_fetch import ParamFetcher
 from memsched.runtime.waits import H2DWaits
@@ -68,13 +70,6 @@ from memsched.telemetry.host_usage import HostUsage, host_usage
 from memsched.telemetry.step_timeline import StepTimeline
 from policies.builtin import warmup_params_on_host
 from policies.types import DEVICE, HOST, PlacementPlan
-
-
-def _check_not_meta(model: torch.nn.Module) -> None:
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.device.type == "meta":
-            raise ValueError(f"{name!r} is on the meta device: materialise the model first (e.g. "
-                             "model.to_empty(device='cpu') and initialise it) before memsched.attach")
 
 
 def cast_to_compute_dtype(model: torch.nn.Module, trainable: Iterable[torch.nn.Parameter],
@@ -152,7 +147,6 @@ class Scheduler:
     """
 
     def __init__(self, model: torch.nn.Module, config: SchedulerConfig) -> None:
-        _check_not_meta(model)
         if model in ATTACHED:
             raise RuntimeError("memsched is already attached to this model: close() the first scheduler (or "
                                "leave its with-block) before attaching again")
@@ -169,9 +163,15 @@ class Scheduler:
         cast = cast_to_compute_dtype(model, trainable, config.compute_dtype)  # as model.to(dtype) would
         # frozen parameters are model data too: chunks of their own, placed by the plan (issue 31)
         frozen = frozen_params(model, trainable, config.compute_dtype)
+        swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         try:
+            # A model built on meta: its parameters get placeholders that the chunks replace, then values
+            # after attach ([Note: models built on meta])
+            self._meta = check_meta(model, trainable + frozen)
+            swapped = materialise(self._meta)
             claim(model, trainable + frozen)
         except BaseException:
+            unmaterialise(swapped)
             restore_dtypes(cast)
             raise
         try:
@@ -184,6 +184,7 @@ class Scheduler:
                 installed.track(store=getattr(self, "store", None))
                 installed.remove()
             release(trainable + frozen)
+            unmaterialise(swapped)
             restore_dtypes(cast)  # last: taking the chunks down re-binds parameters
             raise
 
@@ -201,6 +202,13 @@ class Scheduler:
         tdev = self.device.torch_device
         # One rank: frozen parameters in chunks of their own; with more ranks each keeps its own copy.
         frozen = frozen if self.dp.world == 1 else []
+        chunked = {id(p) for g in groups for p in g["params"]} | {id(p) for p in frozen}
+        meta = self._meta
+        for p in meta:
+            if id(p) not in chunked:
+                raise ValueError("a frozen parameter built on the meta device stays out of memsched's "
+                                 f"chunks with {self.dp.world} ranks (shape {tuple(p.shape)}): materialise "
+                                 "it before memsched.attach")
         packed = [[p.numel() for p in g["params"]] for g in groups] + ([[p.numel() for p in frozen]]
                                                                         if frozen else [])
 
@@ -255,6 +263,9 @@ class Scheduler:
                 self.sim.stop()
             raise
         self.names = {id(p): n for n, p in model.named_parameters()}
+        if meta:  # refused at the first forward and step until given values ([Note: models built on meta])
+            self._meta_born = MetaBorn(meta, weak_method(self._param_values), self.names)
+            installed.add_handle(model.register_forward_pre_hook(weak_method(self._check_meta_forward)))
         self.streams = Streams(tdev, self.device.link_bytes_per_s)  # the stand-in's link: copy threads
         # One rank: host chunks' gradients go to the host as backward completes them (the first observer of
         # the store, before the optimizer's updates during backward).
@@ -270,6 +281,8 @@ class Scheduler:
             dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload,
             update_threads=config.update_threads)
         self.store.observe_grads_ready(self.optimizer.grads_ready)
+        if meta:
+            installed.add_handle(self.optimizer.register_step_pre_hook(weak_method(self._check_meta_step)))
         self.optimizer.checks.frozen_given = config.adamw.frozen_given
         self.streams.trace_to(self.optimizer.timeline)
         # Parameters that live on the host come to the device for their reads (one rank, not on the CPU);
@@ -690,6 +703,23 @@ class Scheduler:
         kwargs.setdefault("plan_check", self.plan_check)
         kwargs.setdefault("predicted_step", self.predicted_step)
         return render_report(self.timeline, plan=self.plan, transfers=self.transfers.as_dict(), **kwargs)
+
+    def _param_values(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """``p``'s values now, flat, wherever its chunk keeps them (this rank's part with ZeRO-3)."""
+        store = self.store
+        c = store.param_chunk[id(p)]
+        off, n = store.param_range[id(p)]
+        if c.data is not None and not store.bindings.host_bound(c):
+            return c.data[off:off + n]
+        settle(c.device)  # written through device-typed host views by kernels in flight
+        a, b = max(off, c.lo), min(off + n, c.hi)  # empty where this rank's shard holds none of it
+        return store.values(c)[a - c.lo:max(a, b) - c.lo]
+
+    def _check_meta_forward(self, _module: torch.nn.Module, _args: Any) -> None:
+        self._meta_born.check("the model's forward")
+
+    def _check_meta_step(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        self._meta_born.check("the optimizer step")
 
     def close(self) -> None:
         """Stop tracing and the stand-in's accounting and remove memsched's hooks (idempotent). Parameters

@@ -180,8 +180,10 @@ def test_no_trainable_parameters_and_meta_parameters():
         memsched.attach(m, device="cpu")
     with torch.device("meta"):
         meta = Net()
-    with pytest.raises(ValueError, match="meta device"):
-        memsched.attach(meta, device="cpu")
+    with memsched.attach(meta, device="cpu"):  # made in the chunks; values must follow (test_meta_attach.py)
+        assert {p.device.type for p in meta.parameters()} == {"cpu"}
+        with pytest.raises(ValueError, match=r"8 parameter\(s\) built on the meta device were never given"):
+            meta(torch.ones(2, 12))
     with pytest.raises(TypeError, match="nn.Module"):
         memsched.attach("model")
 

@@ -52,7 +52,10 @@ class ChunkStore:
             (:class:`Chunk`'s ``frozen``; issue 31).
 
     Raises:
-        ValueError: a parameter is on the meta device or the groups are empty.
+        ValueError: the groups are empty.
+
+    A model built on meta comes with placeholders of NaN for its parameters, copied in as any values
+    ([Note: models built on meta] in :mod:`memsched.runtime.meta_init`).
     """
 
     def __init__(self, groups: Sequence[Sequence[torch.nn.Parameter]], alloc: Allocator, *,
@@ -103,12 +106,6 @@ class ChunkStore:
         self._ready_pending: list[Chunk] = []  # complete chunks not announced yet (_flush_ready)
         self._flush_task: int | None = None  # the backward whose flush is queued (more ranks, ZeRO-0/1)
         self._n_params = sum(len(g) for g in self.groups)
-        for gi, g in enumerate(self._packing()):
-            for p in g:
-                if p.device.type == "meta":
-                    raise ValueError(f"parameter of shape {tuple(p.shape)} in group {gi} is on the meta "
-                                     "device: materialise the model (e.g. model.to_empty(device=...)) "
-                                     "before attach")
         self.align = self.dp.align
         # One rank and ZeRO-2: a chunk's gradient buffer exists only while some gradient does (from the
         # first gradient a backward gives one of its parameters to zero_grad; at ZeRO-2 to its

@@ -30,13 +30,15 @@ from tracer.param_reads import END, GRAD
 
 def one_micro_batch(reads: Sequence[Any]) -> list[Any]:
     """The reads (and gradient events) of the first training forward and its backward among ``reads``: from
-    the first ``"begin"`` marker to the next."""
+    a ``"begin"`` marker to the next, the first such segment whose backward ran (a forward that raised,
+    an evaluation under ``no_grad``, has none), else the first."""
     begins = [k for k, r in enumerate(reads) if r.phase == "begin"]
     kept = (FORWARD, BACKWARD, GRAD, END)
     if not begins:
         return [r for r in reads if r.phase in kept]
-    end = begins[1] if len(begins) > 1 else len(reads)
-    return [r for r in reads[begins[0] + 1:end] if r.phase in kept]
+    segments = [reads[b + 1:e] for b, e in zip(begins, [*begins[1:], len(reads)], strict=True)]
+    trained = next((s for s in segments if any(r.phase in (BACKWARD, GRAD, END) for r in s)), segments[0])
+    return [r for r in trained if r.phase in kept]
 
 
 def grads_in_flight(batch: Sequence[Any], param_chunk: Mapping[int, int], n_samples: int) -> list[int] | None:

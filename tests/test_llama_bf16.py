@@ -1,0 +1,81 @@
+"""The workload users run (issue 42) on the stand-in: a small Llama (transformers ``LlamaConfig``: 2 layers,
+GQA, tied and untied embeddings, built from the config) in both bf16 forms users write, with a clip that
+triggers, accumulation of 2 and ``auto`` keeping parameters on the host; half the cases build the model on the
+meta device and load its weights after attach ([Note: models built on meta])."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memsched
+from tests._numerics import LR, WD, Reference, assert_same, gpt_batches
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+
+def _config(tied: bool):
+    return transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=64, tie_word_embeddings=tied)
+
+
+def _build(tied: bool, meta: bool):
+    if not meta:
+        return transformers.LlamaForCausalLM(_config(tied))
+    with accelerate.init_empty_weights():  # parameters on meta, buffers (RoPE's inv_freq) for real
+        model = transformers.LlamaForCausalLM(_config(tied))
+    model.tie_weights()  # transformers ties at loading; a model built empty ties here
+    return model
+
+
+def _lm_loss(model, batch) -> torch.Tensor:
+    return model(input_ids=batch[0], labels=batch[0]).loss
+
+
+def _autocast_loss(model, batch) -> torch.Tensor:
+    with torch.autocast("sim", dtype=torch.bfloat16):
+        return _lm_loss(model, batch)
+
+
+@pytest.mark.parametrize(("form", "tied", "meta"), [("autocast", True, True), ("autocast", False, False),
+                                                    ("bf16", True, False), ("bf16", False, True)])
+def test_a_small_llama_trains_bit_exact_in_both_bf16_forms(form: str, tied: bool, meta: bool) -> None:
+    """``autocast``: fp32 parameters under ``torch.autocast("sim", bfloat16)`` (HF Trainer's ``bf16=True``)
+    against fused AdamW under the same autocast. ``bf16``: ``attach(dtype=torch.bfloat16)`` against a bf16
+    model with fp32 masters updated by fused AdamW (the weights are bf16 values, so masters loaded from them
+    after a meta build start where the reference's do). Every step bit for bit, masters included."""
+    torch.manual_seed(0)
+    real = transformers.LlamaForCausalLM(_config(tied))
+    if form == "bf16":
+        with torch.no_grad():
+            for p in real.parameters():
+                p.copy_(p.bfloat16().float())
+    dtype = torch.bfloat16 if form == "bf16" else torch.float32
+    loss_fn = _autocast_loss if form == "autocast" else _lm_loss
+    ref = Reference(real, dtype)
+    model = _build(tied, meta)
+    if not meta:
+        model.load_state_dict(real.state_dict())
+    batches = gpt_batches(6)
+    cap = "sim:900KiB" if form == "bf16" else "sim:1800KiB"  # the parameters do not all fit: some on the host
+    with memsched.attach(model, device=cap, dtype=dtype if form == "bf16" else None, lr=LR,
+                         weight_decay=WD, chunk_numel=32768) as sched:
+        if meta:
+            model.load_state_dict(real.state_dict())  # low-memory loading: the weights come after attach
+        clipped = 0
+        for i in range(3):
+            micro = batches[2 * i:2 * i + 2]
+            for b in micro:
+                sched.backward(loss_fn(model, b))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clipped += bool(norm > 1.0)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with sched.sim.paused():
+                ref.step(micro, loss_fn, 1.0)
+                assert_same(model, ref, f"step {i}", sched.optimizer)
+        assert clipped >= 1
+        assert sched.plan.param_host_chunks, "auto kept every chunk's parameters on the device"
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
