@@ -141,7 +141,8 @@ def test_chunk_padding_is_reported_apart_from_the_parameters(tiny_prediction, ca
     assert one["chunks"]["padding"]["numel"] == gaps and one["chunks"]["total_numel"] == own + gaps
     cp = plan_for_capacity(tiny_prediction, 2**30)
     pad = gaps
-    argv = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--capacity", "1GiB"]
+    argv = ["--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--capacity", "1GiB",
+            "--no-largest-preset"]
     r = _plan_json(capsys, *argv)
     assert r["chunks"]["padding"] == cp.padding
     assert main(["plan", *argv]) == 0
@@ -244,12 +245,17 @@ def test_a_plan_over_the_host_budget_says_so(tiny_prediction) -> None:
 
 # ---- the command line --------------------------------------------------------------------------------------
 def _plan_json(capsys, *argv: str) -> dict:
+    """``memsched plan ARGV --json``; the ladder of the largest preset that fits (6 more traces) only where a
+    test asks for it (``--largest-preset``)."""
+    if "--largest-preset" not in argv and "--no-largest-preset" not in argv:
+        argv = (*argv, "--no-largest-preset")
     assert main(["plan", *argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
 def test_cli_json_result(capsys) -> None:
-    r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu", "T4")
+    r = _plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--gpu", "T4",
+                   "--largest-preset")
     assert r["schema"] == "memsched.plan" and r["version"] == 2
     assert r["workload"] == {"model": "tiny", "batch_size": 2, "seq_len": 64, "parameters": 132864,
                              "dtype": "float32"}
