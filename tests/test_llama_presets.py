@@ -55,3 +55,24 @@ def test_memsched_plan_takes_a_llama_preset_and_plans_activation_checkpointing(c
 def test_options_that_do_not_apply_are_refused(args, match, capsys) -> None:
     assert main(["plan", *args, "--capacity", "8GiB"]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_memsched_plan_takes_a_hugging_face_config_json(tmp_path, capsys) -> None:
+    """A model's own ``config.json`` (here a small Mistral, whose block is Llama's, with GQA), as a file or
+    its folder: the plan builds its shapes; a config of another architecture is refused by name."""
+    config = {"model_type": "mistral", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320, "rope_theta": 1e6,
+              "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from memsched.models.llama import llama_shape
+
+    shape = llama_shape(str(tmp_path))
+    # embeddings in and out, per block q/o 64x64, k/v 64x32, the MLP 3 x 64 x 160, two norms; the final norm
+    assert shape.num_params() == 2 * 320 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64) + 64
+    r = _plan(capsys, "--model", str(tmp_path / "config.json"), "--dtype", "bf16", "--batch-size", "1",
+              "--seq-len", "32", "--capacity", "1GiB", "--no-largest-preset")
+    assert r["workload"]["parameters"] == shape.num_params()
+    assert r["workload"]["source"] == str(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    assert main(["plan", "--model", str(tmp_path), "--capacity", "1GiB"]) == 2
+    assert "model_type 'gpt2' is not a Llama-class decoder" in capsys.readouterr().err

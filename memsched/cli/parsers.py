@@ -249,7 +249,8 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "(see memsched trace); or use --model")
     p.add_argument("--model", metavar="SIZE",
                    help=f"the built-in GPT at this size: {', '.join(sizes())}; or a Llama-class shape built "
-                        f"with transformers (random weights): {', '.join(LLAMA_PRESETS)}")
+                        f"with transformers (random weights): {', '.join(LLAMA_PRESETS)}, the path of a "
+                        "Hugging Face config.json (or its folder), or a model id transformers resolves")
     p.add_argument("--checkpointing", action="store_true",
                    help="with a Llama-class --model: activation checkpointing, as Hugging Face's "
                         "gradient_checkpointing_enable() does")

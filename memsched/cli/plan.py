@@ -25,7 +25,7 @@ from memsched.cli import parsers
 from memsched.devices.gpus import get_gpu, gpu_for_device_name, gpu_names
 from memsched.devices.host_memory import available_bytes
 from memsched.models import config_for, sizes
-from memsched.models.llama import LLAMA_PRESETS, llama_workload
+from memsched.models.llama import LLAMA_PRESETS, llama_shape, llama_workload
 from memsched.planning.capacity import (  # noqa: F401 (re-exported for the command's users)
     SCHEMA,
     SWEEP_POLICIES,
@@ -101,9 +101,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.target is None) == (args.model is None):
         raise ValueError("give either a TARGET (file.py:function or module:function) or --model SIZE "
                          f"(one of {', '.join([*sizes(), *LLAMA_PRESETS])}), not both or neither")
-    llama = args.model in LLAMA_PRESETS
+    shape = llama_shape(args.model) if args.model is not None else None  # a preset, or a config.json
+    llama = shape is not None
     if args.checkpointing and not llama:
-        raise ValueError(f"--checkpointing applies to a Llama-class --model ({', '.join(LLAMA_PRESETS)}); "
+        raise ValueError(f"--checkpointing applies to a Llama-class --model ({', '.join(LLAMA_PRESETS)}, "
+                         "or a config.json); "
                          "a TARGET enables its own")
     if llama and args.lora is not None:
         raise ValueError(f"--lora applies to the built-in GPT sizes, not to {args.model!r}")
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             (llama_workload(args.model, b, s, checkpointing=args.checkpointing) if llama else
              gpt_workload(args.model, b, s, lora_rank=args.lora),
              {"model": args.model, "batch_size": b, "seq_len": s, **lora,
-              **({"checkpointing": args.checkpointing, "source": LLAMA_PRESETS[args.model].source}
+              **({"checkpointing": args.checkpointing, "source": shape.source}
                  if llama else {})})
             for b in batches for s in seqs]
     elif args.target is not None:
@@ -271,7 +273,7 @@ def render(result: dict[str, Any], console: Console) -> None:
     head.add_column(style="bold")
     head.add_column()
     head.add_row("workload",
-                 w.get("target") or f"{'' if w['model'] in LLAMA_PRESETS else 'GPT '}{w['model']}, batch "
+                 w.get("target") or f"{'' if 'source' in w else 'GPT '}{w['model']}, batch "
                                     f"{w['batch_size']} x seq {w['seq_len']}"
                                     + (", activation checkpointing" if w.get("checkpointing") else "")
                                     + _pipeline_text(w.get("pipeline")))
@@ -430,7 +432,7 @@ def render_sweep(sweep: dict[str, Any], console: Console) -> None:
     fixed = "seq" if over == "batch_size" else "batch"
     fixed_value = w["seq_len"] if over == "batch_size" else w["batch_size"]
     cap = fb(sweep["capacity_bytes"]) + (f" ({sweep['gpu']})" if sweep["gpu"] else "")
-    family = "" if w["model"] in LLAMA_PRESETS else "GPT "
+    family = "" if "source" in w else "GPT "
     table = Table(title=f"{family}{w['model']} ({w['parameters']:,} parameters, {w['dtype']}), {fixed} "
                         f"{fixed_value}, on {cap}, gpu_margin_mem_ratio {sweep['gpu_margin_mem_ratio']:g}",
                   title_justify="left")

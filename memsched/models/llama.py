@@ -66,6 +66,65 @@ LLAMA_PRESETS: dict[str, LlamaShape] = {
 }
 
 
+#: ``model_type`` values of a Hugging Face config that build as one of the two families (Mistral's block is
+#: Llama's; its sliding window does not change the shapes or, up to the window, the memory)
+_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def shape_from_config(config: dict[str, Any], source: str) -> LlamaShape:
+    """The :class:`LlamaShape` of a Hugging Face ``config.json`` (its parsed dict) of a Llama-class model.
+
+    Raises:
+        ValueError: the ``model_type`` is not Llama-class (names the known ones) or a field is missing.
+    """
+    kind = config.get("model_type")
+    if kind not in _FAMILIES:
+        raise ValueError(f"{source}: model_type {kind!r} is not a Llama-class decoder; memsched plan builds "
+                         f"{', '.join(sorted(_FAMILIES))} configs")
+    try:
+        heads = config["num_attention_heads"]
+        return LlamaShape(layers=config["num_hidden_layers"], hidden=config["hidden_size"],
+                          intermediate=config["intermediate_size"], heads=heads,
+                          kv_heads=config.get("num_key_value_heads") or heads, vocab=config["vocab_size"],
+                          tied=bool(config.get("tie_word_embeddings", False)),
+                          rope_theta=float(config.get("rope_theta", 10000.0)), source=source,
+                          qkv_bias=_FAMILIES[kind] == "qwen2", family=_FAMILIES[kind])
+    except KeyError as e:
+        raise ValueError(f"{source}: the config has no {e.args[0]!r}") from None
+
+
+def llama_shape(name: str) -> LlamaShape | None:
+    """The Llama-class shape ``name`` stands for: a preset (:data:`LLAMA_PRESETS`), a local ``config.json``
+    (or a folder holding one), or a Hugging Face model id that transformers resolves (from its cache, or the
+    Hub where it can reach it); ``None`` for anything else (a built-in GPT size).
+
+    Raises:
+        ValueError: a config that is not Llama-class, or an id (``owner/name``) transformers cannot resolve.
+    """
+    import json
+    import os
+
+    if name in LLAMA_PRESETS:
+        return LLAMA_PRESETS[name]
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if path.endswith(".json") and os.path.isfile(path):
+        with open(path) as f:
+            return shape_from_config(json.load(f), os.path.abspath(path))
+    if "/" not in name or name.endswith(".json"):
+        return None
+    try:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(name)
+    except ImportError as e:
+        raise ImportError('a Hugging Face model id is resolved by transformers: pip install "memsched[hf]"') \
+            from e
+    except (OSError, ValueError) as e:
+        raise ValueError(f"transformers cannot resolve the model id {name!r} (offline, or not on the Hub): "
+                         f"{e}. Give the path of its config.json instead") from e
+    return shape_from_config(config.to_dict(), f"huggingface.co/{name}/blob/main/config.json")
+
+
 def hf_config(name: str, *, max_positions: int = 2048) -> Any:
     """The transformers config of preset ``name`` (``LlamaConfig`` or ``Qwen2Config``), with
     ``max_position_embeddings`` ``max_positions`` (RoPE: the shapes do not depend on it).
@@ -74,9 +133,10 @@ def hf_config(name: str, *, max_positions: int = 2048) -> Any:
         ValueError: unknown name (lists the known ones).
         ImportError: transformers is not installed (``pip install "memsched[hf]"``).
     """
-    shape = LLAMA_PRESETS.get(name)
+    shape = llama_shape(name)
     if shape is None:
-        raise ValueError(f"unknown Llama-class preset {name!r}: known ones are {', '.join(LLAMA_PRESETS)}")
+        raise ValueError(f"unknown Llama-class preset {name!r}: known ones are {', '.join(LLAMA_PRESETS)}, "
+                         "or the path of a config.json")
     try:
         import transformers
     except ImportError as e:
@@ -111,7 +171,7 @@ def llama_workload(name: str, batch_size: int, seq_len: int, *, checkpointing: b
         from memsched.target import Workload
 
         torch.manual_seed(seed)
-        cls = transformers.Qwen2ForCausalLM if LLAMA_PRESETS[name].family == "qwen2" else \
+        cls = transformers.Qwen2ForCausalLM if llama_shape(name).family == "qwen2" else \
             transformers.LlamaForCausalLM
         with torch.device(device):
             model = cls(config)
