@@ -30,6 +30,13 @@ whether inductor generated the same code (forward and backward wrappers and thei
 graphs as for the reference's; and the process-wide numerics settings (matmul precision, TF32, attention
 kernels) memsched would have changed. ``--inductor-deterministic`` runs all of it under inductor's
 deterministic mode (no kernel or padding chosen by timing on the device).
+
+``--model unfamiliar`` trains the transformer of ``tests/_compile_models.py`` instead (tied embeddings, a
+checkpointed block, a block applied twice, a frozen block, ``nn.MultiheadAttention``; issue 41, item 5), with
+``--size tiny`` or ``small`` (:data:`UNFAMILIAR`). Two flags show what the comparison needs to be meaningful
+(docs/compile.md): ``--torch-nondeterministic`` leaves deterministic algorithms off (the control then tells
+whether compiled torch is reproducible alone), and ``--reference-compiles-step-0`` compiles the reference (and
+the control) from its first step, where memsched's warmup step runs eagerly.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import _disable_current_modes
 
 if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,10 +66,18 @@ import memsched  # noqa: E402
 from bench._harness import summarize  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from memsched.models.gpt import build_gpt, lm_loss  # noqa: E402
+from tests import _compile_models  # noqa: E402
+
+# --model unfamiliar: --size -> (model sizes, batch, sequence length)
+UNFAMILIAR = {"tiny": ({"vocab": 96, "d": 32, "heads": 2, "seq_len": 16}, 4, 16),
+              "small": ({"vocab": 512, "d": 128, "heads": 4, "seq_len": 64}, 8, 64)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["gpt", "unfamiliar"], default="gpt",
+                    help="the built-in GPT, or tests/_compile_models.py's transformer (--size tiny or small; "
+                         "its batch and sequence length, not --batch and --seq-len)")
     ap.add_argument("--size", default="tiny", help="built-in GPT size (default tiny)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -81,14 +97,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--inductor-deterministic", action="store_true",
                     help="inductor's deterministic mode (torch._inductor.config.deterministic: no choice "
                          "made by timing on the device), on both sides and in the processes of their own")
+    ap.add_argument("--torch-nondeterministic", action="store_true",
+                    help="leave torch.use_deterministic_algorithms off (inductor's CPU scatter-adds then use "
+                         "atomic adds from several threads)")
+    ap.add_argument("--reference-compiles-step-0", action="store_true",
+                    help="the reference and the control compile from their first step (memsched's warmup "
+                         "step runs eagerly, traced)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch.set_num_threads (0: torch's default); on a shared 2-core VM 2 OpenMP threads "
+                         "spin against other processes' work and a step takes 10x longer")
     ap.add_argument("--name", default="compile_step")
     args = ap.parse_args(argv)
     if args.inductor_deterministic:
         if not hasattr(torch._inductor.config, "deterministic"):
             ap.error(f"--inductor-deterministic: torch {torch.__version__} has no "
                      "torch._inductor.config.deterministic")
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)  # see the module docstring
+    torch.use_deterministic_algorithms(not args.torch_nondeterministic)  # see the module docstring
     mode = (torch._inductor.config.patch(deterministic=True) if args.inductor_deterministic
             else contextlib.nullcontext())
     try:
@@ -96,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return train_alone(args) if args.side else run(args)
     finally:  # the process's settings back (a test calls main in its own process)
         torch.use_deterministic_algorithms(deterministic)
+        torch.set_num_threads(threads)
 
 
 def memsched_side(model: torch.nn.Module, args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
@@ -110,7 +139,8 @@ def adamw_side(model: torch.nn.Module, args: argparse.Namespace) -> dict[str, An
     backward and the losses it will record."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     return {"model": torch.compile(model, backend=args.backend), "opt": opt,
-            "backward": lambda loss: loss.backward(), "losses": []}
+            "backward": lambda loss: loss.backward(), "losses": [],
+            "eager_warmup": not args.reference_compiles_step_0}
 
 
 def start(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]]:
@@ -121,26 +151,52 @@ def start(args: argparse.Namespace) -> tuple[torch.nn.Module, list[torch.Tensor]
     counters.clear()
     torch.manual_seed(0)
     warnings.filterwarnings("ignore", category=UserWarning)
+    n = max(args.warmup + args.blocks * args.block, args.own_process_steps)
+    if args.model == "unfamiliar":
+        sizes, args.batch, args.seq_len = UNFAMILIAR[args.size]
+        model = _compile_models.unfamiliar_transformer(**sizes).to(dev)
+        return model, _compile_models.batches(model, n, args.batch, args.seq_len, dev)
     model = build_gpt(args.size, device=dev)
     gen = torch.Generator().manual_seed(1)
-    n = max(args.warmup + args.blocks * args.block, args.own_process_steps)
     shape = (args.batch, args.seq_len + 1)
     batches = [torch.randint(0, model.config.vocab_size, shape, generator=gen).to(dev) for _ in range(n)]
     return model, batches
 
 
+def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The training loss of ``model`` (maybe its compiled wrapper, whose ``_orig_mod`` is the model) on
+    ``batch``: inputs and next tokens."""
+    vocab = getattr(getattr(model, "_orig_mod", model), "vocab", None)
+    if vocab is not None:  # --model unfamiliar
+        return _compile_models.loss(model, batch, vocab)
+    return lm_loss(model, batch[:, :-1], batch[:, 1:])
+
+
 def forward_backward(side: dict[str, Any], batch: torch.Tensor, eager: bool) -> None:
     """The forward and backward of one training step of ``side``; ``eager``: the traced warmup step (memsched
-    holds ``force_eager``; the reference does the same)."""
-    with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
-        loss = lm_loss(side["model"], batch[:, :-1], batch[:, 1:])
-    side["backward"](loss)
+    holds ``force_eager``; the reference does the same unless ``--reference-compiles-step-0``)."""
+    if side.get("eager_warmup", True):
+        stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
+    else:  # compiled from its first step: memsched's hold of force_eager is the process's (compile_stance)
+        stance = torch.compiler.set_stance("default")
+    with outside_the_tracer(side):
+        with stance:
+            loss = loss_of(side["model"], batch)
+        side["backward"](loss)
     side["losses"].append(loss.detach())
 
 
+def outside_the_tracer(side: dict[str, Any]) -> Any:
+    """For a reference side: a context outside memsched's warmup tracer, a dispatch mode of this thread. The
+    tracer would count the reference's tensors in memsched's trace, Dynamo does not compile a frame under a
+    dispatch mode, and a compiled backward's ``run_with_rng_state`` (checkpointing) fails under it."""
+    return _disable_current_modes() if "eager_warmup" in side else contextlib.nullcontext()
+
+
 def update(side: dict[str, Any]) -> None:
-    side["opt"].step()
-    side["opt"].zero_grad()
+    with outside_the_tracer(side):
+        side["opt"].step()
+        side["opt"].zero_grad()
 
 
 def step(side: dict[str, Any], batch: torch.Tensor, eager: bool) -> None:
@@ -246,10 +302,14 @@ def in_own_processes(args: argparse.Namespace) -> dict[str, Any]:
         for run_name, side in (("memsched", "memsched"), ("adamw", "adamw"), ("adamw_again", "adamw")):
             path = Path(tmp) / f"{run_name}.pt"
             argv = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--save", str(path)]
-            for key in ("size", "batch", "seq_len", "device", "backend", "warmup", "own_process_steps"):
+            for key in ("model", "size", "batch", "seq_len", "device", "backend", "warmup",
+                        "own_process_steps", "threads"):
                 argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
             argv += [flag for flag, on in (("--overlap", args.overlap),
-                                           ("--inductor-deterministic", args.inductor_deterministic)) if on]
+                                           ("--inductor-deterministic", args.inductor_deterministic),
+                                           ("--torch-nondeterministic", args.torch_nondeterministic),
+                                           ("--reference-compiles-step-0", args.reference_compiles_step_0))
+                     if on]
             cache = Path(tmp) / f"cache_{run_name}"
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
                    "TRITON_CACHE_DIR": str(cache / "triton")}
@@ -266,6 +326,15 @@ def in_own_processes(args: argparse.Namespace) -> dict[str, Any]:
     return {"steps": args.own_process_steps, "fresh_caches": True,
             **compare(saved["memsched"], saved["adamw"]),
             "control": compare(saved["adamw_again"], saved["adamw"])}
+
+
+def relative_difference(ours: torch.nn.Module, theirs: torch.nn.Module) -> float:
+    """||ours - theirs|| / ||theirs|| over every parameter at once (2-norms, in float64; 0.0: equal)."""
+    with torch.no_grad():
+        num = sum(float((p.detach().cpu().double() - q.detach().cpu().double()).pow(2).sum())
+                  for p, q in zip(ours.parameters(), theirs.parameters(), strict=True))
+        den = sum(float(q.detach().cpu().double().pow(2).sum()) for q in theirs.parameters())
+    return (num / den) ** 0.5
 
 
 def first_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> int | None:
@@ -362,6 +431,8 @@ def run(args: argparse.Namespace) -> int:
         "explain_memsched_model": {"graph_count": explain.graph_count,
                                    "graph_break_count": explain.graph_break_count},
         "bit_identical": same,
+        "relative_difference": relative_difference(model, ref),
+        "control_relative_difference": relative_difference(control, ref),
         "first_step_with_a_different_loss": first_difference(sides["memsched"]["losses"],
                                                              sides["adamw"]["losses"]),
         "generated_code": code.summary(),
