@@ -44,7 +44,9 @@ tests)  # correctness and memory, in parallel (items 2, 6, 11, 12, 17; the CUDA 
     { step compile_step_small_cuda 240 python3 bench/compile_step.py --device cuda --size small \
           --name compile_step_small_cuda
       step compile_step_small_cuda_deterministic 240 python3 bench/compile_step.py --device cuda --size small \
-          --inductor-deterministic --name compile_step_small_cuda_deterministic; } &
+          --inductor-deterministic --name compile_step_small_cuda_deterministic
+      step compile_step_unfamiliar_cuda 240 python3 bench/compile_step.py --device cuda --model unfamiliar \
+          --size small --own-process-steps 6 --name compile_step_unfamiliar_cuda; } &
     wait
     ;;
 timing)  # alone on the machine (items 4 and 13)
