@@ -44,7 +44,7 @@ from memsched.chunks.grad_offload import GradOffload
 from memsched.chunks.state_entries import own_storage_entries
 from memsched.chunks.store import frozen_params
 from memsched.config import SchedulerConfig, make_config
-from memsched.devices.host_alias import settle
+from memsched.devices.host_alias import reads_host_memory, settle
 from memsched.devices.simdevice import OUT_OF_MEMORY, SimDevice, add_oom_numbers
 from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import Streams, TransferStats
@@ -233,8 +233,8 @@ class Scheduler:
                 self.device.capacity_bytes, sum(map(sum, packed)) * self.compute_dtype.itemsize)
             if self.warmup_params_on_host and alloc.pin:  # checked before anything is pinned
                 layout = build_layout(packed, chunk_numel=chunk_numel, align=self.dp.align, exact=True)
-                check_host_room(layout, config, alloc,
-                                frozen_group=len(groups) if frozen else None, frozen_on_host=True)
+                check_host_room(layout, config, alloc, frozen_group=len(groups) if frozen else None,
+                                frozen_on_host=True, host_views=reads_host_memory(tdev, pinned=alloc.pin))
 
             def away(store: ChunkStore, c: Any) -> None:  # built: its host state, its parameters leave
                 c.init_state(HOST, alloc)
@@ -253,7 +253,8 @@ class Scheduler:
             if initial == HOST and alloc.pin and not self.warmup_params_on_host:  # before pinning
                 check_host_room(self.store.layout, config, alloc, shard_numel=None if self.store.exact
                                 else max(c.hi - c.lo for c in self.store.chunks),
-                                frozen_group=len(groups) if frozen else None)
+                                frozen_group=len(groups) if frozen else None,
+                                host_views=self.store.lean_params)
             for c in self.store.chunks:
                 if c.placement is None:  # a frozen chunk whose values stay has nothing to keep on the host
                     c.init_state(DEVICE if c.frozen else initial, alloc)

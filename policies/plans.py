@@ -100,9 +100,18 @@ def schedule_peak_bytes(problem: PlacementProblem, placement: Sequence[str], par
     return peak
 
 
-def _sums(problem: PlacementProblem, placement: Sequence[str]) -> tuple[int, int]:
+def _sums(problem: PlacementProblem, placement: Sequence[str],
+          param_placement: Sequence[str] = ()) -> tuple[int, int]:
+    """Device bytes and pinned host bytes of a placement (and of the parameters it keeps on the host)."""
     pairs = list(zip(problem.chunks, placement, strict=True))
-    return problem.device_bytes_of(placement), sum(c.host_bytes for c, p in pairs if p == HOST)
+    params_on_host = [i for i, where in enumerate(param_placement) if where == HOST]
+    params = sum(problem.chunks[i].param_host_bytes for i in params_on_host if not problem.chunks[i].frozen)
+    # the update of a host chunk whose parameters have no host copy sends them from the shared staging buffer
+    staging = problem.h2d_staging_bytes if any(
+        where == HOST and c.param_host_bytes and i not in params_on_host
+        for i, (c, where) in enumerate(pairs)) else 0
+    return (problem.device_bytes_of(placement),
+            sum(c.host_bytes for c, p in pairs if p == HOST) + params + staging)
 
 
 def _check_param_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> None:
@@ -159,7 +168,7 @@ def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> Non
         raise ValueError(
             f"placement policy {name!r} used placement {wrong[0]!r}; allowed: {DEVICE!r}, {HOST!r}"
         )
-    dev, host = _sums(problem, plan.placement)
+    dev, host = _sums(problem, plan.placement, plan.param_placement)
     if (plan.device_bytes, plan.host_bytes, plan.margin_bytes) != (dev, host, problem.margin_bytes):
         raise ValueError(
             f"placement policy {name!r} returned device_bytes={plan.device_bytes}, "
@@ -218,7 +227,7 @@ def make_plan(
     # beside parameters kept on the device would be pinned memory for nothing).
     placement = tuple((param_placement[i] if param_placement else DEVICE) if c.frozen else where
                       for i, (c, where) in enumerate(zip(problem.chunks, placement, strict=True)))
-    dev, host = _sums(problem, placement)
+    dev, host = _sums(problem, placement, param_placement)
     peak = (schedule_peak_bytes(problem, placement, param_placement, schedule)
             if schedule is not None and param_placement else None)
     return PlacementPlan(

@@ -66,6 +66,8 @@ class ChunkSpec:
         frozen: a chunk of frozen parameters (issue 31): no gradients and no optimizer state
             (``device_bytes`` 0), ``host_bytes`` the pinned copy of its parameters. Its placement is where
             its parameters live (:func:`policies.plans.make_plan` makes it so).
+        param_host_bytes: pinned CPU memory it adds when a plan keeps its parameters on the host (their copy
+            in the compute dtype where ``host_bytes`` holds none), bytes.
     """
 
     index: int
@@ -74,6 +76,7 @@ class ChunkSpec:
     numel: int = 0
     param_bytes: int = 0
     frozen: bool = False
+    param_host_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Raises ValueError naming the field: a negative or fractional size would silently corrupt every sum.
@@ -82,6 +85,7 @@ class ChunkSpec:
         _check_bytes(self, "host_bytes", self.host_bytes)
         _check_bytes(self, "numel", self.numel, unit="")
         _check_bytes(self, "param_bytes", self.param_bytes)
+        _check_bytes(self, "param_host_bytes", self.param_host_bytes)
 
 
 FORWARD, BACKWARD = "forward", "backward"  # the phases of a chunk access
@@ -187,6 +191,9 @@ class PlacementProblem:
         device_anchor: the chunk holding the model's first parameter (what ``model.device`` reads), or
             ``None``; ``auto`` keeps its parameters on the host last
             (:func:`policies.builtin.param_offload_order`).
+        h2d_staging_bytes: pinned CPU memory of the one buffer from which the host chunks that keep no copy of
+            their parameters (``ChunkSpec.param_host_bytes`` > 0) send their updated values to the device,
+            bytes; a plan with such a chunk on the host, its parameters on the device, counts it once.
     """
 
     capacity_bytes: int
@@ -200,6 +207,7 @@ class PlacementProblem:
     host_grad_working_bytes: int = 0
     accesses: tuple[ChunkAccess, ...] = ()
     device_anchor: int | None = None
+    h2d_staging_bytes: int = 0
 
     def __post_init__(self) -> None:
         """Validate once, here, so that every policy (built-in or custom) sees a sane problem.

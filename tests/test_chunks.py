@@ -276,11 +276,19 @@ def test_build_problem_on_meta_matches_the_real_chunks():
     mixed, _ = build_problem(meta, 0, 10**6, master_weights=True)
     n0 = layout.numels[0]
     assert mixed.chunks[0].device_bytes == n0 * (12 + 2) + steps[0]
-    # fp32 master and moments; bf16 host values and host gradients (the update's fp32 gradients: one scratch
-    # shared by the chunks, [Note: one fp32 gradient scratch]; a buffer per chunk with overlap)
-    assert mixed.chunks[0].host_bytes == n0 * (12 + 2 + 2) + steps[0]
+    # fp32 master and moments and bf16 host gradients (the update's fp32 gradients: one scratch shared by
+    # the chunks, [Note: one fp32 gradient scratch]); the parameters' bf16 copy only where a plan keeps them
+    # on the host ([Note: lean host chunks])
+    assert mixed.chunks[0].host_bytes == n0 * (12 + 2) + steps[0]
+    assert mixed.chunks[0].param_host_bytes == 2 * n0
+    # a GPU that cannot read host memory in place: the parameters read their host copy between steps
+    no_views, _ = build_problem(meta, 0, 10**6, master_weights=True, host_views=False)
+    assert no_views.chunks[0].host_bytes == n0 * (12 + 2 + 2) + steps[0]
+    assert no_views.chunks[0].param_host_bytes == 0
+    # overlap: an fp32 gradient buffer per chunk, and the host copy of the parameters (the H2D source)
     overlapped, _ = build_problem(meta, 0, 10**6, master_weights=True, private_grads=True)
     assert overlapped.chunks[0].host_bytes == n0 * (16 + 2 + 2) + steps[0]
+    assert overlapped.chunks[0].param_host_bytes == 0
     zero2, zlayout = build_problem(meta, 0, 10**6, world_size=4)  # more ranks: uniform chunks
     assert zlayout.uniform and zero2.chunks[0].device_bytes == -(-zlayout.chunk_numel // 4) * 8 + steps[0]
     with pytest.raises(ValueError, match="world_size"):

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.sharded_grad import is_sharded
 from memsched.devices.host_alias import settle
+from policies.types import HOST
 from tracer.ops import is_metadata
 
 
@@ -343,8 +344,14 @@ class ChunkBindings:
         store = self._store
         c = store.param_chunk[id(p)]
         if self.host_bound(c):
-            return store.user_view("data", p, c)
+            return self._host_param_view(p, c)
         return store.data_view(p) if c.data is not None else self.absent_view(p, c)
+
+    def _host_param_view(self, p: torch.nn.Parameter, c: Chunk) -> torch.Tensor:
+        """What a host-bound parameter is: its slot in the host copy (read as the device), or for a lean chunk
+        without one its chunk view on the device ([Note: lean host chunks] in memsched.chunks.chunk)."""
+        store = self._store
+        return store.user_view("data", p, c) if c.param_host is not None else store.data_view(p)
 
     def absent_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
         """[Note: absent parameters]
@@ -379,7 +386,7 @@ class ChunkBindings:
         store = self._store
         self._check(c, Binding.HOST)
         with torch.no_grad(), _bookkeeping():
-            if c.data is not None and not self.host_bound(c) and any(
+            if c.data is not None and c.param_host is not None and not self.host_bound(c) and any(
                     p._version != self._versions.get(id(p), -1) for p in c.params):
                 # Written on the device since it was device-bound (or never bound before): the host values
                 # take the device's (the fp32 master itself in fp32; under mixed precision the master follows
@@ -396,7 +403,7 @@ class ChunkBindings:
                     p.data = store.user_view("data", p, c)
                     continue
                 self._take_hand_set_grad(p, c)
-                p.data = store.user_view("data", p, c)
+                p.data = self._host_param_view(p, c)
                 kept = id(p) in store.host_grads and c.grad_host is not None
                 p.grad = store.user_view("grad", p, c) if kept else None
                 self._versions[id(p)] = p._version
@@ -527,10 +534,11 @@ class ChunkBindings:
         store.before_host_write(c)
         c.wait_h2d()
         with store.alloc.host_context():
-            if c.staging is not None and c.master is not None:  # a frozen chunk has no master
-                new = c.staging
+            if c.mixed and c.master is not None:  # a frozen chunk has no master
+                # the host copy, or a lean chunk's device buffer, which the writes reached
+                new = c.staging if c.staging is not None else c.data[c.lo:c.hi].to(c.master.device)
                 c.master.copy_(torch.where(new != c.master.to(new.dtype), new.float(), c.master))
-        if c.data is not None:  # else its next fetch copies the host values
+        if c.data is not None and c.param_host is not None:  # else its next fetch copies the host values
             c.data[c.lo:c.hi].copy_(c.param_host)
 
     # -- the phases ---------------------------------------------------------------------------------------
@@ -591,7 +599,15 @@ class ChunkBindings:
         if c.data is None:
             return
         store = self._store
-        if not self.host_bound(c) and self.written(c):
+        if c.param_host is None and c.lean and c.placement == HOST:  # the host copy is made now, from the
+            # only values there are ([Note: lean host chunks] in memsched.chunks.chunk)
+            store.before_host_write(c)
+            c.wait_h2d()
+            with torch.no_grad(), _bookkeeping(), store.alloc.host_context():
+                c.add_param_host(store.alloc).copy_(c.data[c.lo:c.hi])
+            if self.host_bound(c):  # its parameters were device views: now views of the host copy
+                self.to_host(c)
+        elif not self.host_bound(c) and self.written(c):
             store.before_host_write(c)
             c.wait_h2d()
             with torch.no_grad(), _bookkeeping(), store.alloc.host_context():
@@ -603,6 +619,24 @@ class ChunkBindings:
         store.forget_views(c, "data")
         c.data = None
         c.h2d_event = None
+
+    def drop_param_host(self, c: Chunk) -> None:
+        """A lean chunk whose parameters stay on the device from now on (a plan keeps them there): its host
+        copy of them goes ([Note: lean host chunks] in memsched.chunks.chunk). Host-bound, its parameters
+        become their device views, writes made to the host views taken in first."""
+        if not (c.lean and c.staging is not None and c.data is not None):
+            return
+        store = self._store
+        bound = self.host_bound(c)
+        if bound and self.written(c):
+            self.take_host_writes(c)
+        store.before_host_write(c)
+        c.wait_h2d()
+        settle(c.device)  # device kernels reading the host copy through the user views are done
+        c.drop_param_host()
+        store.forget_host_views(c)
+        if bound:
+            self.to_host(c)  # the parameters are device views now; their gradients stay host views
 
     def to_sharded(self, c: Chunk) -> None:
         """ZeRO-3: ``c``'s compute buffer leaves the device (this rank's shard was kept,

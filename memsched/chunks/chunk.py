@@ -33,7 +33,8 @@ class Chunk:
         ``staging``: ``[hi - lo]`` compute-dtype host buffer (host placement, mixed precision): the
             parameters' values in the compute dtype, cast from the master on the CPU after each update (the
             H2D copy's source; between steps the parameters are views into it, :mod:`memsched.chunks.store`).
-            With more ranks the D2H copy of the gradients lands there too.
+            With more ranks the D2H copy of the gradients lands there too. A ``lean`` chunk has one only
+            once its parameters leave the device ([Note: lean host chunks]).
         ``grad_host``: ``[hi - lo]`` compute-dtype host gradients (host placement): where the gradients go
             when backward completes them and what ``p.grad`` shows between steps (one rank,
             :mod:`memsched.chunks.grad_offload`); the same tensor as ``host_grad`` in fp32, its own buffer
@@ -90,6 +91,19 @@ class Chunk:
         # after the step cannot reach an update still running on the worker.
         self.offload_grads = False
         self.private_grads = False
+        # [Note: lean host chunks]
+        # Under mixed precision a host chunk's parameters need a copy in the compute dtype on the host only
+        # where something reads them there: the H2D copy after the CPU update, and the parameters themselves
+        # between steps where the device cannot read host memory in place (a host gradient beside a device
+        # parameter would be a device error) or while their buffer is off the device (parameter offload).
+        # One rank, gradients offloaded, no private gradients, a device that reads pinned memory in place
+        # (``lean``, set by the store): the chunk keeps no such copy while its buffer is on the device. The
+        # update casts its master into a staging buffer the host chunks share (HybridAdamW.h2d_staging)
+        # for the H2D copy, and between steps its parameters stay views of the device buffer while their
+        # gradients are views of the host's (both read as the device). The copy is made when the buffer
+        # leaves (ChunkBindings.data_leaves), so parameter offload costs its bytes and nothing else does:
+        # 14 bytes per parameter in bf16 (master, moments, bf16 gradients) instead of 16.
+        self.lean = False
         # Parameters whose gradient is complete in the backward pass ``ready_task`` (autograd graph task id):
         # readiness is per backward pass, so accumulation with a parameter unused in one micro-batch never
         # declares a chunk ready while that backward still writes into it.
@@ -133,8 +147,32 @@ class Chunk:
     @property
     def param_host(self) -> torch.Tensor | None:
         """The parameters' values on the host in the compute dtype (``[hi - lo]``, host placement): the
-        master in fp32, ``staging`` under mixed precision; ``None`` on the device."""
-        return self.staging if self.staging is not None else self.master if self.placement == HOST else None
+        master in fp32, ``staging`` under mixed precision; ``None`` on the device, and for a ``lean`` chunk
+        whose parameters are on the device ([Note: lean host chunks])."""
+        if self.staging is not None:
+            return self.staging
+        return self.master if self.placement == HOST and not self.mixed else None
+
+    def add_param_host(self, alloc: Allocator) -> torch.Tensor:
+        """The parameters' host copy of a ``lean`` host chunk whose buffer leaves the device (compute dtype,
+        ``[hi - lo]``, pinned like the state), allocated now if missing; the caller fills it.
+
+        Raises:
+            RuntimeError: the chunk is not on the host, or the allocation failed (out of host memory).
+        """
+        if self.placement != HOST:
+            raise RuntimeError(f"chunk {self.index} is not on the host: its parameters have no host copy")
+        if self.param_host is None:
+            self.staging = alloc.arena(HOST, [("staging", self.compute_dtype, self.shard_numel)])["staging"]
+        return self.param_host
+
+    def drop_param_host(self) -> bool:
+        """A ``lean`` chunk whose parameters stay on the device from now on lets its host copy go (freed
+        once nothing holds it); returns whether it had one. The caller has re-bound the parameters."""
+        had = self.lean and self.staging is not None and self.data is not None
+        if had:
+            self.staging = None
+        return had
 
     def state_tensors(self) -> list[torch.Tensor]:
         ts = (self.master, self.exp_avg, self.exp_avg_sq, self.steps, self.host_grad, self.staging,
@@ -210,7 +248,7 @@ class Chunk:
         if host and not (self.mixed and not self.private_grads):  # [Note: one fp32 gradient scratch]
             parts.append(("host_grad", f32, n))
         parts.append(("steps", f32, len(self.params)))
-        if host and self.mixed:
+        if host and self.mixed and not self.lean:  # [Note: lean host chunks]
             parts.append(("staging", self.compute_dtype, n))
         if host and self.offload_grads and (self.mixed or self.private_grads):
             parts.append(("grad_host", self.compute_dtype, n))

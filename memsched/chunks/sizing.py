@@ -41,8 +41,12 @@ class ChunkBytes:
             buffer is the master), plus one fp32 step count per parameter (``n_params``).
         host_state_bytes: pinned host memory when placed on the host: fp32 master, ``exp_avg``, ``exp_avg_sq``
             and gradient buffer of the shard, plus under mixed precision a compute-dtype staging buffer (the
-            parameters' host values, the H2D copy's source) and, with the gradients offloaded, the host
-            gradients in the compute dtype, plus one fp32 step count per parameter (``n_params``).
+            parameters' host values, the H2D copy's source; not with ``lean_params``) and, with the
+            gradients offloaded, the host gradients in the compute dtype, plus one fp32 step count per
+            parameter (``n_params``).
+        param_host_bytes: pinned host memory added when a plan keeps the chunk's parameters on the host: their
+            compute-dtype copy where ``host_state_bytes`` has none (``lean_params``), else 0 (the fp32 master,
+            or the staging buffer, is that copy).
 
     A chunk of frozen parameters (``frozen``: no gradient, no optimizer state) has no gradient buffer and no
     state on the device; on the host it keeps its parameters' values in the compute dtype, nothing else.
@@ -52,6 +56,7 @@ class ChunkBytes:
     grad_bytes: int
     device_state_bytes: int
     host_state_bytes: int
+    param_host_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:
@@ -62,7 +67,7 @@ class ChunkBytes:
 def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
                 shard_numel: int | None = None, master_weights: bool | None = None,
                 n_params: int = 1, offload_grads: bool | None = None,
-                private_grads: bool = False, frozen: bool = False) -> ChunkBytes:
+                private_grads: bool = False, frozen: bool = False, host_views: bool = True) -> ChunkBytes:
     """Bytes of one chunk of ``chunk_numel`` elements whose optimizer state covers ``shard_numel`` of them.
 
     Mixed precision (``master_weights``; default: the compute dtype is not float32) adds an fp32 master copy
@@ -71,7 +76,10 @@ def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
     host chunk's gradients go to the host in backward, :mod:`memsched.chunks.grad_offload`; default: the
     state covers the whole chunk) its host gradients in the compute dtype, a buffer of their own in fp32 too
     with ``private_grads`` (``overlap=True``: the CPU update reads its own copy). ``frozen``: a chunk of
-    frozen parameters (no gradients, no optimizer state). Used by
+    frozen parameters (no gradients, no optimizer state). ``host_views``: the device reads pinned host memory
+    in place (:func:`memsched.devices.host_alias.reads_host_memory`); then under mixed precision, one rank,
+    gradients offloaded and no ``private_grads``, a host chunk keeps no copy of its parameters beside the
+    master while they are on the device ([Note: lean host chunks] in :mod:`memsched.chunks.chunk`). Used by
     :mod:`memsched.planning.problem` and checked against the real tensors of :class:`Chunk` in the tests.
     """
     shard = chunk_numel if shard_numel is None else shard_numel
@@ -81,13 +89,16 @@ def chunk_bytes(chunk_numel: int, *, compute_dtype: torch.dtype = torch.float32,
                           host_state_bytes=shard * cb)
     mixed = compute_dtype != torch.float32 if master_weights is None else master_weights
     offload = shard == chunk_numel if offload_grads is None else offload_grads
+    lean = mixed and offload and not private_grads and host_views
     return ChunkBytes(
         compute_bytes=chunk_numel * cb,
         grad_bytes=chunk_numel * cb,
         device_state_bytes=shard * 4 * (3 if mixed else 2) + STEP_BYTES * n_params,
         # master and moments, the fp32 gradients the update reads (under mixed precision without
         # private_grads a scratch the chunks share: [Note: one fp32 gradient scratch]), the staging
-        host_state_bytes=(shard * 4 * (3 if mixed and not private_grads else 4) + (shard * cb if mixed else 0)
+        host_state_bytes=(shard * 4 * (3 if mixed and not private_grads else 4)
+                          + (shard * cb if mixed and not lean else 0)
                           + (shard * cb if offload and (mixed or private_grads) else 0)
                           + STEP_BYTES * n_params),
+        param_host_bytes=shard * cb if lean else 0,
     )

@@ -19,7 +19,7 @@ from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
 from memsched.chunks.sharded_grad import ShardedGrad, is_sharded
-from memsched.devices.host_alias import host_alias_of, settle
+from memsched.devices.host_alias import host_alias_of, reads_host_memory, settle
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from policies.types import DEVICE, HOST
 from tracer.hook_handles import Detachable
@@ -116,6 +116,10 @@ class ChunkStore:
         # One rank: host chunks' gradients go to the host as backward completes them ([Note: host binding]);
         # with more ranks they are reduced first and copied at the step.
         self.backward_offload = self.dp.world == 1
+        # Host chunks keep no copy of their parameters beside the master while these are on the device
+        # ([Note: lean host chunks] in memsched.chunks.chunk)
+        self.lean_params = (self.backward_offload and compute_dtype != torch.float32 and not private_grads
+                            and reads_host_memory(alloc.device, pinned=alloc.pin))
         # [Note: memory formats]
         # One rank: a parameter's slot in its chunk holds its elements in the parameter's memory order
         # (contiguous, channels_last, channels_last_3d), and the parameter, its gradient and every state
@@ -230,6 +234,7 @@ class ChunkStore:
                       initial_master=initial, frozen=frozen)
         chunk.offload_grads = self.backward_offload
         chunk.private_grads = self.private_grads
+        chunk.lean = self.lean_params and not frozen
         return chunk
 
     def _unbind(self, chunks: Sequence[Chunk]) -> None:
@@ -290,7 +295,7 @@ class ChunkStore:
                 c.wait_h2d()
                 c.wait_d2h()
                 host_bound = bindings.host_bound(c)
-                data = c.param_host if host_bound else c.data
+                data = c.param_host if host_bound and c.param_host is not None else c.data
                 grad = c.grad_host if host_bound else c.grad
                 lo = c.lo if host_bound else 0
                 tensors = ((data, None, None, None, None) if c.frozen else
@@ -467,9 +472,12 @@ class ChunkStore:
                 slot.copy_(values)
                 if host_bound:  # the host values and gradients in the new order too
                     with self.alloc.host_context():
-                        hslot = self.host_view("data", p, c)
-                        hslot.copy_(values)
-                        p.data = self.user_view("data", p, c)
+                        if c.param_host is not None:
+                            hslot = self.host_view("data", p, c)
+                            hslot.copy_(values)
+                            p.data = self.user_view("data", p, c)
+                        else:  # lean: the parameters stay device views ([Note: lean host chunks])
+                            p.data = slot
                         if grad is not None:
                             gview = self.host_view("grad", p, c)
                             gview.copy_(grad)
@@ -665,8 +673,9 @@ class ChunkStore:
         """The values ``c``'s parameters show now, flat over its shard (``[hi - lo]``, compute dtype): the
         host copy while host-bound (written there by ``load_state_dict`` between steps), else the device
         buffer."""
-        if self.bindings.host_bound(c) or (c.data is None and c.param_shard is None):
-            return c.param_host  # host-bound, or (ZeRO-3) away with its part on the host
+        away = c.data is None and c.param_shard is None
+        if (self.bindings.host_bound(c) and c.param_host is not None) or away:
+            return c.param_host  # host-bound (not lean), or (ZeRO-3) away with its part on the host
         return c.param_part()
 
     def has_grads(self, c: Chunk) -> bool:

@@ -132,6 +132,16 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def reads_host_memory(device: torch.device, *, pinned: bool) -> bool:
+    """Whether parameters and gradients in host memory can read as ``device`` (:func:`host_alias_of` makes
+    their views): the CPU and the stand-in always; CUDA for pinned memory where the GPU uses registered host
+    memory at its host address. Where this is false, a host-bound parameter reads as ``cpu``."""
+    if device.type != "cuda":
+        return True
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return pinned and _registered_memory_is_mapped(index)
+
+
 def host_alias_of(host: torch.Tensor, device: torch.device, *, pinned: bool) -> torch.Tensor | None:
     """:func:`device_alias` where the device can read the memory in place, else ``None`` (the caller keeps
     the host view, which reads as ``cpu``): ``device="cpu"``; on CUDA, pageable memory (``pinned`` false), a

@@ -99,6 +99,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self.overlap = False
         self.host_updates = HostUpdates(store.alloc.device, update_threads)
         self._grad_scratch: torch.Tensor | None = None  # [Note: one fp32 gradient scratch]
+        # lean host chunks' H2D source, and the chunk whose copy may still read it ([Note: lean host chunks])
+        self._h2d_staging: torch.Tensor | None = None
+        self._h2d_staging_user: Chunk | None = None
         self.timeline = StepTimeline()
         self._zero_grad_observers: list[Callable[[], None]] = []  # memsched.runtime.elastic_hooks
         # overlap="backward" (after warmup): host chunks are updated during backward into spare state,
@@ -361,6 +364,9 @@ class HybridAdamW(torch.optim.Optimizer):
         if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
             c.staging.copy_(c.master)
             src = c.staging
+        elif c.mixed and (c.data is not None or c.param_shard is not None):
+            src = self.h2d_staging(c)  # a lean chunk: the shared staging buffer
+            src.copy_(c.master)
         t2 = time.perf_counter()
         self.transfers.add_h2d(c.start_h2d(self.streams, src, after=after))
         t3 = time.perf_counter()
@@ -379,6 +385,21 @@ class HybridAdamW(torch.optim.Optimizer):
             src = c.staging if c.staging is not None else c.host_grad
         out = c.host_grad if c.host_grad is not None else self.grad_scratch(c.shard_numel)
         return fp32_grad(src, out, inv_scale, coefs)  # upcast on the CPU
+
+    def h2d_staging(self, c: Chunk) -> torch.Tensor:
+        """The H2D copy's source for a lean host chunk ([Note: lean host chunks] in
+        :mod:`memsched.chunks.chunk`): ``c.shard_numel`` elements of its compute dtype, pinned, in one buffer
+        the lean chunks share (the largest shard's), reused once the previous chunk's copy from it is done.
+        Serial steps update one host chunk at a time, so the copy of one overlaps the next one's update."""
+        n = c.shard_numel
+        prev, self._h2d_staging_user = self._h2d_staging_user, c
+        if prev is not None:
+            prev.wait_h2d()  # its copy may still read the buffer
+        buf = self._h2d_staging
+        if buf is None or buf.numel() < n or buf.dtype != c.dtype:  # the largest lean shard's, as planned
+            size = max([n, *(x.shard_numel for x in self.store.trainable_chunks if x.lean)])
+            buf = self._h2d_staging = self.store.alloc.host_empty(size, c.dtype)
+        return buf[:n]
 
     def grad_scratch(self, numel: int) -> torch.Tensor:
         """[Note: one fp32 gradient scratch]

@@ -40,22 +40,25 @@ from tracer.param_reads import BEGIN, FORWARD
 
 def check_host_room(layout: ChunkLayout, config: SchedulerConfig, alloc: Allocator,
                     shard_numel: int | None = None, *, frozen_group: int | None = None,
-                    frozen_on_host: bool = False) -> None:
+                    frozen_on_host: bool = False, host_views: bool = True) -> None:
     """All optimizer state starts pinned on the host until the plan: refuse before pinning it when the host
     budget cannot hold it (:func:`memsched.devices.host_memory.check_initial_host_state`). ``layout``: the
     chunks; ``shard_numel``: the elements of each chunk a rank keeps state for (default: all);
     ``frozen_group``: the layout's group of frozen parameters (their chunks hold values only, on the host
-    when ``frozen_on_host``).
+    when ``frozen_on_host``, as every chunk's parameters then are); ``host_views``: the device reads pinned
+    host memory in place (:func:`memsched.chunks.chunk_bytes`).
 
     Raises:
         policies.PlacementError: the host budget is too small (names both sizes and the limit).
     """
     sizes = [chunk_bytes(numel, compute_dtype=config.compute_dtype, shard_numel=shard_numel,
-                         n_params=len(slots), private_grads=bool(config.overlap), frozen=frozen)
+                         n_params=len(slots), private_grads=bool(config.overlap), frozen=frozen,
+                         host_views=host_views)
              for slots, numel, frozen in zip(layout.chunks, layout.numels,
                                              (g == frozen_group for g in layout.chunk_groups), strict=True)
              if frozen_on_host or not frozen]
-    need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin) for b in sizes)
+    need = sum(pinned_bytes(b.host_state_bytes, pinned=alloc.pin)
+               + (pinned_bytes(b.param_host_bytes, pinned=alloc.pin) if frozen_on_host else 0) for b in sizes)
     check_initial_host_state(need, host_budget(pinned=alloc.pin,
                                                stand_in_bytes=config.device.host_capacity_bytes,
                                                user_bytes=config.host_memory_bytes))
@@ -313,7 +316,7 @@ class Planner:
             gpu_margin_mem_ratio=self._config.placement.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=store.layout.chunk_numel, param_groups=store.groups,
             compute_dtype=self._config.compute_dtype, align=store.align, pinned=store.alloc.pin,
-            private_grads=store.private_grads,
+            private_grads=store.private_grads, host_views=store.lean_params or not store.backward_offload,
             # parameters leave the device for the host with one rank only (ZeRO-3 shards them: _apply)
             accesses=scaled(self.accesses, peak_non_model_bytes, self._traced_peak) if dp.world == 1 else (),
             **grads,

@@ -105,6 +105,7 @@ def build_problem(
     offload_grads: bool | None = None,
     accesses: Sequence[ChunkAccess] = (),
     zero_stage: int | None = None,
+    host_views: bool = True,
 ) -> tuple[PlacementProblem, ChunkLayout]:
     """The placement problem memsched solves for ``model``, and the chunk layout it assumes.
 
@@ -136,6 +137,9 @@ def build_problem(
             ``host_grad_working_bytes``, while a chunk placed on the device keeps its own gradients.
         private_grads: ``overlap=True``: a host chunk's CPU update reads a copy of its gradients of its own
             (:func:`memsched.chunks.chunk_bytes`).
+        host_views: the device reads pinned host memory in place (default; ``False`` where a GPU cannot):
+            under mixed precision a host chunk then keeps a copy of its parameters only while a plan keeps
+            them on the host (:func:`memsched.chunks.chunk_bytes`, ``ChunkSpec.param_host_bytes``).
         offload_grads: host chunks' gradients go to the host in backward (one rank; default: ``world_size``
             is 1).
         accesses: the chunk reads of a traced step in this layout (:mod:`memsched.planning.reads`), from which
@@ -199,12 +203,14 @@ def build_problem(
         frozen_chunk = bool(frozen) and gi == len(groups)
         cb = chunk_bytes(numel, compute_dtype=compute_dtype, shard_numel=shard,
                          master_weights=master_weights or None, n_params=len(slots), offload_grads=offload,
-                         private_grads=private_grads, frozen=frozen_chunk)
+                         private_grads=private_grads, frozen=frozen_chunk, host_views=host_views)
         per_chunk.append((cb, shard))
         grads = cb.grad_bytes if offload else 0  # a device chunk keeps its gradients on the device
         specs.append(ChunkSpec(index=i, device_bytes=cb.device_state_bytes + grads,
                                host_bytes=pinned_bytes(cb.host_state_bytes, pinned=pinned),
-                               numel=numel, param_bytes=cb.compute_bytes, frozen=frozen_chunk))
+                               numel=numel, param_bytes=cb.compute_bytes, frozen=frozen_chunk,
+                               param_host_bytes=pinned_bytes(cb.param_host_bytes, pinned=pinned)
+                               if cb.param_host_bytes else 0))
     params = sum(cb.compute_bytes for cb, _ in per_chunk)
     grad_bufs = sum(cb.grad_bytes for cb, _ in per_chunk)
     # the largest chunks' buffers bound any working set of whole buffers
@@ -235,6 +241,8 @@ def build_problem(
         host_grad_working_bytes=working,
         accesses=tuple(accesses),
         device_anchor=_chunk_of_first_parameter(model, layout, [*groups, frozen]),
+        # the largest lean chunk's parameters in the compute dtype (HybridAdamW.h2d_staging)
+        h2d_staging_bytes=max((s.param_host_bytes for s in specs), default=0),
     )
     return problem, layout
 

@@ -229,6 +229,7 @@ class ParamFetcher:
                 self._fetch(c, wait=True)
             if self._lru.pop(i, "away") is None:  # fetched: from now on it is not model data that moves
                 self.on_move(-c.data_bytes)
+            self.store.bindings.drop_param_host(c)  # a lean chunk needs no host copy of its parameters now
         self.offloaded, self.schedule = new, schedule
         self.misses, self.off_schedule = 0, False
         keep = set(schedule.keep) if schedule is not None else set()
