@@ -33,7 +33,20 @@ Numerics: every configuration trains the same model from the same seed on the sa
 trajectories are compared with ``torch_adamw`` (``loss_max_abs_diff``): memsched's must be identical (it is
 bit-exact against ``torch.optim.AdamW(fused=True)``); peers may differ in their last bits.
 
-The model is :class:`memsched.models.gpt.GPT`.
+The model is :class:`memsched.models.gpt.GPT`, or with ``--llama NAME`` a Llama-class model built with
+transformers (a preset of :mod:`memsched.models.llama`, or a ``config.json``; random weights) in
+``--dtype bf16`` with ``--checkpointing`` (Hugging Face's ``gradient_checkpointing_enable()``), the
+workload of issue 42:
+
+* memsched builds it on the meta device, attaches with ``dtype=torch.bfloat16`` (fp32 masters on the host) and
+  initialises it in place (``model.apply(model._init_weights)``): the model never exists whole on the host;
+* ``fsdp2_cpu_offload``: FSDP2 (``fully_shard`` per decoder layer and the root, world size 1) with
+  ``CPUOffloadPolicy`` and ``MixedPrecisionPolicy(param_dtype=bf16)``, fp32 parameters sharded on the host;
+* ``deepspeed_zero3_offload``: ZeRO-3 with parameters and optimizer state offloaded to the CPU, ``bf16``;
+* ``torchao_cpu_offload``: the bf16 model on the device, its AdamW state on the host.
+
+Per configuration it records tokens/s, the peak device bytes, pinned host bytes per parameter
+(``pinned_host_bytes_per_param``: memsched's registered pinned memory) and the step timeline.
 """
 
 from __future__ import annotations
@@ -66,7 +79,8 @@ from policies.units import format_bytes, parse_bytes  # noqa: E402
 NEEDS_CUDA = "gpu_step_time: needs a CUDA device (torch.cuda.is_available() is False); nothing written"
 DEFAULT_POLICIES = ("cpu", "cpu+overlap", "static:offload_optim_frac=0.5",
                     "static:offload_optim_frac=0.5+overlap", "auto", "auto+overlap", "cuda")
-PEERS = ("torch_adamw", "deepspeed_zero_offload", "deepspeed_zero3_offload", "torchao_cpu_offload")
+PEERS = ("torch_adamw", "deepspeed_zero_offload", "deepspeed_zero3_offload", "torchao_cpu_offload",
+         "fsdp2_cpu_offload")
 LR, WEIGHT_DECAY = 3e-4, 0.1
 
 
@@ -136,9 +150,40 @@ def build_model(dims: dict[str, int], device: str) -> tuple[nn.Module, str]:
         return GPT(GPTConfig(**dims)), "memsched.models.gpt.GPT"
 
 
+def build_llama(name: str, device: str, checkpointing: bool, dtype: torch.dtype) -> tuple[nn.Module, str]:
+    """A Llama-class model (:func:`memsched.models.llama.hf_config`: a preset or a ``config.json``) built with
+    transformers on ``device`` (``"meta"``: its parameters without memory, its buffers real, as accelerate's
+    ``init_empty_weights()`` builds them) in ``dtype``, with Hugging Face's activation checkpointing when
+    asked; and its source."""
+    import contextlib
+
+    import transformers
+
+    from memsched.models.llama import hf_config, llama_shape
+
+    config = hf_config(name)
+    qwen = llama_shape(name).family == "qwen2"
+    cls = transformers.Qwen2ForCausalLM if qwen else transformers.LlamaForCausalLM
+    if device == "meta":
+        from accelerate import init_empty_weights
+
+        where = init_empty_weights()
+    else:
+        where = contextlib.nullcontext()
+    with where, torch.device("cpu" if device == "meta" else device):
+        model = cls(config).to(dtype)
+    model.tie_weights()  # a model built empty ties here
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model, f"transformers.{cls.__name__} ({llama_shape(name).source})"
+
+
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``model(x)`` against ``y`` (both ``[B, T]`` int64)."""
+    """Mean next-token cross-entropy of ``model(x)`` against ``y`` (both ``[B, T]`` int64); a Hugging Face
+    model's ``.logits``."""
     logits = model(x)
+    logits = getattr(logits, "logits", logits)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 
@@ -164,7 +209,11 @@ def _setup_memsched(model: nn.Module, spec: str, cfg: dict[str, Any]) -> tuple[C
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         overlap=split_overlap(spec)[1],
+        dtype=torch.bfloat16 if cfg.get("dtype") == "bf16" else None,
     )
+    if cfg.get("llama"):  # built on meta: the weights are made in place, chunk views and all
+        torch.manual_seed(0)
+        model.apply(model._init_weights)  # transformers' per-module initialisation, in place
     away = [p for p in model.parameters() if p.device.type != torch.device(cfg["device"]).type
             and not sched.store.in_host_memory(p)]  # parameters kept on the host are host views between steps
     if away:
@@ -216,6 +265,35 @@ def _setup_torchao(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[...,
     return step, {}
 
 
+def _setup_fsdp2(model: nn.Module, cfg: dict[str, Any]) -> tuple[Callable[..., None], dict]:
+    """FSDP2 with ``CPUOffloadPolicy`` (fp32 parameters, gradients and AdamW state on the host, bf16 compute
+    with ``--dtype bf16``), world size 1: each decoder layer, then the root, is a ``fully_shard`` unit."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.device(cfg["device"]).type == "cuda" else "gloo", rank=0,
+                                world_size=1)
+    bf16 = cfg.get("dtype") == "bf16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+        MixedPrecisionPolicy()
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=True), "mp_policy": mp}
+    layers = getattr(getattr(model, "model", model), "layers", None) or getattr(model, "blocks", [])
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+    def step(loss: torch.Tensor) -> None:
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, {}
+
+
 def _setup_deepspeed(model: nn.Module, cfg: dict[str, Any],
                      stage: int = 2) -> tuple[Callable[..., Any], dict]:
     """DeepSpeed ZeRO ``stage`` with the optimizer state in pinned CPU memory; stage 3 offloads the
@@ -234,6 +312,8 @@ def _setup_deepspeed(model: nn.Module, cfg: dict[str, Any],
         "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         "zero_allow_untested_optimizer": True,
     }
+    if cfg.get("dtype") == "bf16":
+        ds_config["bf16"] = {"enabled": True}
     if stage == 3:  # ZeRO-Infinity's parameter offload to CPU memory
         ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -258,9 +338,18 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
         if cuda and cfg.get("mem_fraction") is not None:
             torch.cuda.set_per_process_memory_fraction(cfg["mem_fraction"])
         torch.manual_seed(0)
-        model, out["model_source"] = build_model(cfg["dims"], "cpu")
-        out["parameters"] = sum(p.numel() for p in model.parameters())
         kind = cfg["kind"]
+        if cfg.get("llama"):
+            # memsched builds on meta; FSDP2 and DeepSpeed keep fp32 parameters (their masters) and compute
+            # in bf16; torchao and torch train the bf16 model itself
+            where = "meta" if kind == "memsched" else "cpu"
+            low = cfg.get("dtype") == "bf16" and kind in ("torchao_cpu_offload", "torch_adamw")
+            model, out["model_source"] = build_llama(cfg["llama"], where, cfg.get("checkpointing", False),
+                                                     torch.bfloat16 if low else torch.float32)
+            cfg = {**cfg, "dims": {"vocab_size": model.config.vocab_size}}
+        else:
+            model, out["model_source"] = build_model(cfg["dims"], "cpu")
+        out["parameters"] = sum(p.numel() for p in model.parameters())
         if kind == "memsched":
             step, extra = _setup_memsched(model, cfg["policy"], cfg)
         elif kind == "torch_adamw":
@@ -269,6 +358,8 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
             if importlib.util.find_spec("torchao") is None:
                 return {**out, "status": "skipped", "why": "torchao is not installed"}
             step, extra = _setup_torchao(model, cfg)
+        elif kind == "fsdp2_cpu_offload":
+            step, extra = _setup_fsdp2(model, cfg)
         elif kind in ("deepspeed_zero_offload", "deepspeed_zero3_offload"):
             if importlib.util.find_spec("deepspeed") is None:
                 return {**out, "status": "skipped", "why": "deepspeed is not installed"}
@@ -320,6 +411,7 @@ def run_one(cfg: dict[str, Any]) -> dict[str, Any]:
 
             # memsched's pinned host memory (cudaHostRegister, exact pages), against the plan's host_bytes
             out["pinned_host_bytes"], out["max_pinned_host_bytes"] = registered_bytes()
+            out["pinned_host_bytes_per_param"] = out["pinned_host_bytes"] / out["parameters"]
         import resource
 
         out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -411,6 +503,9 @@ def configurations(args: argparse.Namespace) -> list[dict[str, Any]]:
         fraction = min(1.0, parse_bytes(args.mem_cap) / total)
     base = {
         "dims": model_dims(args),
+        "llama": args.llama,
+        "dtype": args.dtype,
+        "checkpointing": args.checkpointing,
         "batch": args.batch,
         "seq": args.seq,
         "steps": args.steps,
@@ -447,6 +542,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--size", default=None, help="memsched.models.gpt preset (default: GPT-2 355M shapes)")
     for k in ("n_layer", "n_head", "n_embd", "vocab_size"):
         ap.add_argument(f"--{k.replace('_', '-')}", dest=k, type=int, default=None)
+    ap.add_argument("--llama", default=None, metavar="NAME",
+                    help="a Llama-class model instead of the GPT: a preset (llama-3.1-8b) or a config.json")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="bf16: memsched attaches with dtype=torch.bfloat16 (fp32 masters); peers in bf16")
+    ap.add_argument("--checkpointing", action="store_true", help="with --llama: activation checkpointing")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10, help="timed steps (10)")

@@ -9,6 +9,8 @@ the stand-in (``device="sim:SIZE"``, whose device memory is host memory too), an
 batch 1 x 64 tokens. Two placements:
 
 * ``cpu``: every chunk's optimizer state and gradients on the host (the whole state, fully offloaded);
+* ``static+params``: every chunk's optimizer state, gradients and parameters on the host (``static`` with
+  ``offload_param_frac=1``);
 * ``auto+params``: ``auto`` on the stand-in ``memsched demo`` sizes from the plan (:func:`memsched.cli.demo.
   stand_in`: from a fake trace of the same step, a device on which ``auto``'s plan keeps some chunks'
   parameters on the host, fetched for their reads).
@@ -25,6 +27,11 @@ planned host bytes plus at most one chunk). The sizes in ``--planned`` are plann
 
 Target (issue 29): at most 16.5 pinned bytes per parameter fully offloaded (fp32 AdamW: master, gradient and
 two moments, 16 B, plus chunk padding), and the peak RSS within 5 % of the plan.
+
+``--dtype bf16`` (issue 42): the same with ``attach(dtype=torch.bfloat16)`` (bf16 parameters, fp32 masters),
+and the planned rows of ``--llama`` presets at batch 1 x 2048 with activation checkpointing on a 24 GiB device
+and 128 GiB of host memory. Targets: at most 14.5 pinned bytes per parameter fully offloaded (fp32 master and
+moments, bf16 gradients: 14 B), at most 16.5 with parameters offloaded too (their bf16 copy: 16 B).
 """
 
 from __future__ import annotations
@@ -50,6 +57,12 @@ def _status_bytes(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(key)
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
 def auto_params_device(size: str) -> str:
@@ -85,9 +98,9 @@ def _load_code() -> None:
         gc.collect()
 
 
-def measure_one(size: str, placement: str, device: str | None = None) -> dict[str, Any]:
+def measure_one(size: str, placement: str, device: str | None = None, dtype: str = "fp32") -> dict[str, Any]:
     """One configuration in this (fresh) process; see the module docstring (``device``: the stand-in of
-    ``auto+params``)."""
+    ``auto+params``; ``dtype``: ``fp32``, or ``bf16`` for bf16 parameters with fp32 masters)."""
     import torch
 
     import memsched
@@ -106,6 +119,11 @@ def measure_one(size: str, placement: str, device: str | None = None) -> dict[st
         kw: dict[str, Any] = {"policy": "cpu", "device": "sim:64GiB"}
     else:
         kw = {"policy": "auto", "device": device or auto_params_device(size)}
+    if placement == "static+params":  # every chunk's parameters on the host too
+        kw = {"policy": "static", "device": "sim:64GiB",
+              "policy_options": {"offload_optim_frac": 1.0, "offload_param_frac": 1.0}}
+    if dtype != "fp32":
+        kw["dtype"] = _dtype(dtype)
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, model.config.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(3)]
     sched = memsched.attach(model, **kw)
@@ -119,7 +137,7 @@ def measure_one(size: str, placement: str, device: str | None = None) -> dict[st
     sched.synchronize()
     plan = sched.plan
     out = {
-        "size": size, "placement": placement, "device": kw["device"], "parameters": n_params,
+        "size": size, "placement": placement, "dtype": dtype, "device": kw["device"], "parameters": n_params,
         "param_host_chunks": len(plan.param_host_chunks), "host_chunks": len(plan.host_chunks),
         "chunks": len(plan.placement),
         "planned_pinned_bytes": plan.host_bytes, "pinned_bytes": sim_backend.pinned_bytes(),
@@ -161,32 +179,61 @@ def planned_only(size: str) -> dict[str, Any]:
     return out
 
 
+def planned_llama(name: str) -> dict[str, Any]:
+    """The plan of ``memsched plan --model NAME --dtype bf16 --batch-size 1 --seq-len 2048 --checkpointing
+    --capacity 24GiB --host-memory 128GiB`` (fake tensors): pinned bytes per parameter under ``auto`` and
+    ``cpu``."""
+    import torch
+
+    from memsched.models.llama import llama_workload
+    from memsched.planning.capacity import plan_for_capacity
+    from memsched.planning.prediction import trace_step
+
+    pred = trace_step(llama_workload(name, 1, 2048, checkpointing=True), dtype=torch.bfloat16)
+    cplan = plan_for_capacity(pred, 24 * 2**30, policy_names=["auto", "cpu"], host_capacity_bytes=128 * 2**30)
+    n = sum(p.numel() for p in pred.model.parameters())
+    out: dict[str, Any] = {"model": name, "dtype": "bf16", "batch": 1, "seq": 2048, "checkpointing": True,
+                           "capacity": "24GiB", "host_memory": "128GiB", "parameters": n}
+    for policy, plan in cplan.plans.items():
+        out[policy] = {"error": plan} if isinstance(plan, str) else {
+            "host_chunks": len(plan.host_chunks), "chunks": len(plan.placement),
+            "param_host_chunks": len(plan.param_host_chunks), "planned_pinned_bytes": plan.host_bytes,
+            "planned_pinned_bytes_per_param": round(plan.host_bytes / n, 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["tiny", "demo", "small", "gpt2-124m", "350m"])
-    ap.add_argument("--placements", nargs="+", default=["cpu", "auto+params"], choices=["cpu", "auto+params"])
+    ap.add_argument("--placements", nargs="+", default=["cpu", "auto+params"],
+                    choices=["cpu", "auto+params", "static+params"])
     ap.add_argument("--planned", nargs="*", default=["760m", "1.3b", "2.7b"])
     ap.add_argument("--one", nargs="+", metavar="SIZE PLACEMENT [DEVICE]", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--llama", nargs="*", default=[], help="Llama-class presets to plan (with --dtype bf16)")
     ap.add_argument("--name", default="host_memory")
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(measure_one(*args.one)))
+        size, placement, *rest = args.one
+        print(json.dumps(measure_one(size, placement, rest[0] if rest and rest[0] != "-" else None,
+                                     dtype=rest[1] if len(rest) > 1 else "fp32")))
         return 0
     rows = []
     for size in args.sizes:
         for placement in args.placements:
-            device = [auto_params_device(size)] if placement == "auto+params" else []
-            proc = subprocess.run([sys.executable, __file__, "--one", size, placement, *device],
+            device = auto_params_device(size, args.dtype) if placement == "auto+params" else "-"
+            proc = subprocess.run([sys.executable, __file__, "--one", size, placement, device, args.dtype],
                                   capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 rows.append({"size": size, "placement": placement, "error": proc.stderr[-2000:]})
             else:
                 rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    planned = [planned_only(size) for size in args.planned]
+    planned = [planned_only(size) for size in args.planned] + [planned_llama(name) for name in args.llama]
     for row in planned:
         print(json.dumps(row), flush=True)
-    path = write_result(args.name, {"batch": BATCH, "seq": SEQ, "measured": rows, "planned": planned})
+    path = write_result(args.name, {"batch": BATCH, "seq": SEQ, "dtype": args.dtype, "measured": rows,
+                                    "planned": planned})
     print(f"wrote {path}")
     return 0
 

@@ -251,6 +251,23 @@ def test_gpu_step_time_child_process_round_trip() -> None:
     assert r["status"] == "ok", r
 
 
+def test_gpu_step_time_runs_the_llama_bf16_workload_on_the_cpu(tmp_path: Path) -> None:
+    """The 8B run's path (issue 42) at a tiny Llama shape: memsched builds it on meta, attaches in bf16 and
+    initialises it in place; tokens/s recorded, losses fall. (The peers need CUDA: FSDP2's CPU offload asks
+    for an accelerator.)"""
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+              "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = {**TINY, "llama": str(tmp_path / "config.json"), "dtype": "bf16", "checkpointing": True,
+           "steps": 3}
+    r = gpu_step_time.run_one({**cfg, "kind": "memsched", "policy": "cpu"})
+    assert r["status"] == "ok", r
+    assert r["model_source"].startswith("transformers.LlamaForCausalLM") and r["tokens_per_s"] > 0
+    assert r["plan"] is not None and r["losses"][-1] < r["losses"][0]
+
+
 def test_gpu_numerics_runs_its_cases_on_the_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bench import gpu_numerics
 

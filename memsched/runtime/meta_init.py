@@ -7,10 +7,11 @@ transformers' ``init_empty_weights``), a parameter has a shape and no storage: a
 slot in a chunk, built and placed one chunk at a time as any model is (``ChunkStore._build``), so the
 process never holds the model's parameters twice. The values come after attach, written through the
 parameters as any write after attach is (``model.load_state_dict``, low-memory checkpoint loading, or the
-model's own initialisation: ``module.reset_parameters()``, transformers' ``model.init_weights()``); the
-fp32 masters follow at the step (:meth:`memsched.optim.grads.GradChecks.sync_user_param_writes`), so they
-start from the values as the model holds them (a bf16 model: its bf16 values). FSDP2 materialises its meta
-parameters with ``to_empty`` and ``reset_parameters`` in the same way.
+model's own initialisation: ``module.reset_parameters()``, transformers'
+``model.apply(model._init_weights)``); the fp32 masters follow at the step
+(:meth:`memsched.optim.grads.GradChecks.sync_user_param_writes`), so they start from the values as the
+model holds them (a bf16 model: its bf16 values). FSDP2 materialises its meta parameters with ``to_empty``
+and ``reset_parameters`` in the same way.
 
 A slot of a meta parameter starts as NaN. A parameter never given values would train silently on
 whatever memory it got, so the first forward of the model, and the first step, refuse while any such
@@ -141,5 +142,5 @@ class MetaBorn:
                 f"{where}: {len(missing)} parameter(s) built on the meta device were never given values "
                 f"({', '.join(repr(n) for n in names[:5])}{more}). After memsched.attach, load them "
                 "(model.load_state_dict(...)) or initialise them (module.reset_parameters(), transformers' "
-                "model.init_weights()); nothing was computed or updated")
+                "model.apply(model._init_weights)); nothing was computed or updated")
         self._params = []
