@@ -469,12 +469,15 @@ class Chunk:
         self.d2h_event = streams.copy_d2h(dst, src, after)
         return self.shard_numel * src.element_size()
 
-    def start_h2d(self, streams: Any, src: torch.Tensor, after: Any = None) -> int:
+    def start_h2d(self, streams: Any, src: torch.Tensor, after: Any = None, lo: int = 0) -> int:
         """Copy the updated shard ``src`` (host) into :meth:`param_part` (after the CUDA event ``after`` when
-        given, else after the current stream's work); returns the bytes."""
+        given, else after the current stream's work), or ``src`` into its elements from ``lo`` (a piece);
+        returns the bytes."""
         if self.data is None and self.param_shard is None:  # away on the host: its next fetch copies them
             return 0
         dst = self.param_part()  # ZeRO-3 with the chunk away: its kept shard
+        if lo or src.numel() != dst.numel():
+            dst = dst[lo:lo + src.numel()]
         self.h2d_event = streams.copy_h2d(dst, src, after)
         return self.shard_numel * dst.element_size()
 

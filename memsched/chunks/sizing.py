@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 STEP_BYTES = 4  # each parameter's fp32 step count lives next to its chunk's moments
+# A lean host chunk's updated values go to the device in pieces of at most this many elements, through one
+# pinned staging buffer of that size ([Note: lean host chunks] in memsched.chunks.chunk): 8 MiB in bf16
+H2D_PIECE_NUMEL = 1 << 22
 # [Note: parameter alignment in chunks]
 # Every parameter starts at a multiple of PARAM_ALIGN elements in its chunk (512 bytes in fp32, 256 in
 # fp16/bf16), so on the device its address, and its gradient's, is aligned as a tensor of its own would be:

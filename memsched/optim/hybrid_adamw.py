@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from memsched.chunks import Chunk, ChunkStore, param_shards
+from memsched.chunks.sizing import H2D_PIECE_NUMEL
 from memsched.devices.transfers import Streams, TransferStats
 from memsched.distributed.base import DataParallel
 from memsched.optim import state_dict as optim_state
@@ -364,11 +365,11 @@ class HybridAdamW(torch.optim.Optimizer):
         if c.staging is not None:  # cast on the CPU, so the H2D copy is a plain pinned copy
             c.staging.copy_(c.master)
             src = c.staging
-        elif c.mixed and (c.data is not None or c.param_shard is not None):
-            src = self.h2d_staging(c)  # a lean chunk: the shared staging buffer
-            src.copy_(c.master)
         t2 = time.perf_counter()
-        self.transfers.add_h2d(c.start_h2d(self.streams, src, after=after))
+        if c.staging is None and c.mixed:  # a lean chunk: cast and sent in pieces through the staging buffer
+            self.transfers.add_h2d(self._h2d_in_pieces(c, after))
+        else:
+            self.transfers.add_h2d(c.start_h2d(self.streams, src, after=after))
         t3 = time.perf_counter()
         span(CPU_UPDATE, "d2h wait", t0, t1, chunk=c.index)
         span(CPU_UPDATE, "update", t1, t2, chunk=c.index)
@@ -386,20 +387,34 @@ class HybridAdamW(torch.optim.Optimizer):
         out = c.host_grad if c.host_grad is not None else self.grad_scratch(c.shard_numel)
         return fp32_grad(src, out, inv_scale, coefs)  # upcast on the CPU
 
-    def h2d_staging(self, c: Chunk) -> torch.Tensor:
-        """The H2D copy's source for a lean host chunk ([Note: lean host chunks] in
-        :mod:`memsched.chunks.chunk`): ``c.shard_numel`` elements of its compute dtype, pinned, in one buffer
-        the lean chunks share (the largest shard's), reused once the previous chunk's copy from it is done.
-        Serial steps update one host chunk at a time, so the copy of one overlaps the next one's update."""
-        n = c.shard_numel
+    def _h2d_in_pieces(self, c: Chunk, after: Any) -> int:
+        """A lean host chunk's updated values to the device ([Note: lean host chunks] in
+        :mod:`memsched.chunks.chunk`): cast from the master on the CPU, piece by piece (at most
+        ``H2D_PIECE_NUMEL`` elements), into the staging buffer, each piece's copy started before the next is
+        cast; returns the bytes."""
+        n, sent = c.shard_numel, 0
+        if c.data is None and c.param_shard is None:
+            return 0
+        for lo in range(0, n, H2D_PIECE_NUMEL):
+            piece = min(H2D_PIECE_NUMEL, n - lo)
+            buf = self.h2d_staging(c, piece)
+            buf.copy_(c.master[lo:lo + piece])
+            sent += c.start_h2d(self.streams, buf, after=after, lo=lo)
+        return sent
+
+    def h2d_staging(self, c: Chunk, numel: int) -> torch.Tensor:
+        """``numel`` elements of the one pinned staging buffer the lean host chunks send their values from
+        (compute dtype; the largest piece any of them sends, as the plan counts it), once the copy that last
+        read it is done: at most one piece is in flight."""
         prev, self._h2d_staging_user = self._h2d_staging_user, c
         if prev is not None:
             prev.wait_h2d()  # its copy may still read the buffer
         buf = self._h2d_staging
-        if buf is None or buf.numel() < n or buf.dtype != c.dtype:  # the largest lean shard's, as planned
-            size = max([n, *(x.shard_numel for x in self.store.trainable_chunks if x.lean)])
+        if buf is None or buf.numel() < numel or buf.dtype != c.dtype:
+            size = max([numel, *(min(x.shard_numel, H2D_PIECE_NUMEL) for x in self.store.trainable_chunks
+                                 if x.lean)])
             buf = self._h2d_staging = self.store.alloc.host_empty(size, c.dtype)
-        return buf[:n]
+        return buf[:numel]
 
     def grad_scratch(self, numel: int) -> torch.Tensor:
         """[Note: one fp32 gradient scratch]

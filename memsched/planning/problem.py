@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from memsched.chunks import PARAM_ALIGN, ChunkLayout, build_layout, chunk_bytes, ordered_groups, pinned_bytes
+from memsched.chunks.sizing import H2D_PIECE_NUMEL
 from memsched.chunks.store import frozen_params
 from memsched.devices.host_memory import HostBudget, host_budget, local_world_size
 from memsched.optim.hyperparams import hyperparameter_groups
@@ -241,8 +242,10 @@ def build_problem(
         host_grad_working_bytes=working,
         accesses=tuple(accesses),
         device_anchor=_chunk_of_first_parameter(model, layout, [*groups, frozen]),
-        # the largest lean chunk's parameters in the compute dtype (HybridAdamW.h2d_staging)
-        h2d_staging_bytes=max((s.param_host_bytes for s in specs), default=0),
+        # the largest piece a lean chunk sends in the compute dtype (HybridAdamW.h2d_staging)
+        h2d_staging_bytes=pinned_bytes(max((min(cb.param_host_bytes, H2D_PIECE_NUMEL * cb.compute_bytes // n)
+                                            for (cb, _s), n in zip(per_chunk, layout.numels, strict=True)
+                                            if n), default=0), pinned=pinned),
     )
     return problem, layout
 
