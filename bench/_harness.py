@@ -1,5 +1,5 @@
-"""What every benchmark script shares: one summary of repeated timings (the machine description is
-:mod:`bench._machine`)."""
+"""What every benchmark script shares: one summary of repeated timings, and a free port for the ranks a
+benchmark launches (the machine description is :mod:`bench._machine`)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,12 @@ def train_seconds(sched: Any, part: Sequence[Any], loss_of: Callable[[Any], Any]
         sched.optimizer.zero_grad()
     sched.synchronize()
     return time.perf_counter() - t0
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (the ranks' ``MASTER_PORT``)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import memsched  # noqa: E402
+from bench._harness import free_port  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from memsched.models.gpt import GPT, GPTConfig  # noqa: E402
 from memsched.models.gpt_stages import split_gpt, stage_loss  # noqa: E402
@@ -121,20 +122,12 @@ def _rank(rank: int, world: int, port: int, schedule_name: str, zero: int, steps
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(schedule_name: str, zero: int, steps: int, kind: str = "cpu") -> dict:
     """One launch of the 4 ranks; per-rank rows and the slowest rank's median step time."""
     world = STAGES * REPLICAS
     with tempfile.TemporaryDirectory() as out:
         forks = "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available()
-        mp.start_processes(_rank, args=(world, _free_port(), schedule_name, zero, steps, out, kind),
+        mp.start_processes(_rank, args=(world, free_port(), schedule_name, zero, steps, out, kind),
                            nprocs=world,
                            start_method="forkserver" if forks else "spawn")
         rows = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]

@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import memsched  # noqa: E402
+from bench._harness import free_port  # noqa: E402
 from bench._machine import write_result  # noqa: E402
 from memsched.models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -101,14 +102,6 @@ def _rank(rank: int, world: int, port: int, stage: int, steps: int, policy: str,
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world: int, stage: int, steps: int, policy: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         # not fork: autograd refuses to run in a process forked after a backward on the stand-in (or CUDA)
@@ -117,7 +110,7 @@ def measure(world: int, stage: int, steps: int, policy: str) -> dict:
         # CUDA's driver, and ranks forked after that cannot run a backward)
         forks = "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available()
         method = "forkserver" if forks else "spawn"
-        mp.start_processes(_rank, args=(world, _free_port(), stage, steps, policy, out), nprocs=world,
+        mp.start_processes(_rank, args=(world, free_port(), stage, steps, policy, out), nprocs=world,
                            start_method=method)
         rows = [torch.load(Path(out) / f"{r}.pt") for r in range(world)]
     if "refused" in rows[0]:

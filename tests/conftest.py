@@ -112,3 +112,10 @@ def pytest_runtest_setup(item):
     if sim_backend.is_loaded():
         pytest.skip("this process loaded the stand-in device, which torch then takes as its accelerator in "
                     "CUDA's place (pytorch/pytorch#161129): run the CUDA tests as `python -m pytest -m cuda`")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (several processes, a compile) run first, in their order: the workers share them
+    while the quick ones are left to fill in, instead of one worker finishing a slow test alone at the end
+    (CI's 2 cores, issue 43)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # several processes per test: started first (tests/conftest.py)
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]

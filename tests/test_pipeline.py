@@ -21,6 +21,8 @@ import torch
 
 from tests._dist_utils import run_ranks
 
+pytestmark = pytest.mark.slow  # several processes per test: started first (tests/conftest.py)
+
 pipelining = pytest.importorskip("torch.distributed.pipelining")
 
 PP, DP, MICRO, STEPS, LR, WD = 2, 2, 4, 3, 1e-2, 0.1

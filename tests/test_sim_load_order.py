@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a process of its own per test: started first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _PLAIN_BACKWARD = """

@@ -26,6 +26,8 @@ from memsched.distributed import (
 from tests._dist_utils import run_ranks
 from tests._numerics import same, to_dev
 
+pytestmark = pytest.mark.slow  # several processes per test: started first (tests/conftest.py)
+
 STEPS = 3
 LR, WD = 1e-2, 0.1
 BATCH = 12  # global batch per micro-batch; divisible by 1, 2, 3

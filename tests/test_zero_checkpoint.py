@@ -3,6 +3,7 @@ training goes on as if never interrupted (parity with single-process AdamW over 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import memsched
@@ -10,6 +11,8 @@ from memsched import checkpoint
 from tests._dist_utils import run_ranks
 from tests._numerics import same
 from tests.test_zero import BATCH, LR, WD, _rel, batches, make_model, reference
+
+pytestmark = pytest.mark.slow  # several processes per test: started first (tests/conftest.py)
 
 STEPS = 3
 SIM = {"device": "sim:64MiB", "policy": "static", "policy_options": {"offload_optim_frac": 0.5}}

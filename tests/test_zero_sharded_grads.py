@@ -25,6 +25,8 @@ from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS
 from tests._dist_utils import run_ranks
 from tests._numerics import same
 
+pytestmark = pytest.mark.slow  # several processes per test: started first (tests/conftest.py)
+
 STEPS, LR, WD, CLIP = 3, 1e-2, 0.1, 0.05
 ROWS, SEQ, VOCAB = 6, 5, 23  # ROWS sequences per micro-batch, split over 2 or 3 ranks
 SIM = {"device": "sim:64MiB", "policy": "static", "policy_options": {"offload_optim_frac": 0.5}}

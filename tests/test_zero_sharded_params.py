@@ -23,6 +23,8 @@ from tests._dist_utils import run_ranks
 from tests._numerics import same
 from tests.test_zero_sharded_grads import LR, SIM, WD, Net, _average, data, make_model, rows
 
+pytestmark = pytest.mark.slow  # several processes per test: started first (tests/conftest.py)
+
 STEPS, PENALTY = 4, 1e-3
 
 
