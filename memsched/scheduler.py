@@ -732,6 +732,9 @@ class Scheduler:
             for c in self.store.chunks:  # a read right after close() must see the updated parameters
                 c.wait_h2d()
                 c.wait_d2h()
+            deferred = getattr(self.dp, "deferred", None)  # a pipeline stage's marked gradients: unmarked
+            if deferred is not None:
+                deferred.disarm()
             self.warmup.stop()  # keeps the warmup timeline
         finally:
             self._finalizer()  # removes everything else (memsched.teardown.Installed.remove)

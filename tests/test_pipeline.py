@@ -78,8 +78,11 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         return max(sum(n for k, n in s.items() if k not in kept) for s in self._samples)
 
 
-def _train(stage_i: int, dp_i: int, pp_group, dp_group, schedule_name: str, zero: int | None) -> dict:
-    """``STEPS`` steps of one stage; ``zero=None``: the torch reference."""
+def _train(stage_i: int, dp_i: int, pp_group, dp_group, schedule_name: str, zero: int | None,
+           clip: bool = False) -> dict:
+    """``STEPS`` steps of one stage; ``zero=None``: the torch reference. ``clip``: torch's
+    ``clip_grad_norm_(module.parameters())`` before the step (after the reference's own averaging), as
+    Trainer and plain loops call it; a refusal is returned as ``{"refused": message}``."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -113,6 +116,13 @@ def _train(stage_i: int, dp_i: int, pp_group, dp_group, schedule_name: str, zero
             for p in module.parameters():
                 dist.all_reduce(p.grad, group=dp_group)
                 p.grad.div_(DP)
+        if clip:
+            try:
+                torch.nn.utils.clip_grad_norm_(module.parameters(), 0.01)
+            except RuntimeError as e:
+                if sched is not None:
+                    sched.close()
+                return {"refused": str(e)}
         opt.step()
         opt.zero_grad()
         params.append([p.detach().clone() for p in module.parameters()])
@@ -126,8 +136,11 @@ def _train(stage_i: int, dp_i: int, pp_group, dp_group, schedule_name: str, zero
 
 def _rank(rank: int, world: int) -> dict:
     stage_i, dp_i, pp_group, dp_group = _groups(rank)
-    return {(name, zero): _train(stage_i, dp_i, pp_group, dp_group, name, zero)
-            for name in ("gpipe", "1f1b") for zero in (None, 1, 2, 3)}
+    out = {(name, zero): _train(stage_i, dp_i, pp_group, dp_group, name, zero)
+           for name in ("gpipe", "1f1b") for zero in (None, 1, 2, 3)}
+    out.update({("clip", zero): _train(stage_i, dp_i, pp_group, dp_group, "1f1b", zero, clip=True)
+                for zero in (None, 1, 2)})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +199,17 @@ def test_plan_of_a_stage_counts_micro_batches_in_flight(stage, capsys):
     plan = _plan_json([*base, "--schedule", "1f1b", "--capacity", str(tight)], capsys)
     auto = plan["plans"]["auto"]
     assert "host" in auto["placement"], auto
+
+
+def test_torch_clip_under_a_pipeline_is_exact_at_zero_1_and_refused_at_zero_2(runs):
+    """[Note: gradients read before their reduction]: torch's ``clip_grad_norm_(module.parameters())`` between
+    the schedule's step and the optimizer's reads gradients whose reduction waits for the step. At ZeRO-1 the
+    read reduces them first and the run equals the reference (averaged, then clipped) bit for bit; at ZeRO-2
+    it is refused, naming ``sched.clip_grad_norm_``."""
+    for rank, r in enumerate(runs):
+        ref, one, two = r[("clip", None)], r[("clip", 1)], r[("clip", 2)]
+        assert "refused" not in ref and "refused" not in one, rank
+        for step, (want, got) in enumerate(zip(ref["params"], one["params"], strict=True)):
+            assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True)), (rank, step)
+        assert "sched.clip_grad_norm_" in two["refused"], rank
+

@@ -65,12 +65,13 @@ from typing import Any
 import torch
 
 from memsched.chunks import PARAM_ALIGN, Chunk, ChunkStore, ordered_groups, search_chunk_size
+from memsched.chunks.sharded_grad import is_sharded
 from memsched.distributed.base import DataParallel
 from memsched.distributed.comm import Comm, ZeroCommError
 from memsched.distributed.grad_reduction import GradientReducer
 from memsched.distributed.layout import padded_chunk_numel, shard_range
 from memsched.distributed.options import FETCH_MODES, ZERO_STAGES, check_zero_options  # noqa: F401
-from memsched.distributed.pipeline import MicroBatchesInFlight
+from memsched.distributed.pipeline import DeferredGradients, MicroBatchesInFlight
 
 
 class ZeroEngine(DataParallel):
@@ -99,6 +100,8 @@ class ZeroEngine(DataParallel):
         self.reducer = GradientReducer(comm, self.stage)
         # a pipeline stage reduces once per step ([Note: micro-batches in flight])
         self.pipeline = MicroBatchesInFlight(on_detect=self._pipeline_stage)
+        # [Note: gradients read before their reduction]
+        self.deferred = DeferredGradients(self.before_update, sharded=bool(self.shards_grads))
         self._fetches: list[Any] = []
         self._fetch_bytes = 0
         self._fetch_count = 0
@@ -119,13 +122,17 @@ class ZeroEngine(DataParallel):
 
     def grads_ready(self, chunk: Chunk) -> None:
         """All of ``chunk``'s gradients are complete in this backward: launch reductions in the fixed
-        order."""
+        order; a pipeline stage's, which wait for the step, are marked ([Note: gradients read before their
+        reduction])."""
         self.reducer.grads_ready(chunk)
+        if self.reducer.defer_to_step:
+            self.deferred.arm([p.grad for p in chunk.params if p.grad is not None and not is_sharded(p.grad)])
 
     def before_update(self) -> None:
         """Reduce whatever backward did not and wait for every reduction
         (:meth:`GradientReducer.before_update`). Stage 2: the parameters with a gradient on any rank then show
         one here too (a ShardedGrad over the averaged shards)."""
+        self.deferred.disarm()
         if self.reducer.before_update() and self.shards_grads and self.store is not None:
             self.store.guard_grads(self.agree_with_grad(self.store, self.store.with_grad))
 
@@ -139,6 +146,7 @@ class ZeroEngine(DataParallel):
 
     def before_zero_grad(self) -> None:
         """No reduction may still be writing into the gradient buffers."""
+        self.deferred.disarm()
         self.reducer.before_zero_grad()
 
     def agree_with_grad(self, store: ChunkStore, with_grad: set[int]) -> set[int]:
@@ -234,7 +242,9 @@ class ZeroEngine(DataParallel):
         return self.pipeline.install(model)
 
     def _pipeline_stage(self, reason: str) -> None:
-        """The model is a pipeline stage: from now on every gradient reduction waits for the step."""
+        """The model is a pipeline stage: from now on every gradient reduction waits for the step, and the
+        gradients are marked after each backward until then ([Note: gradients read before their
+        reduction])."""
         self.reducer.defer_to_step = True
 
     def broadcast_model(self, model: torch.nn.Module, store: ChunkStore) -> None:

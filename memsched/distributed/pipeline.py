@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from tracer.ops import is_metadata
+
 
 class _Forward:
     """One forward's outputs that require grad (weakly held) and whether a backward has reached them."""
@@ -110,3 +112,86 @@ class MicroBatchesInFlight:
 
         for fn in {id(t.grad_fn): t.grad_fn for t in outs}.values():
             fn.register_prehook(reached)
+
+
+class DeferredGradients:
+    """[Note: gradients read before their reduction]
+    A pipeline stage's gradients are reduced at the step ([Note: micro-batches in flight]), after the
+    schedule's ``scale_grads``. Between the stage's last backward and the step they are this rank's own, and
+    torch's ``clip_grad_norm_(model.parameters())`` (Trainer, Accelerate and every plain loop call it there)
+    would clip with a local norm on each rank: a silently different model. So a stage's gradients are marked
+    as their chunk completes in a backward; the first torch function that computes from one (a norm, a sum;
+    not an attribute read or an in-place write, such as ``scale_grads``' division) reduces every chunk first
+    (ZeRO-0 and 1: in place, into the buffers the gradients view) and then runs on the averaged gradients,
+    as plain torch's clip after its own ``all_reduce`` does, bit for bit. At ZeRO-2 and 3 the reduction
+    leaves shards whose buffers the marked gradients no longer view: such a read is refused, naming
+    ``sched.clip_grad_norm_``. The marks go at the reduction, the step and ``zero_grad``.
+
+    Args:
+        flush: reduces every chunk now (the reducer's ``before_update``).
+        sharded: whether the reduction leaves shards (ZeRO-2 and 3).
+    """
+
+    def __init__(self, flush: Callable[[], Any], sharded: bool) -> None:
+        self._flush = flush
+        self._sharded = sharded
+        self._marked: list[torch.Tensor] = []
+
+    def arm(self, grads: list[torch.Tensor]) -> None:
+        """Mark ``grads`` too (a chunk's gradients, complete in a backward of the stage)."""
+        for g in grads:
+            if id(g) in _ARMED:
+                continue
+            cls = type(g)
+            marked = _DEFERRED_TYPES.get(cls)
+            if marked is None:
+                marked = _DEFERRED_TYPES[cls] = type(cls.__name__, (cls,), {
+                    "__torch_function__": classmethod(_deferred_torch_function),
+                    "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+            g.__class__ = marked
+            _ARMED[id(g)] = weakref.ref(self)
+            self._marked.append(g)
+
+    def disarm(self) -> None:
+        """Every gradient its own class again."""
+        for g in self._marked:
+            _ARMED.pop(id(g), None)
+            if type(g) in _DEFERRED_TYPES.values():
+                g.__class__ = type(g).__mro__[1]
+        self._marked = []
+
+    def read(self, func: Callable) -> None:
+        """A torch function computes from a marked gradient: reduce first, or refuse (see the note).
+
+        Raises:
+            RuntimeError: ZeRO-2 or 3 (names the function and what to call instead).
+        """
+        self.disarm()
+        if self._sharded:
+            raise RuntimeError(
+                f"memsched: {getattr(func, '__name__', func)} reads a pipeline stage's gradients before "
+                "their reduction, at ZeRO-2/3 (each chunk is reduce-scattered once per step, at the step): "
+                "call sched.clip_grad_norm_(...) instead of torch.nn.utils.clip_grad_norm_; it reduces first "
+                "and clips with the global norm")
+        self._flush()
+
+
+_DEFERRED_TYPES: dict[type, type] = {}
+_ARMED: dict[int, weakref.ref] = {}
+
+
+def _deferred_torch_function(cls: type, func: Callable, types: tuple, args: tuple = (),
+                             kwargs: dict | None = None) -> Any:
+    kwargs = kwargs or {}
+    name = getattr(func, "__name__", "").split(".")[0]  # an op overload: "add_.Tensor"
+    # metadata and attribute reads, in-place writes (scale_grads) and the next micro-batch's backward (which
+    # accumulates into the gradients) go through; anything else computing from them does not
+    if (not is_metadata(func) and name != "__get__" and not (name.endswith("_") and not name.startswith("__"))
+            and torch._C._current_graph_task_id() == -1):
+        owners = {id(o): o for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)
+                  and (r := _ARMED.get(id(a))) is not None and (o := r()) is not None}
+        with torch._C.DisableTorchFunctionSubclass():
+            for owner in owners.values():
+                owner.read(func)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
