@@ -119,11 +119,6 @@ class MetaBorn:
         self._values = values
         self._names = names
 
-    @property
-    def pending(self) -> bool:
-        """Whether any parameter has not been checked as given values yet."""
-        return bool(self._params)
-
     def check(self, where: str) -> None:
         """Raise unless every meta-born parameter holds values (no NaN left in it); once they all do, the
         check costs nothing again.
