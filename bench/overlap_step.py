@@ -57,10 +57,11 @@ def mlp(width: int, depth: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
-def worker_spans(sched: Any) -> dict[str, float]:
-    """Seconds per step on the CPU-update track, by span name (median over the recorded steps)."""
+def worker_spans(records: Sequence[Any]) -> dict[str, float]:
+    """Seconds per step on the CPU-update track, by span name (median over the steps of ``records``, step
+    timeline records). Serial runs record their updates on that track too (on the training thread)."""
     per_step: dict[str, list[float]] = {}
-    for r in sched.step_timeline.records:
+    for r in records:
         totals: dict[str, float] = {}
         for s in r.spans:
             if s.track == "cpu update":
@@ -100,13 +101,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for run in runs.values():
         train(run, batches[:args.warmup])
-        run["block_s"], run["rows"] = [], []
+        run["block_s"], run["rows"], run["records"] = [], [], []
     for b in range(args.blocks):
         part = batches[args.warmup + b * args.block:args.warmup + (b + 1) * args.block]
         for run in runs.values():  # interleaved blocks: the same moments of the machine for both
             run["sched"].step_timeline.records.clear()
             run["block_s"].append(train(run, part) / len(part))
             run["rows"] += run["sched"].step_timeline.summaries()[1:]  # the first includes the other run
+            run["records"] += list(run["sched"].step_timeline.records)[1:]
     same = all(torch.equal(p, q) for other in ("overlap", "backward")
                for p, q in zip(runs["serial"]["model"].parameters(), runs[other]["model"].parameters(),
                                strict=True))
@@ -137,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         q = statistics.quantiles(ratios, n=4, method="inclusive")
         return {"median": statistics.median(ratios), "p25": q[0], "p75": q[2], "n": len(ratios)}
 
+    spans = {name: worker_spans(runs[name]["records"]) for name in ("serial", "backward")}
     result = {
         "what": "overlap=True and overlap='backward' vs overlap=False, static policy on the stand-in, one "
                 "compute thread + one CPU-update thread, interleaved blocks of steps; step = block wall time "
@@ -157,7 +160,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backward_vs_ideal": back_step / ideal,
         "backward_paired_vs_serial": paired("backward"),
         "backward_exposed_cpu_s": back["exposed_cpu_s"],
-        "backward_worker_spans_s": worker_spans(runs["backward"]["sched"]),
+        "backward_worker_spans_s": spans["backward"],
+        "serial_worker_spans_s": spans["serial"],
+        # issue 41's criterion: the worker's update during backward against the serial update of the same
+        # chunks with the same threads (the kernel's pace when it runs beside backward)
+        "backward_update_vs_serial_update": spans["backward"].get("update in backward", 0.0)
+        / max(spans["serial"].get("update", 0.0), 1e-12),
+        # the copy of the state into the spare (after the step, beside the next forward), against the same
+        "backward_refill_vs_serial_update": spans["backward"].get("refill spare", 0.0)
+        / max(spans["serial"].get("update", 0.0), 1e-12),
+        "backward_speculative_chunks": len(runs["backward"]["sched"].plan.speculative),
         "backward_committed": runs["backward"]["sched"].optimizer.early_updates.committed,
         "backward_dropped": runs["backward"]["sched"].optimizer.early_updates.dropped,
         "runs": out,

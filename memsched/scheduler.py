@@ -484,7 +484,8 @@ class Scheduler:
         # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
         # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
         # (the reduction comes first).
-        self.optimizer.enter_steady_state(overlap=self.config.overlap, early_update=self.config.early_update)
+        self.optimizer.enter_steady_state(overlap=self.config.overlap, early_update=self.config.early_update,
+                                          speculative=self.plan.speculative if self.plan is not None else ())
 
     def _check_plan(self) -> None:
         """``attach(expected_plan=...)``: the warmup's plan against ``memsched plan``'s (issue 30); warns with
@@ -508,6 +509,7 @@ class Scheduler:
             return
         if fetcher.recording is not None:
             self.planner.revise(fetcher.stop_recording(), self.steps)
+            self._follow_speculation()
             return
         # ZeRO-3: every rank records and revises at the same step (a revision compares the ranks' schedules)
         missed = self.dp.agree_max([fetcher.misses])[0] if self.dp.world > 1 else fetcher.misses
@@ -538,6 +540,7 @@ class Scheduler:
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None:
             optimizer.host_updates.wait([c.index])
+            optimizer.early_updates.wait_refill(c.index)
 
     def _explain_oom(self, exc: BaseException) -> str | None:
         """Why the step in progress ran out of memory, when memsched knows: a warmup step, from the device's
@@ -581,6 +584,12 @@ class Scheduler:
     def _replan(self, peak: int | None, reason: str) -> None:
         """Elastic placement's re-plan (:meth:`memsched.planning.planner.Planner.replan`)."""
         self.planner.replan(peak, reason, self.steps)
+        self._follow_speculation()
+
+    def _follow_speculation(self) -> None:
+        """After a re-plan: the spare host states follow the plan's speculating chunks."""
+        if self.plan is not None:
+            self.optimizer.early_updates.choose(self.store.trainable_chunks, self.plan.speculative)
 
     @property
     def zero(self) -> Any:
@@ -817,8 +826,9 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             for its own chunks (:mod:`memsched.optim.host_updates`). Bit-identical to the serial step.
             ``"backward"``: also each host chunk's update starts during backward, as soon as its gradients are
             complete, into a spare host state that ``step()`` swaps in when it equals the step's own update
-            (:mod:`memsched.optim.early_update`; one rank; costs a second host copy of the host chunks'
-            state).
+            (:mod:`memsched.optim.early_update`; one rank; costs a second host copy of the state of the host
+            chunks that speculate, which the plan chooses within the host budget:
+            :mod:`policies.speculation`).
         update_threads: the intra-op threads of the CPU worker that updates host chunks beside the forward or
             backward (``overlap``), an integer >= 1; ``None``: all of torch's but two on CUDA, half of them
             where the compute runs on the CPU (the stand-in, ``device="cpu"``). The training thread keeps its

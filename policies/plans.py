@@ -101,8 +101,9 @@ def schedule_peak_bytes(problem: PlacementProblem, placement: Sequence[str], par
 
 
 def _sums(problem: PlacementProblem, placement: Sequence[str],
-          param_placement: Sequence[str] = ()) -> tuple[int, int]:
-    """Device bytes and pinned host bytes of a placement (and of the parameters it keeps on the host)."""
+          param_placement: Sequence[str] = (), speculative: Sequence[int] = ()) -> tuple[int, int]:
+    """Device bytes and pinned host bytes of a placement (and of the parameters it keeps on the host, and of
+    the spare host states of its ``speculative`` chunks)."""
     pairs = list(zip(problem.chunks, placement, strict=True))
     params_on_host = [i for i, where in enumerate(param_placement) if where == HOST]
     params = sum(problem.chunks[i].param_host_bytes for i in params_on_host if not problem.chunks[i].frozen)
@@ -110,8 +111,9 @@ def _sums(problem: PlacementProblem, placement: Sequence[str],
     staging = problem.h2d_staging_bytes if any(
         where == HOST and c.param_host_bytes and i not in params_on_host
         for i, (c, where) in enumerate(pairs)) else 0
+    spare = sum(problem.chunks[i].host_bytes for i in speculative)
     return (problem.device_bytes_of(placement),
-            sum(c.host_bytes for c, p in pairs if p == HOST) + params + staging)
+            sum(c.host_bytes for c, p in pairs if p == HOST) + params + staging + spare)
 
 
 def _check_param_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> None:
@@ -168,7 +170,12 @@ def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> Non
         raise ValueError(
             f"placement policy {name!r} used placement {wrong[0]!r}; allowed: {DEVICE!r}, {HOST!r}"
         )
-    dev, host = _sums(problem, plan.placement, plan.param_placement)
+    bad_spec = [i for i in plan.speculative if not 0 <= i < n or plan.placement[i] != HOST
+                or problem.chunks[i].frozen]
+    if bad_spec or list(plan.speculative) != sorted(set(plan.speculative)):
+        raise ValueError(f"placement policy {name!r} returned speculative={list(plan.speculative)!r}: "
+                         "sorted, distinct indices of host-placed chunks of trainable parameters")
+    dev, host = _sums(problem, plan.placement, plan.param_placement, plan.speculative)
     if (plan.device_bytes, plan.host_bytes, plan.margin_bytes) != (dev, host, problem.margin_bytes):
         raise ValueError(
             f"placement policy {name!r} returned device_bytes={plan.device_bytes}, "

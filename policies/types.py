@@ -284,6 +284,9 @@ class PlacementPlan:
         peak_bytes: the most the plan's step holds on the device, bytes, when the plan computed it (with
             parameters on the host: non-model data, resident model data and the fetched chunks at each read);
             ``None`` otherwise.
+        speculative: the host chunks whose CPU update starts during backward (``overlap="backward"``,
+            :func:`policies.speculation.speculate`), sorted; each holds a second (spare) host state of its
+            ``ChunkSpec.host_bytes``, counted in ``host_bytes``.
     """
 
     policy: str
@@ -297,6 +300,7 @@ class PlacementPlan:
     param_placement: tuple[str, ...] = ()
     schedule: ParamSchedule | None = None
     peak_bytes: int | None = None
+    speculative: tuple[int, ...] = ()
 
     @property
     def device_chunks(self) -> list[int]:
@@ -322,4 +326,4 @@ class PlacementPlan:
                 "options": dict(self.options),
                 "param_placement": list(self.param_placement) or [DEVICE] * len(self.placement),
                 "schedule": self.schedule.to_dict() if self.schedule is not None else None,
-                "peak_bytes": self.peak_bytes}
+                "peak_bytes": self.peak_bytes, "speculative": list(self.speculative)}

@@ -174,7 +174,9 @@ def test_spare_state_follows_the_placement():
             sched.optimizer.zero_grad()
         sched.synchronize()
         names = {s.name for r in sched.step_timeline.records for s in r.spans if s.track == "cpu update"}
-        assert {"copy in backward", "update in backward", "h2d"} <= names  # the step timeline shows them
+        # the step timeline shows them; the spare takes the state after the step (a refill), not in backward
+        assert {"gradients in backward", "update in backward", "refill spare", "h2d"} <= names
+        assert "copy in backward" not in names
         host = [c for c in sched.store.chunks if c.placement == HOST]
         assert host and all(c.spare_nbytes() == c.state_nbytes() for c in host)
         assert all(c.spare is None for c in sched.store.chunks if c.placement != HOST)
@@ -268,3 +270,98 @@ def test_the_spare_state_is_planned_and_counted():
         assert usage.pinned_bytes == usage.planned_pinned_bytes == sched.plan.host_bytes
         assert spare > 0 and sched.plan.host_bytes >= 2 * spare - 4096 * len(host)  # state + spare, in pages
         assert any("spare host state" in r for r in sched.plan.reasons)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_speculation_over_a_modelled_link_is_validated_or_redone(dtype):
+    """On the stand-in with a modelled host link (``link=25GBps``: the gradients reach the host on the link's
+    copy thread), host chunks' updates start and finish while backward is still running (a hook on the first
+    layer, whose gradients come last, holds backward until one has), and each step is bit for bit fused
+    AdamW's: a clip that triggers in some steps and not in others, and under fp16 an overflow step, drop the
+    speculative updates they invalidate, which the step then redoes; the others are committed."""
+    model = tiny_gpt()
+    ref = Reference(model, dtype)
+    batches = gpt_batches(7)
+    clips = [None, None, 1e-3, 1e6, None, 1e-3, None]  # 1e-3 triggers, 1e6 does not
+    inf_step = 4 if dtype == torch.float16 else None
+    during: list[bool] = []
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward", dtype=dtype,
+                         policy="cpu", device="sim:64MiB,link=25GBps") as sched:
+        early = sched.optimizer.early_updates
+
+        def hold_backward(grad):  # the first layer's weight gradient: the last chunk's gradients are done
+            if early.tickets:
+                deadline = time.monotonic() + 30
+                while not any(t.future is not None and t.future.done() for t in early.tickets.values()):
+                    assert time.monotonic() < deadline, "no update finished during backward"
+                    time.sleep(0.001)
+                during.append(True)
+            return grad
+
+        model.blocks[0].linear1.weight.register_hook(hold_backward)
+        for i, (b, clip) in enumerate(zip(batches, clips, strict=True)):
+            sched.backward(gpt_loss(model, b))
+            if i == inf_step:
+                early.wait()
+                with torch.no_grad():
+                    model.blocks[-1].linear2.weight.grad[0, 0] = float("inf")
+            if clip is not None:
+                norm = float(sched.clip_grad_norm_(clip))
+                assert (norm > clip) == (clip < 1)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+
+            def loss_fn(m, batch, i=i):
+                loss = gpt_loss(m, batch)
+                (loss.float() * ref.scale if ref.scale is not None else loss).backward()
+                if i == inf_step:
+                    with torch.no_grad():
+                        m.blocks[-1].linear2.weight.grad[0, 0] = float("inf")
+                return torch.zeros((), requires_grad=True)
+
+            with paused(sched):
+                ref.step(b, loss_fn, clip)
+            sched.synchronize()
+            assert_same(model, ref, f"{dtype} step {i}", optimizer=sched.optimizer)
+        records = list(sched.step_timeline.records)
+    assert len(during) == len(batches) - 1  # every steady backward
+    assert early.committed > 0 and early.dropped > 0  # validated, and undone then redone at the step
+    if dtype == torch.float16:
+        assert sched.scaler.skipped_steps == 1 and ref.skipped == 1
+    # the step timeline shows updates that ended inside the backward phase of their step
+    inside = [s for r in records for s in r.spans if s.name == "update in backward" and any(
+        p.name == "backward" and p.start_s <= s.start_s and s.end_s <= p.end_s for p in r.spans)]
+    assert inside
+
+
+def test_host_memory_limits_which_chunks_speculate_and_the_rest_wait_for_the_step():
+    """With less host memory than every host chunk's spare state needs, the plan lets only the chunks whose
+    gradients come first in backward speculate (policies.speculation); only they hold a spare state, the
+    pinned bytes held equal the plan's, the other host chunks are updated at the step, and training is
+    exact."""
+    def run(host_memory=None):
+        model = tiny_gpt()
+        ref = Reference(model)
+        with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                             host_memory=host_memory, **PLACEMENTS["cpu"]) as sched:
+            _train(model, sched, ref, gpt_batches(4))
+            usage = sched.host_usage()
+            assert usage.pinned_bytes == usage.planned_pinned_bytes == sched.plan.host_bytes
+            spares = {c.index: c.spare_nbytes() for c in sched.store.chunks if c.spare is not None}
+            plan, problem, committed = sched.plan, sched.problem, sched.optimizer.early_updates.committed
+        assert_same(model, ref, f"host_memory={host_memory}")
+        return plan, problem, spares, committed
+
+    plan, problem, spares, committed = run()
+    n = len(plan.host_chunks)
+    assert n >= 4 and plan.speculative == tuple(plan.host_chunks) and set(spares) == set(plan.host_chunks)
+    assert committed == 3 * n
+    spare = {i: problem.chunks[i].host_bytes for i in plan.speculative}
+    base = plan.host_bytes - sum(spare.values())
+    last = sorted(spare)[-2:]  # the last-used two: their gradients come first in backward
+    limited, _, spares, committed = run(
+        host_memory=base + sum(spare[i] for i in last) + min(spare.values()) // 2)
+    assert limited.speculative == tuple(last) and set(spares) == set(last)
+    assert limited.host_bytes == base + sum(spare[i] for i in last)
+    assert any("2 of the" in r and "would not fit" in r for r in limited.reasons)
+    assert committed == 3 * 2  # the others were updated at the step

@@ -6,12 +6,16 @@ chunks are the last used: their gradients are complete first in backward. ``over
 host chunk's update as soon as its gradients are complete, on the same CPU worker, while backward goes on, and
 the step only commits it:
 
+0. **Refill** (:meth:`EarlyUpdates.refill`, at the end of ``step()``): once a chunk's state for the next step
+   is final, the worker copies it into the chunk's *spare* host state of the same layout
+   (:meth:`Chunk.alloc_spare`), recording the state allocation's version counter around its reads. The copy
+   runs after the step's own host updates, while the next forward computes, not during backward.
 1. **Speculate** (:meth:`EarlyUpdates.start`, from the store's gradients-ready signal, training thread): the
    chunk's gradients are on their way to its host gradients (:mod:`memsched.chunks.grad_offload`). The worker
-   waits for that copy, snapshots them, copies the chunk's optimizer state into a *spare* host state of the
-   same layout (:meth:`Chunk.alloc_spare`) and runs the very same fused AdamW on it, with the
-   hyper-parameters and the fp16 inverse scale in force, recording the state allocation's version counter
-   around its reads. A micro-batch whose gradients are added to an earlier one's speculates nothing.
+   waits for that copy, snapshots them and runs the very same fused AdamW on the spare state, with the
+   hyper-parameters and the fp16 inverse scale in force. If the state was written since its refill (or
+   there was none), it is copied again first. A micro-batch whose gradients are added to an earlier one's
+   speculates nothing.
 2. **Commit** (:meth:`EarlyUpdates.commit`, in ``optimizer.step()``): the update is swapped in
    (:meth:`Chunk.swap_spare`, no copy) only if it is the update ``step()`` would make now: the host gradients
    are bit for bit the ones it used (``torch.equal``: clipping, ``p.grad.mul_()``, another backward,
@@ -22,8 +26,10 @@ the step only commits it:
    at the step as without it. The state in force is never written before the step, so anything that reads it
    between backward and step (``state_dict()``, a checkpoint) reads the state before the step.
 
-The price is host memory: the spare state doubles the host chunks' optimizer state (master, moments, host
-gradient buffer). If it cannot be allocated, a warning says so and host chunks are updated at the step.
+The price is host memory: a spare state per speculating chunk (master, moments, host gradient buffer). The
+plan chooses which host chunks speculate (:func:`policies.speculation.speculate`: within the host memory
+left, and no more than backward can hide) and counts their spare states; the others are updated at the step.
+If a spare cannot be allocated, a warning says so and host chunks are updated at the step.
 Not under data parallelism (the gradients are reduced first) and not during warmup.
 
 The idea of updating offloaded state during backward comes from ZeRO-Offload's one-step delayed parameter
@@ -81,6 +87,17 @@ class Ticket:
 
 
 @dataclass
+class Refill:
+    """The copy of a chunk's state into its spare state (``ok``: it is the state whose allocation is
+    ``state`` at version ``version``: nothing wrote it while the worker read it)."""
+
+    state: torch.Tensor
+    version: int
+    future: Future | None = None
+    ok: bool = False
+
+
+@dataclass
 class EarlyUpdates:
     """The speculative host-chunk updates of the backward in progress (see the module docstring).
 
@@ -100,24 +117,76 @@ class EarlyUpdates:
     span: Callable[..., None]
     alloc: Any
     enabled: bool = False
+    speculative: frozenset[int] = frozenset()  # the chunks the plan lets speculate (plan.speculative)
     tickets: dict[int, Ticket] = field(default_factory=dict)
+    refills: dict[int, Refill] = field(default_factory=dict)
     committed: int = 0  # updates committed (statistics)
     committed_bytes: int = 0  # their fp32 state elements x 4, bytes (statistics)
     dropped: int = 0  # updates made during backward and not committed (statistics)
 
-    def enable(self, world: int, chunks: list[Chunk]) -> None:
-        """Start (at the end of warmup): with one rank, allocate the spare host state of the host chunks
-        among ``chunks`` now rather than at their first update in backward (a pinned allocation synchronises
-        the device); with more, warn that the updates wait for the step (the gradients are reduced first)."""
+    def enable(self, world: int, chunks: list[Chunk], speculative: Sequence[int]) -> None:
+        """Start (at the end of warmup): with one rank, :meth:`choose` the plan's ``speculative`` chunks
+        among ``chunks``; with more, warn that the updates wait for the step (the gradients are reduced
+        first)."""
         if world > 1:
             warnings.warn(f"memsched: overlap='backward' needs one rank; with {world} ranks host chunks are "
                           "updated after the gradient reduction, overlapping the next forward",
                           RuntimeWarning, stacklevel=3)
             return
         self.enabled = True
+        self.choose(chunks, speculative)
+
+    def choose(self, chunks: list[Chunk], speculative: Sequence[int]) -> None:
+        """The plan in force lets the host chunks ``speculative`` (indices) speculate: their spare host
+        states are allocated and refilled now rather than at their first update in backward (a pinned
+        allocation synchronises the device); the other chunks' spare states are freed."""
+        if not self.enabled:
+            return
+        self.wait()
+        self.speculative = frozenset(speculative)
         for c in chunks:
-            if self.enabled and c.placement == HOST:
-                self._alloc_spare(c)
+            if c.index in self.speculative and c.placement == HOST:
+                if self._alloc_spare(c):
+                    self.refill(c)
+            elif c.spare is not None:
+                c.spare = None
+                self.refills.pop(c.index, None)
+
+    def refill(self, c: Chunk) -> None:
+        """Copy ``c``'s state into its spare state on the worker, after what it already has (the step's own
+        host updates): the next speculation of ``c`` starts from it unless the state is written meanwhile."""
+        if not self.enabled or c.spare is None or c.placement != HOST or c.exp_avg is None:
+            return
+        r = Refill(c.exp_avg, c.state_version())
+        self.refills[c.index] = r
+        r.future = self.submit(lambda: self._refill(c, r))
+
+    def _refill(self, c: Chunk, r: Refill) -> None:
+        t0 = time.perf_counter()
+        try:
+            spare = c.spare
+            if spare is None or c.exp_avg is not r.state or c.state_version() != r.version:
+                return
+            with torch.no_grad():
+                for k in ("master", "exp_avg", "exp_avg_sq", "steps"):
+                    spare[k].copy_(getattr(c, k))  # type: ignore[union-attr]
+            r.ok = c.state_version() == r.version and c.exp_avg is r.state
+        except BaseException:  # the speculation copies inline instead
+            r.ok = False
+        finally:
+            self.span(CPU_UPDATE, "refill spare", t0, time.perf_counter(), chunk=c.index)
+
+    def wait_refill(self, index: int) -> None:
+        """Block until the worker no longer reads chunk ``index``'s state for its refill."""
+        r = self.refills.get(index)
+        if r is not None and r.future is not None:
+            r.future.result()
+
+    @property
+    def busy(self) -> bool:
+        """Whether the worker may still read some chunk's state (a speculation or a refill)."""
+        return bool(self.tickets) or any(r.future is not None and not r.future.done()
+                                         for r in self.refills.values())
 
     def _alloc_spare(self, c: Chunk) -> bool:
         try:
@@ -139,7 +208,7 @@ class EarlyUpdates:
         then ``parts`` says how each parameter's joins its host gradient (``(offset, numel, add)``, as
         :meth:`memsched.chunks.grad_offload.GradOffload.in_flight`), which the update does on its snapshot
         exactly as the offload will on the host gradients at backward's end."""
-        if not self._alloc_spare(c):
+        if c.index not in self.speculative or not self._alloc_spare(c):
             return
         assert c.spare is not None
         prev = self.tickets.get(c.index)
@@ -165,7 +234,7 @@ class EarlyUpdates:
 
     def _speculate(self, c: Chunk, ticket: Ticket, copy_event: Any, landing: torch.Tensor | None,
                    parts: list[tuple[int, int, bool]]) -> None:
-        t0 = t1 = time.perf_counter()
+        t0 = t1 = t2 = time.perf_counter()
         try:
             with torch.no_grad():
                 if copy_event is not None:
@@ -178,14 +247,19 @@ class EarlyUpdates:
                             ticket.snapshot[a:a + n].add_(landing[a:a + n])
                         else:
                             ticket.snapshot[a:a + n].copy_(landing[a:a + n])
-                before = c.state_version()
                 spare = c.spare
                 assert spare is not None and c.master is not None
-                for k in ("master", "exp_avg", "exp_avg_sq", "steps"):
-                    spare[k].copy_(getattr(c, k))
-                if c.state_version() != before:  # written while being read: not the state of the step
-                    return
-                t1 = time.perf_counter()
+                t1 = t2 = time.perf_counter()
+                r = self.refills.pop(c.index, None)  # the speculation writes the spare: a refill is used once
+                if r is not None and r.ok and r.state is c.exp_avg and r.version == c.state_version():
+                    before = r.version
+                else:  # no refill, or the state changed since: copy it now
+                    before = c.state_version()
+                    for k in ("master", "exp_avg", "exp_avg_sq", "steps"):
+                        spare[k].copy_(getattr(c, k))
+                    t2 = time.perf_counter()
+                    if c.state_version() != before:  # written while being read: not the state of the step
+                        return
                 g = ticket.snapshot  # fp32 and unscaled: read as it is (the kernel does not write it)
                 if g.dtype != torch.float32 or ticket.inv_scale is not None:
                     g = self.fp32_grad(g, spare["host_grad"], ticket.inv_scale, [])
@@ -196,16 +270,22 @@ class EarlyUpdates:
                 ticket.version = before
         except BaseException as e:  # the step updates the chunk as without it
             ticket.error = e
-        finally:  # the copies (gradients on the stand-in, state into the spare), then the update
-            t2 = time.perf_counter()
-            self.span(CPU_UPDATE, "copy in backward", t0, t1, chunk=c.index)
-            self.span(CPU_UPDATE, "update in backward", t1, t2, chunk=c.index)
+        finally:  # the gradients' wait and snapshot, a state copy if the refill missed, the update
+            t3 = time.perf_counter()
+            t1, t2 = min(t1, t3), min(max(t1, t2), t3)
+            self.span(CPU_UPDATE, "gradients in backward", t0, t1, chunk=c.index)
+            if t2 > t1:
+                self.span(CPU_UPDATE, "copy in backward", t1, t2, chunk=c.index)
+            self.span(CPU_UPDATE, "update in backward", t2, t3, chunk=c.index)
 
     def wait(self) -> None:
-        """Block until the worker is done with every speculative update (nothing is committed)."""
+        """Block until the worker is done with every speculative update and refill (nothing is committed)."""
         for t in list(self.tickets.values()):
             if t.future is not None:
                 t.future.result()
+        for r in list(self.refills.values()):
+            if r.future is not None:
+                r.future.result()
 
     def commit(self, chunks: list[Chunk], hps: list[dict[str, Any]], inv_scale: torch.Tensor | None,
                coefs: list[torch.Tensor], active: set[int],

@@ -111,13 +111,14 @@ class HybridAdamW(torch.optim.Optimizer):
                                           self.timeline.span, store.alloc)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
-    def enter_steady_state(self, *, overlap: bool, early_update: bool) -> None:
-        """The end of warmup (the plan is applied): host chunks update on the worker (``overlap``) and their
-        updates start during backward (``early_update``: ``overlap="backward"``); the step timeline starts
-        recording."""
+    def enter_steady_state(self, *, overlap: bool, early_update: bool,
+                           speculative: Sequence[int] = ()) -> None:
+        """The end of warmup (the plan is applied): host chunks update on the worker (``overlap``) and the
+        updates of the plan's ``speculative`` chunks start during backward (``early_update``:
+        ``overlap="backward"``); the step timeline starts recording."""
         self.overlap = overlap
         if early_update:
-            self.early_updates.enable(self.dp.world, self.store.trainable_chunks)
+            self.early_updates.enable(self.dp.world, self.store.trainable_chunks, speculative)
         self.timeline.start(overlap=overlap)
 
     def detach(self) -> None:
@@ -126,6 +127,8 @@ class HybridAdamW(torch.optim.Optimizer):
         try:
             self.overlap = False
             self.timeline.stop()
+            self.early_updates.wait()  # a refill in flight; none starts later
+            self.early_updates.enabled = False
             self.host_updates.close()
         finally:
             self.owner_thread = None
@@ -249,6 +252,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if self.checks.found_inf(chunks):
                 self.scaler.skip_step()
                 self.early_updates.discard()
+                self._refill(host_chunks)
                 self._finish_step()
                 return loss
         with self.store.alloc.host_context():
@@ -271,8 +275,18 @@ class HybridAdamW(torch.optim.Optimizer):
                     with self.store.alloc.host_context():
                         self._update_host(c, hps[c.group], inv_host, coefs_host, updated=c.index in committed)
                     self.store.after_update(c)
+        self._refill(host_chunks)
         self._finish_step()
         return loss
+
+    def _refill(self, host_chunks: list[Chunk]) -> None:
+        """The speculating host chunks' spare states take their state for the next step, on the worker after
+        this step's host updates (:meth:`EarlyUpdates.refill`)."""
+        early = self.early_updates
+        if early.enabled:
+            for c in host_chunks:
+                if c.index in early.speculative:
+                    early.refill(c)
 
     def _finish_step(self) -> None:
         self.checks.record_param_versions()
@@ -525,7 +539,7 @@ class HybridAdamW(torch.optim.Optimizer):
         """
         t0 = time.perf_counter()
         blocked = self.host_updates.wait_all()
-        if self.early_updates.tickets:  # anything that reads or writes the state waits for the worker's reads
+        if self.early_updates.busy:  # anything that reads or writes the state waits for the worker's reads
             self.early_updates.wait()
             blocked = time.perf_counter() - t0
         if blocked > 0:

@@ -31,9 +31,9 @@ from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
 from memsched.planning.reads import chunk_accesses, grad_working_bytes, reordered, scaled
 from memsched.planning.step_model import predict_step
-from policies import format_bytes
 from policies.plans import make_plan, schedule_for
 from policies.schedule import schedule_sharded
+from policies.speculation import speculate
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
 from tracer.param_reads import BEGIN, FORWARD
 
@@ -184,6 +184,7 @@ class Planner:
             raise policies.PlacementError(
                 f"{e} (the warmup step itself completed; the optimizer state stays on the host){rootless}"
             ) from e
+        plan = self._speculate(problem, plan)
         self._dp.check_same("placement plan", tuple(plan.placement))  # or the collectives would not match
         plan = self._with_predicted_step(plan)
         self._apply(plan)
@@ -201,9 +202,10 @@ class Planner:
             plan = policies.get("cpu").plan(problem) if peak is None else self.policy.plan(problem)
         except policies.PlacementError:
             plan = self._most_offloaded(problem)
+        plan = self._speculate(problem, plan)
         self._dp.check_same("placement plan", tuple(plan.placement))
-        if self.plan is not None and (plan.placement, plan.param_placement, plan.schedule) == (
-                self.plan.placement, self.plan.param_placement, self.plan.schedule):
+        same = ("placement", "param_placement", "schedule", "speculative")
+        if self.plan is not None and all(getattr(plan, k) == getattr(self.plan, k) for k in same):
             return
         before = self._transfers.chunk_moves_bytes
         self._apply(plan)
@@ -260,6 +262,24 @@ class Planner:
                          schedule=sched, reasons=("every chunk on the host, parameters fetched for their "
                                                   "reads, for a step whose peak is not known yet",))
 
+    def _speculate(self, problem: policies.PlacementProblem, plan: PlacementPlan) -> PlacementPlan:
+        """[Note: the spare state is planned] With ``overlap="backward"`` and one rank, the host chunks whose
+        update starts during backward (:func:`policies.speculation.speculate`): each keeps a spare host state
+        (memsched.optim.early_update), which the plan's host bytes, the host budget and
+        ``sched.host_usage()`` count. Backward completes gradients in the reverse of the chunks' first-use
+        order, so the last-used host chunks come first; the warmup's CPU update rate and backward time stop
+        the count where the updates would outlast backward."""
+        if not self._config.early_update or self._dp.world != 1:
+            return plan
+        costs = self.warmup_costs
+        update_s = backward_s = None
+        if costs is not None and costs.cpu_elements_per_s:
+            rate = costs.cpu_elements_per_s
+            update_s = [(c.hi - c.lo) / rate for c in self._store.chunks]
+            backward_s = costs.backward_s
+        order = range(len(problem.chunks) - 1, -1, -1)
+        return speculate(problem, plan, order=order, update_s=update_s, backward_s=backward_s)
+
     def _with_predicted_step(self, plan: PlacementPlan) -> PlacementPlan:
         """``plan`` with its predicted step among its reasons; the prediction is :attr:`predicted_step`.
 
@@ -291,12 +311,6 @@ class Planner:
                     f"of {len(host)} host chunks {roofline.cpu_update_s * 1e3:.1f} ms at "
                     f"{roofline.cpu_elements_per_s / 1e6:.0f} M elements/s measured in warmup, of which "
                     f"{roofline.exposed_cpu_s * 1e3:.1f} ms exposed.")
-        if self._config.early_update and host:
-            specs = self.problem.chunks if self.problem is not None else ()
-            spare = sum(c.host_bytes // 2 for c, where in zip(specs, plan.placement, strict=False)
-                        if where == HOST and not c.frozen)
-            text += (f" overlap='backward': the {len(host)} host chunks keep a spare host state for their "
-                     f"updates during backward, {format_bytes(spare)} of the plan's host bytes.")
         return dataclasses.replace(plan, reasons=(*plan.reasons, text))
 
     def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:
@@ -325,13 +339,6 @@ class Planner:
         assert layout == store.layout, "planning and chunks disagree on the layout"
         if self.host_grad_working_bytes and dp.world == 1:
             problem = dataclasses.replace(problem, host_grad_working_bytes=self.host_grad_working_bytes)
-        if self._config.early_update and dp.world == 1:
-            # [Note: the spare state is planned] overlap="backward" keeps, for each chunk the plan puts on the
-            # host, a spare host state of the same layout (memsched.optim.early_update): a host chunk costs
-            # twice its host bytes, so the host budget, the plan's host_bytes and sched.host_usage() count it
-            problem = dataclasses.replace(problem, chunks=tuple(
-                dataclasses.replace(c, host_bytes=2 * c.host_bytes) if not c.frozen else c
-                for c in problem.chunks))
         return problem
 
     def _apply(self, plan: PlacementPlan) -> None:
