@@ -27,8 +27,23 @@ also gives the roof with that traffic counted (16 B per triad element) and the r
 
 Before timing, every implementation takes two identical untimed steps from the same initial state and its
 params / exp_avg / exp_avg_sq are compared with memsched's (``numerics`` in the result). After the main loop:
-``threads_study`` (1 thread vs the default), ``layout_study`` (aligned vs staggered flat buffers, several
-allocations) and ``contention_study`` (the same with a busy-loop process competing for a core).
+``threads_study`` (1 thread vs the default), ``pool_study`` (below), ``layout_study`` (aligned vs staggered
+flat buffers, several allocations) and ``contention_study`` (the same with a busy-loop process competing for a
+core).
+
+``pool_study``: the overlapped step updates the host chunks on the worker thread of
+:class:`memsched.optim.host_updates.HostUpdates`, whose OpenMP team has its own size (``update_threads``), so
+the update and its roof are measured again there: for each ``t`` in ``--pool-threads`` (default
+``1..torch.get_num_threads()``) one ``HostUpdates(cpu, threads=t)`` runs, through its ``run(fn)``,
+``memsched_params_chunk<K>M`` (what ``HybridAdamW._adamw`` calls for a host chunk: one ``fused_adamw_`` per
+chunk, one tensor per parameter part), ``memsched_chunk<K>M`` (one flat tensor per chunk), ``triad`` and
+``axpy``, interleaved over kernels and thread counts in every repetition (``--pool-repeats``). Per ``t``: the
+thread count the worker actually ran with (``torch.get_num_threads()`` read inside it), M params/s of the
+updates, the triad's GB/s, the roof (triad bytes/s / 28 B, also with the write-allocate 16 B per triad
+element, and from the axpy) in M params/s, and each update's fraction of it (of the medians, and the median of
+the per-repetition ratios). Only the kernel is timed, on the worker; the rest of a host chunk's update in the
+step (waiting for its D2H copy, the gradient unscale/clip copy, the H2D copy) is not. ``--no-pool-study``
+skips it.
 
 The machine may be shared: every round records the share of the cores that OTHER processes used, and
 ``--wait-quiet S`` waits up to S seconds (after the DeepSpeed build) for them to leave before timing.
@@ -62,6 +77,7 @@ if __package__ in (None, ""):  # run as a script: make ``bench`` and the repo's 
 from bench._harness import summarize
 from bench._machine import write_result  # noqa: E402
 from memsched.optim.adam import fused_adamw_  # noqa: E402
+from memsched.optim.host_updates import HostUpdates, default_update_threads  # noqa: E402
 from policies.units import format_bytes  # noqa: E402
 
 MI = 2**20
@@ -491,6 +507,128 @@ def contention_study(
     return out
 
 
+def pool_study(
+    adamw: Sequence[Impl],
+    bandwidth: Sequence[Impl],
+    numel: int,
+    thread_counts: Sequence[int],
+    repeats: int,
+) -> dict[str, Any]:
+    """The update and the bandwidth kernels on the step's own worker, at each of its thread counts.
+
+    The overlapped step runs the host chunks' updates on the worker thread of
+    :class:`memsched.optim.host_updates.HostUpdates`, whose OpenMP team has a size of its own (``threads``),
+    not the training thread's. For each count ``t`` one ``HostUpdates(cpu, threads=t)`` is started, and every
+    repetition runs, for each ``t`` in turn, every impl of ``adamw`` and ``bandwidth`` once on that worker
+    through its public :meth:`~memsched.optim.host_updates.HostUpdates.run` (interleaved: ABC@1 ABC@2 ...
+    ABC@1 ...), so the roof at ``t`` threads is measured on the same thread, with the same team, beside the
+    update it bounds. The time is taken on the worker around the kernel (not the hand-off to the worker);
+    the worker's ``torch.get_num_threads()`` is read there on every call. All workers live through the whole
+    study (an idle OpenMP team sleeps after a short spin), as the step's worker lives beside the training
+    thread's team; they are closed at the end. Repeated counts in ``thread_counts`` are measured once.
+
+    ``bandwidth`` must hold ``triad`` (the roof) and may hold ``axpy``. Per ``t`` the result gives each
+    impl's timing summary (M params/s for the updates, GB/s for the kernels), the roof (triad bytes/s / 28 B,
+    and with the triad's write-allocate traffic counted: 16 B per element), the axpy roof, and each update's
+    fraction of them; ``fraction_of_roof_paired`` is the median over repetitions of the ratio taken within one
+    repetition (update and triad timed moments apart), less sensitive to a slow spell than the ratio of
+    medians.
+
+    Raises:
+        ValueError: ``bandwidth`` has no ``triad``.
+    """
+    thread_counts = list(dict.fromkeys(thread_counts))
+    kernels = [*adamw, *bandwidth]
+    names = {i.name for i in bandwidth}
+    if "triad" not in names:
+        raise ValueError(f"pool_study needs the triad kernel among bandwidth, got {sorted(names)}")
+    cpu = torch.device("cpu")
+    times: dict[int, dict[str, list[float]]] = {t: {i.name: [] for i in kernels} for t in thread_counts}
+    seen: dict[int, set[int]] = {t: set() for t in thread_counts}
+    others: list[float] = []
+    workers = {t: HostUpdates(cpu, threads=t) for t in thread_counts}
+    try:
+
+        def on_worker(t: int, impl: Impl) -> None:
+            def fn() -> None:
+                seen[t].add(torch.get_num_threads())
+                t0 = time.perf_counter()
+                impl.step()
+                times[t][impl.name].append(time.perf_counter() - t0)
+
+            workers[t].run(fn).result()
+
+        for t in thread_counts:  # start every worker (its team) and warm it, untimed
+            workers[t].run(lambda: None).result()
+        for t in thread_counts:
+            for impl in kernels:
+                on_worker(t, impl)
+            times[t] = {i.name: [] for i in kernels}
+        for _ in range(repeats):
+            probe = _CpuProbe()
+            for t in thread_counts:
+                for impl in kernels:
+                    on_worker(t, impl)
+            others.append(probe.others_share())
+    finally:
+        for w in workers.values():
+            w.close()
+
+    per_t: dict[str, Any] = {}
+    for t in thread_counts:
+        row: dict[str, Any] = {"worker_threads": sorted(seen[t]), "results": {}}
+        for impl in kernels:
+            r = summarize(times[t][impl.name])
+            if impl.kind == "adamw":
+                r["params_per_s"] = numel / r["median_s"]
+                r["mparams_per_s"] = r["params_per_s"] / 1e6
+            else:
+                r["bytes_per_s"] = impl.bytes_per_elem * numel / r["median_s"]
+                r["gb_per_s"] = r["bytes_per_s"] / 1e9
+                r["bytes_per_elem_counted"] = impl.bytes_per_elem
+            row["results"][impl.name] = r
+        triad = row["results"]["triad"]
+        roof = {
+            "triad_gb_per_s": triad["gb_per_s"],
+            "mparams_per_s": triad["bytes_per_s"] / ADAMW_BYTES_PER_PARAM / 1e6,
+            "with_write_allocate_mparams_per_s": triad["bytes_per_s"] * TRIAD_BYTES_WITH_RFO / TRIAD_BYTES
+            / ADAMW_BYTES_PER_PARAM / 1e6,
+        }
+        if "axpy" in row["results"]:
+            roof["axpy_mparams_per_s"] = row["results"]["axpy"]["bytes_per_s"] / ADAMW_BYTES_PER_PARAM / 1e6
+        row["roof"] = roof
+        fractions: dict[str, Any] = {}
+        for impl in adamw:
+            mpps = row["results"][impl.name]["mparams_per_s"]
+            # per repetition: (numel / t_update) / (12 numel / t_triad / 28) = 28 t_triad / (12 t_update)
+            paired = [ADAMW_BYTES_PER_PARAM * tt / (TRIAD_BYTES * tu)
+                      for tu, tt in zip(times[t][impl.name], times[t]["triad"], strict=True)]
+            fractions[impl.name] = {
+                "mparams_per_s": mpps,
+                "fraction_of_roof": mpps / roof["mparams_per_s"],
+                "fraction_of_roof_paired": statistics.median(paired),
+                "fraction_of_roof_with_write_allocate": mpps / roof["with_write_allocate_mparams_per_s"],
+            }
+            if "axpy_mparams_per_s" in roof:
+                fractions[impl.name]["fraction_of_roof_axpy"] = mpps / roof["axpy_mparams_per_s"]
+        row["update_vs_roof"] = fractions
+        per_t[str(t)] = row
+    return {
+        "thread_counts": list(thread_counts),
+        "repeats": repeats,
+        "worker": "memsched.optim.host_updates.HostUpdates(torch.device('cpu'), threads=t).run(fn)",
+        "order": [i.name for i in kernels],
+        "step_default_threads": {
+            "cuda": default_update_threads(torch.device("cuda"), torch.get_num_threads()),
+            "cpu": default_update_threads(cpu, torch.get_num_threads()),
+        },
+        "others_cpu_share_per_round": others,
+        "by_threads": per_t,
+        "definition": "roof = triad bytes/s on the worker at t threads (12 B per element, STREAM count) "
+        "/ 28 B per fp32 AdamW parameter; fraction = update params/s / roof",
+    }
+
+
 def staggered_buffers(numel: int, count: int, stagger_bytes: int) -> list[torch.Tensor]:
     """``count`` fp32 buffers of ``numel`` elements; buffer ``i`` starts ``i * stagger_bytes`` bytes into its
     own allocation, so the buffers' addresses differ in their low 12 bits when ``stagger_bytes % 4096 != 0``.
@@ -569,6 +707,8 @@ def run(
     thread_repeats: int = 5,
     contention_repeats: int = 3,
     layout_repeats: int = 5,
+    pool_threads: Sequence[int] | None = None,
+    pool_repeats: int = 5,
     wait_quiet_s: float = 0.0,
     log: Callable[[str], None] = lambda s: None,
 ) -> dict[str, Any]:
@@ -586,6 +726,9 @@ def run(
             empty to skip).
         contention_repeats: rounds of the same study with one competing busy-loop process (0 to skip).
         layout_repeats: rounds of :func:`layout_study` (0 to skip; it allocates 8 more fp32 arrays).
+        pool_threads: the worker thread counts of :func:`pool_study` (default ``1..torch.get_num_threads()``;
+            empty to skip).
+        pool_repeats: interleaved rounds of :func:`pool_study` (0 to skip).
         wait_quiet_s: after loading DeepSpeed (a fresh build loads the machine) and before timing, wait up to
             this long for other processes to leave the cores (see :func:`wait_for_quiet`); 0 starts at once.
 
@@ -740,6 +883,22 @@ def run(
         log(f"threads study at {list(counts)}")
         threads = threads_study(study, counts, thread_repeats)
         threads["repeats"] = thread_repeats
+    pool: dict[str, Any] = {}
+    pool_counts = list(dict.fromkeys(range(1, threads_default + 1) if pool_threads is None else pool_threads))
+    if pool_counts and pool_repeats > 0:
+        # The step's update (one call per chunk, one tensor per parameter part: HybridAdamW._adamw), the flat
+        # chunks, and the roof, each on the step's own worker (HostUpdates) at t threads.
+        by_name = {i.name: i for i in order}
+        log(f"pool study (the step's worker) at {pool_counts} threads")
+        pool = pool_study([params_timed, mem[head]], [by_name["triad"], by_name["axpy"]], numel, pool_counts,
+                          pool_repeats)
+        for t, row in pool["by_threads"].items():
+            fr = row["update_vs_roof"][params_timed.name]
+            pr = row["roof"]
+            log(f"  t={t:>2} (worker ran {row['worker_threads']}): update {fr['mparams_per_s']:8.1f} "
+                f"M params/s, triad {pr['triad_gb_per_s']:6.2f} GB/s, roof {pr['mparams_per_s']:8.1f} "
+                f"M params/s, {fr['fraction_of_roof']:.2f} of it ({fr['fraction_of_roof_paired']:.2f} "
+                f"paired, {fr['fraction_of_roof_with_write_allocate']:.2f} with write-allocate)")
     layout: dict[str, Any] = {}
     if counts and layout_repeats > 0:
         log(f"layout study (aligned vs staggered buffers) at {list(counts)} threads")
@@ -780,6 +939,7 @@ def run(
         "roof": roof,
         "targets": targets,
         "threads_study": threads,
+        "pool_study": pool,
         "layout_study": layout,
         "contention_study": contention,
     }
@@ -839,6 +999,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--contention-repeats", type=int, default=3, help="rounds with a competing busy process (3; 0 skips)"
     )
+    ap.add_argument(
+        "--pool-threads",
+        type=int,
+        nargs="*",
+        default=None,
+        help="worker thread counts for the pool study (default: 1..the current count; none skips)",
+    )
+    ap.add_argument("--pool-repeats", type=int, default=5, help="rounds of the pool study (5; 0 skips)")
+    ap.add_argument("--no-pool-study", action="store_true", help="skip the pool study")
     ap.add_argument("--name", default="cpu_adam", help="result name: bench/results/<name>.json")
     args = ap.parse_args(argv)
     payload = run(
@@ -853,6 +1022,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         thread_counts=args.threads,
         contention_repeats=args.contention_repeats,
         layout_repeats=args.layout_repeats,
+        pool_threads=[] if args.no_pool_study else args.pool_threads,
+        pool_repeats=args.pool_repeats,
         wait_quiet_s=args.wait_quiet,
         log=lambda s: print(s, flush=True),
     )
