@@ -32,6 +32,7 @@ from memsched.optim.precision import check_dtype
 from memsched.planning.plan_check import load_expected_plan
 from policies.types import check_ratio
 from policies.units import parse_positive_bytes
+from policies.update_paths import HOST_UPDATE_MODES
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class SchedulerConfig:
     host_memory_bytes: int | None = None  # host_memory= at attach: the host budget's own limit, bytes
     expected_plan: Mapping[str, Any] | None = None  # `memsched plan --json` to check the runtime plan against
     update_threads: int | None = None  # the CPU update worker's intra-op threads (None: the default)
+    host_update: str = "cpu"  # where host chunks are updated (policies.update_paths.HOST_UPDATE_MODES)
 
 
 def _check_warmup(n: Any) -> int:
@@ -141,7 +143,7 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
                 chunk_build: str = "auto", overlap: bool | str = False,
                 replan: str = "auto", host_memory: int | str | None = None,
                 expected_plan: str | os.PathLike | Mapping[str, Any] | None = None,
-                update_threads: int | None = None) -> SchedulerConfig:
+                update_threads: int | None = None, host_update: str = "cpu") -> SchedulerConfig:
     """Check every option of :func:`memsched.attach` (same names and meanings) before anything is touched.
 
     Raises:
@@ -185,6 +187,8 @@ def make_config(model: torch.nn.Module, *, policy: str = "auto", gpu_margin_mem_
     if update_threads is not None and (isinstance(update_threads, bool) or not isinstance(update_threads, int)
                                        or update_threads < 1):
         raise ValueError(f"update_threads must be an integer >= 1 or None, got {update_threads!r}")
+    if host_update not in HOST_UPDATE_MODES:
+        raise ValueError(f"host_update must be one of {HOST_UPDATE_MODES}, got {host_update!r}")
     adamw = AdamWConfig(defaults, groups, tuple(frozen_given(params, model)))
     return SchedulerConfig(placement, adamw, dp, spec, compute_dtype, chunk_numel,
-                           overlap, replan, early_update, host_bytes, expected, update_threads)
+                           overlap, replan, early_update, host_bytes, expected, update_threads, host_update)

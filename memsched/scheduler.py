@@ -299,7 +299,8 @@ class Scheduler:
             if shards is None:
                 self.store.fetch_between = weak_method(self.params.fetch_between)
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
-                               self.optimizer.wait_updates, params=self.params)
+                               self.optimizer.wait_updates, params=self.params,
+                               link_bytes_per_s=lambda: self.streams.link_bytes_per_s(self.store.alloc))
         self.warmup = WarmupTrace(model, self.optimizer, self.device, host_memory=self.store.in_host_memory)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks
@@ -484,8 +485,10 @@ class Scheduler:
         # Host chunks' gradients go D2H during backward (checked at the step) on CUDA, where the copy engine
         # overlaps it with backward; elsewhere copies are synchronous and it would only cost. Not under ZeRO
         # (the reduction comes first).
+        plan = self.plan
         self.optimizer.enter_steady_state(overlap=self.config.overlap, early_update=self.config.early_update,
-                                          speculative=self.plan.speculative if self.plan is not None else ())
+                                          speculative=plan.speculative if plan is not None else (),
+                                          streamed=plan.streamed if plan is not None else ())
 
     def _check_plan(self) -> None:
         """``attach(expected_plan=...)``: the warmup's plan against ``memsched plan``'s (issue 30); warns with
@@ -541,6 +544,7 @@ class Scheduler:
         if optimizer is not None:
             optimizer.host_updates.wait([c.index])
             optimizer.early_updates.wait_refill(c.index)
+            optimizer.streamed.wait()  # the streamed updates' D2H copies into the host state
 
     def _explain_oom(self, exc: BaseException) -> str | None:
         """Why the step in progress ran out of memory, when memsched knows: a warmup step, from the device's
@@ -587,9 +591,11 @@ class Scheduler:
         self._follow_speculation()
 
     def _follow_speculation(self) -> None:
-        """After a re-plan: the spare host states follow the plan's speculating chunks."""
+        """After a re-plan: the spare host states follow the plan's speculating chunks, and the streamed
+        updates its streamed chunks."""
         if self.plan is not None:
             self.optimizer.early_updates.choose(self.store.trainable_chunks, self.plan.speculative)
+            self.optimizer.streamed.chunks = frozenset(self.plan.streamed)
 
     @property
     def zero(self) -> Any:
@@ -783,7 +789,7 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
            overlap: bool | str = False, replan: str = "auto",
            host_memory: int | str | None = None,
            expected_plan: str | os.PathLike | Mapping[str, Any] | None = None,
-           update_threads: int | None = None) -> Scheduler:
+           update_threads: int | None = None, host_update: str = "cpu") -> Scheduler:
     """Attach memsched to ``model``: chunks, a hybrid CPU/device AdamW, warmup tracing, one placement plan.
 
     Args:
@@ -829,6 +835,11 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
             (:mod:`memsched.optim.early_update`; one rank; costs a second host copy of the state of the host
             chunks that speculate, which the plan chooses within the host budget:
             :mod:`policies.speculation`).
+        host_update: where host chunks' optimizer updates run: ``"cpu"`` (default: where their state is),
+            ``"device"`` (their state is streamed to the device in pieces, updated by the device's fused
+            AdamW, and streamed back; one rank, chunks whose parameters live on the device) or ``"auto"``
+            (per chunk, whichever the plan finds faster from the warmup's CPU update rate and the link's
+            bandwidth; :mod:`policies.update_paths`). The plan's reasons say which chunks stream and why.
         update_threads: the intra-op threads of the CPU worker that updates host chunks beside the forward or
             backward (``overlap``), an integer >= 1; ``None``: all of torch's but two on CUDA, half of them
             where the compute runs on the CPU (the stand-in, ``device="cpu"``). The training thread keeps its
@@ -871,4 +882,4 @@ def attach(model: torch.nn.Module, policy: str = "auto", gpu_margin_mem_ratio: f
         process_group=process_group, fetch=fetch, dist_timeout=dist_timeout,
         collective_timeout=collective_timeout, chunk_build=chunk_build,
         overlap=overlap, replan=replan, host_memory=host_memory, expected_plan=expected_plan,
-        update_threads=update_threads))
+        update_threads=update_threads, host_update=host_update))

@@ -170,11 +170,14 @@ def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> Non
         raise ValueError(
             f"placement policy {name!r} used placement {wrong[0]!r}; allowed: {DEVICE!r}, {HOST!r}"
         )
-    bad_spec = [i for i in plan.speculative if not 0 <= i < n or plan.placement[i] != HOST
-                or problem.chunks[i].frozen]
-    if bad_spec or list(plan.speculative) != sorted(set(plan.speculative)):
-        raise ValueError(f"placement policy {name!r} returned speculative={list(plan.speculative)!r}: "
-                         "sorted, distinct indices of host-placed chunks of trainable parameters")
+    for field_name, chosen in (("speculative", plan.speculative), ("streamed", plan.streamed)):
+        if list(chosen) != sorted(set(chosen)) or any(
+                not 0 <= i < n or plan.placement[i] != HOST or problem.chunks[i].frozen for i in chosen):
+            raise ValueError(f"placement policy {name!r} returned {field_name}={list(chosen)!r}: sorted, "
+                             "distinct indices of host-placed chunks of trainable parameters")
+    both = sorted(set(plan.speculative) & set(plan.streamed))
+    if both:
+        raise ValueError(f"placement policy {name!r} returned chunks {both!r} both speculative and streamed")
     dev, host = _sums(problem, plan.placement, plan.param_placement, plan.speculative)
     if (plan.device_bytes, plan.host_bytes, plan.margin_bytes) != (dev, host, problem.margin_bytes):
         raise ValueError(

@@ -6,8 +6,9 @@ redone (memsched's ``memsched.optim.early_update``). Each such chunk therefore c
 This module decides how many chunks may pay that, as a pure function of the plan, the chunks' update times
 and the backward's length measured in warmup, and the host memory left:
 
-* candidates are the plan's host chunks of trainable parameters, in the order backward completes their
-  gradients (earliest first: they have the most backward left to hide behind);
+* candidates are the plan's host chunks of trainable parameters updated on the CPU (not
+  ``PlacementPlan.streamed``), in the order backward completes their gradients (earliest first: they have
+  the most backward left to hide behind);
 * a candidate is taken while its spare state fits the host memory the plan leaves free
   (``PlacementProblem.host_capacity_bytes`` less the plan's ``host_bytes``);
 * and while the updates taken so far do not already fill backward: a later chunk's update would start after
@@ -59,7 +60,7 @@ def speculate(problem: PlacementProblem, plan: PlacementPlan, *, order: Sequence
     chosen: list[int] = []
     spare = busy = 0.0
     stop = ""
-    seen: set[int] = set()
+    seen: set[int] = set(plan.streamed)  # updated on the device at the step: no CPU update to start early
     for i in order:
         c = problem.chunks[i]
         if i in seen or plan.placement[i] != HOST or c.frozen:
@@ -77,14 +78,15 @@ def speculate(problem: PlacementProblem, plan: PlacementPlan, *, order: Sequence
         spare += c.host_bytes
         if timed:
             busy += update_s[i]  # type: ignore[index]
-    host = sum(1 for i, where in enumerate(plan.placement) if where == HOST and not problem.chunks[i].frozen)
+    host = sum(1 for i, where in enumerate(plan.placement)
+               if where == HOST and not problem.chunks[i].frozen and i not in plan.streamed)
     speculative = tuple(sorted(chosen))
     _, host_bytes = _sums(problem, plan.placement, plan.param_placement, speculative)
     if not host:
         return plan
-    text = (f"overlap='backward': {len(chosen)} of the {host} host chunks start their update during "
-            f"backward, each with a spare host state ({format_bytes(int(spare))} in all, counted in the "
-            "host bytes)")
+    text = (f"overlap='backward': {len(chosen)} of the {host} host chunks updated on the CPU start their "
+            f"update during backward, each with a spare host state ({format_bytes(int(spare))} in all, "
+            "counted in the host bytes)")
     text += f"; {stop}." if stop else "."
     return dataclasses.replace(plan, speculative=speculative, host_bytes=host_bytes,
                                reasons=(*plan.reasons, text))

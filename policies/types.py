@@ -287,6 +287,8 @@ class PlacementPlan:
         speculative: the host chunks whose CPU update starts during backward (``overlap="backward"``,
             :func:`policies.speculation.speculate`), sorted; each holds a second (spare) host state of its
             ``ChunkSpec.host_bytes``, counted in ``host_bytes``.
+        streamed: the host chunks whose update runs on the device, their state streamed over the link in
+            pieces (``attach(host_update=...)``, :func:`policies.update_paths.choose_update_paths`), sorted.
     """
 
     policy: str
@@ -301,6 +303,7 @@ class PlacementPlan:
     schedule: ParamSchedule | None = None
     peak_bytes: int | None = None
     speculative: tuple[int, ...] = ()
+    streamed: tuple[int, ...] = ()
 
     @property
     def device_chunks(self) -> list[int]:
@@ -326,4 +329,5 @@ class PlacementPlan:
                 "options": dict(self.options),
                 "param_placement": list(self.param_placement) or [DEVICE] * len(self.placement),
                 "schedule": self.schedule.to_dict() if self.schedule is not None else None,
-                "peak_bytes": self.peak_bytes, "speculative": list(self.speculative)}
+                "peak_bytes": self.peak_bytes, "speculative": list(self.speculative),
+                "streamed": list(self.streamed)}

@@ -10,6 +10,10 @@ STEP_BYTES = 4  # each parameter's fp32 step count lives next to its chunk's mom
 # A lean host chunk's updated values go to the device in pieces of at most this many elements, through one
 # pinned staging buffer of that size ([Note: lean host chunks] in memsched.chunks.chunk): 8 MiB in bf16
 H2D_PIECE_NUMEL = 1 << 22
+# A host chunk updated on the device (attach(host_update=...), memsched.optim.streamed_update) streams its
+# state in pieces of at most this many elements, two pieces in flight: 2 x 16 Mi x (16 + 2) bytes = 576 MiB of
+# device memory at the step in bf16 (Megatron-LM's chunked optimizer-state offload uses 256 MB pieces)
+STREAM_PIECE_NUMEL = 1 << 24
 # [Note: parameter alignment in chunks]
 # Every parameter starts at a multiple of PARAM_ALIGN elements in its chunk (512 bytes in fp32, 256 in
 # fp16/bf16), so on the device its address, and its gradient's, is aligned as a tensor of its own would be:

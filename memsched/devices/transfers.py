@@ -275,6 +275,29 @@ class Streams:
         self.link = LinkModel(link_bytes_per_s) if link_bytes_per_s is not None and not self.cuda else None
         self.d2h: Any = torch.cuda.Stream(device=device) if self.cuda else self.link and self.link.d2h
         self.h2d: Any = torch.cuda.Stream(device=device) if self.cuda else self.link and self.link.h2d
+        self._measured: float | None = None
+
+    def link_bytes_per_s(self, alloc: Any) -> float | None:
+        """The host link's bandwidth per direction, bytes per second: the stand-in's modelled link; on CUDA a
+        64 MiB pinned H2D copy on the side stream, timed with CUDA events (measured once, after one untimed
+        copy); ``None`` elsewhere (synchronous copies: no link to model). ``alloc``: where the copy's pinned
+        and device buffers come from (:class:`memsched.chunks.Allocator`)."""
+        if self.link is not None:
+            return self.link.bytes_per_s
+        if not self.cuda:
+            return None
+        if self._measured is None:
+            n = 64 << 20
+            src, dst = alloc.host_empty(n, torch.uint8), alloc.device_empty(n, torch.uint8)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.h2d):
+                dst.copy_(src, non_blocking=True)
+                start.record()
+                dst.copy_(src, non_blocking=True)
+                end.record()
+            end.synchronize()
+            self._measured = n / max(start.elapsed_time(end) / 1e3, 1e-9)
+        return self._measured
 
     @property
     def asynchronous(self) -> bool:

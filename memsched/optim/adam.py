@@ -77,3 +77,54 @@ def fp32_grad(g: torch.Tensor, out: torch.Tensor | None, inv_scale: torch.Tensor
     for k in coefs:
         out.mul_(k if k.device == out.device else k.to(out.device))
     return out
+
+
+#: Where a parameter's update may be cut into pieces without changing a bit: at multiples of this many
+#: elements from the parameter's start. torch's CPU kernel splits its work between threads at 16-element
+#: (cache line) units and runs each range vectorised, with a scalar path only for the last
+#: ``numel % vector width`` elements of the tensor, whose rounding differs
+#: (:meth:`memsched.optim.hybrid_adamw.HybridAdamW._adamw`); a piece that ends at a multiple of 64 has no such
+#: tail, so the pieces compute what the whole does. The CUDA kernel is elementwise.
+KERNEL_ALIGN = 64
+
+
+def kernel_spans(parts: Sequence[tuple[int, int]], piece: int, align: int = KERNEL_ALIGN
+                 ) -> list[tuple[int, int]]:
+    """Cut the flat range of ``parts`` into spans ``[lo, hi)`` of about ``piece`` elements each, for an update
+    made piece by piece that is bit for bit the update of the whole (see :data:`KERNEL_ALIGN`).
+
+    Args:
+        parts: ``(start, numel)`` of each parameter in the flat buffer, in increasing ``start``, disjoint.
+        piece: the span length to aim for, elements (>= ``align``).
+        align: cuts inside a parameter fall at multiples of it from the parameter's start.
+
+    Returns:
+        Consecutive spans of at most ``piece`` elements covering every parameter; a span may cover the padding
+        between two parameters.
+
+    Raises:
+        ValueError: ``piece < align`` or ``align < 1``, or ``parts`` overlap or are out of order.
+    """
+    if align < 1 or piece < align:
+        raise ValueError(f"piece ({piece}) must be >= align ({align}) >= 1")
+    spans: list[tuple[int, int]] = []
+    lo: int | None = None
+    end = 0
+    for s, n in parts:
+        if s < end or n < 1:
+            raise ValueError(f"parameter range (start {s}, numel {n}) overlaps the previous one or is empty")
+        if lo is not None and piece - (s - lo) < align:  # the padding before it fills the span: close it
+            spans.append((lo, end))
+            lo = None
+        a, end = s, s + n
+        while a < end:
+            if lo is None:
+                lo = a
+            room = piece - (a - lo)  # >= align here
+            a = end if end - a <= room else a + room // align * align
+            if piece - (a - lo) < align:  # no room for another aligned cut: close the span
+                spans.append((lo, a))
+                lo = None
+    if lo is not None:
+        spans.append((lo, end))
+    return spans

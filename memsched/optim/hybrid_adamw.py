@@ -44,6 +44,7 @@ from memsched.optim.hyperparams import (  # noqa: F401 (re-exported: hybrid_adam
     indexed_param_groups,
 )
 from memsched.optim.precision import LossScaler
+from memsched.optim.streamed_update import StreamedUpdates
 from memsched.telemetry.step_timeline import CPU_UPDATE, WAITS, StepTimeline
 from policies.types import DEVICE, HOST
 
@@ -109,14 +110,19 @@ class HybridAdamW(torch.optim.Optimizer):
         # committed at the step when exact (memsched.optim.early_update).
         self.early_updates = EarlyUpdates(self.host_updates.run, self._adamw_all, fp32_grad,
                                           self.timeline.span, store.alloc)
+        # host_update="device"/"auto": the plan's streamed host chunks are updated on the device, their state
+        # streamed over the link (memsched.optim.streamed_update).
+        self.streamed = StreamedUpdates(store, streams, transfers, self.timeline.span)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def enter_steady_state(self, *, overlap: bool, early_update: bool,
-                           speculative: Sequence[int] = ()) -> None:
-        """The end of warmup (the plan is applied): host chunks update on the worker (``overlap``) and the
+                           speculative: Sequence[int] = (), streamed: Sequence[int] = ()) -> None:
+        """The end of warmup (the plan is applied): host chunks update on the worker (``overlap``), the
         updates of the plan's ``speculative`` chunks start during backward (``early_update``:
-        ``overlap="backward"``); the step timeline starts recording."""
+        ``overlap="backward"``) and its ``streamed`` chunks are updated on the device; the step timeline
+        starts recording."""
         self.overlap = overlap
+        self.streamed.chunks = frozenset(streamed)
         if early_update:
             self.early_updates.enable(self.dp.world, self.store.trainable_chunks, speculative)
         self.timeline.start(overlap=overlap)
@@ -128,6 +134,7 @@ class HybridAdamW(torch.optim.Optimizer):
             self.overlap = False
             self.timeline.stop()
             self.early_updates.wait()  # a refill in flight; none starts later
+            self.streamed.wait()  # the streamed updates' copies into the host state
             self.early_updates.enabled = False
             self.host_updates.close()
         finally:
@@ -222,9 +229,11 @@ class HybridAdamW(torch.optim.Optimizer):
         chunks = [c for c in store.trainable_chunks if store.shards_grads or store.has_grads(c) or any(
             g is not None for p, g in fixes if store.param_chunk[id(p)] is c)]
         device_chunks = [c for c in chunks if c.placement == DEVICE]
-        host_chunks = [c for c in chunks if c.placement == HOST]
+        streamed = [c for c in chunks if c.placement == HOST and self.streamed.takes(c)]
+        host_chunks = [c for c in chunks if c.placement == HOST and not self.streamed.takes(c)]
         if self.capacity_check is not None:
-            self.capacity_check(self._step_temporary_bytes(device_chunks), "optimizer step temporaries")
+            self.capacity_check(self._step_temporary_bytes(device_chunks) + self.streamed.temporary_bytes(
+                streamed), "optimizer step temporaries")
         # ---- no failure expected below this line: in-place writes start ------------------------------------
         with_grad = store.with_grad
         for p, g in fixes:
@@ -264,9 +273,10 @@ class HybridAdamW(torch.optim.Optimizer):
             # ranks they are copied now, after their reduction.
             if not store.offloads(c) and c.index not in committed:
                 self._start_d2h(c)
-        # Device chunks first (the device works while the CPU updates the host chunks).
+        # Device chunks first (the device works while the CPU updates the host chunks), then streamed ones.
         for gi, hp in enumerate(hps):
             self._update_device(gi, hp, [c for c in device_chunks if c.group == gi], inv_scale, coefs)
+        self.streamed.update(streamed, hps, self._active, inv_scale, coefs)
         if host_chunks:
             if self.overlap:
                 self._submit_host(host_chunks, hps, inv_host, coefs_host, committed)
@@ -539,6 +549,7 @@ class HybridAdamW(torch.optim.Optimizer):
         """
         t0 = time.perf_counter()
         blocked = self.host_updates.wait_all()
+        self.streamed.wait()  # the streamed updates' D2H copies into the host state
         if self.early_updates.busy:  # anything that reads or writes the state waits for the worker's reads
             self.early_updates.wait()
             blocked = time.perf_counter() - t0

@@ -26,6 +26,7 @@ from memsched.devices.host_memory import check_initial_host_state, host_budget
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import TransferStats
 from memsched.distributed.base import DataParallel
+from memsched.optim.streamed_update import piece_numel, staging_bytes
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
@@ -35,6 +36,7 @@ from policies.plans import make_plan, schedule_for
 from policies.schedule import schedule_sharded
 from policies.speculation import speculate
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
+from policies.update_paths import choose_update_paths, streaming_bytes
 from tracer.param_reads import BEGIN, FORWARD
 
 
@@ -92,7 +94,8 @@ class Planner:
     """
 
     def __init__(self, config: SchedulerConfig, model: torch.nn.Module, store: ChunkStore, dp: DataParallel,
-                 transfers: TransferStats, wait_updates: Callable[[str], None], params: Any = None) -> None:
+                 transfers: TransferStats, wait_updates: Callable[[str], None], params: Any = None,
+                 link_bytes_per_s: Callable[[], float | None] = lambda: None) -> None:
         self._config = config
         self._device = config.device
         self._model = model
@@ -100,6 +103,7 @@ class Planner:
         self._dp = dp
         self._transfers = transfers
         self._wait_updates = wait_updates
+        self._link_bytes_per_s = link_bytes_per_s  # the host link's bandwidth (host_update="auto")
         self._timeline: Any = None  # the warmup trace (machine inputs: fragmentation)
         self.policy = config.placement.policy
         self.plan: PlacementPlan | None = None
@@ -184,7 +188,7 @@ class Planner:
             raise policies.PlacementError(
                 f"{e} (the warmup step itself completed; the optimizer state stays on the host){rootless}"
             ) from e
-        plan = self._speculate(problem, plan)
+        plan = self._speculate(problem, self._update_paths(problem, plan))
         self._dp.check_same("placement plan", tuple(plan.placement))  # or the collectives would not match
         plan = self._with_predicted_step(plan)
         self._apply(plan)
@@ -202,9 +206,9 @@ class Planner:
             plan = policies.get("cpu").plan(problem) if peak is None else self.policy.plan(problem)
         except policies.PlacementError:
             plan = self._most_offloaded(problem)
-        plan = self._speculate(problem, plan)
+        plan = self._speculate(problem, self._update_paths(problem, plan))
         self._dp.check_same("placement plan", tuple(plan.placement))
-        same = ("placement", "param_placement", "schedule", "speculative")
+        same = ("placement", "param_placement", "schedule", "speculative", "streamed")
         if self.plan is not None and all(getattr(plan, k) == getattr(self.plan, k) for k in same):
             return
         before = self._transfers.chunk_moves_bytes
@@ -261,6 +265,33 @@ class Planner:
         return make_plan(problem, [HOST] * n, budget_bytes=0, policy="cpu", param_placement=[HOST] * n,
                          schedule=sched, reasons=("every chunk on the host, parameters fetched for their "
                                                   "reads, for a step whose peak is not known yet",))
+
+    def _update_paths(self, problem: policies.PlacementProblem, plan: PlacementPlan) -> PlacementPlan:
+        """``attach(host_update="device" | "auto")``, one rank: the host chunks whose update runs on the
+        device, their state streamed over the link (:func:`policies.update_paths.choose_update_paths`,
+        :mod:`memsched.optim.streamed_update`). Chunks whose parameters live on the host stay on the CPU."""
+        mode = self._config.host_update
+        if mode == "cpu":
+            return plan
+        if self._dp.world != 1:
+            return dataclasses.replace(plan, reasons=(*plan.reasons, (
+                f"host_update={mode!r} needs one rank; with {self._dp.world} host chunks are updated on the "
+                "CPU")))
+        store = self._store
+        dtype = self._config.compute_dtype
+        size = torch.empty((), dtype=dtype).element_size()
+        eligible = [i for i, where in enumerate(plan.placement)
+                    if where == HOST and not plan.params_on_host(i) and not store.chunks[i].frozen]
+        numel = [c.hi - c.lo for c in store.chunks]
+        on_host = store.offloader is not None  # the host chunks' gradients go to the host in backward
+        link = [streaming_bytes(n, size, size, grads_on_host=on_host, host_param_copy=False) for n in numel]
+        costs = self.warmup_costs
+        staging = staging_bytes(piece_numel([store.chunks[i] for i in eligible]), dtype) if eligible else 0
+        return choose_update_paths(
+            problem, plan, mode=mode, eligible=eligible,
+            cpu_elements_per_s=costs.cpu_elements_per_s if costs is not None else None,
+            link_bytes_per_s=self._link_bytes_per_s(), link_bytes=link,
+            param_h2d_bytes=[n * size for n in numel], staging_bytes=staging)
 
     def _speculate(self, problem: policies.PlacementProblem, plan: PlacementPlan) -> PlacementPlan:
         """[Note: the spare state is planned] With ``overlap="backward"`` and one rank, the host chunks whose
