@@ -54,6 +54,11 @@ timing)  # alone on the machine (items 4 and 13)
         --policies cpu cpu+overlap cpu+backward auto auto+overlap auto+backward \
         --peers torch_adamw torchao_cpu_offload deepspeed_zero_offload
     ;;
+streamed)  # item 23, alone
+    step gpu_step_time_2_7b_streamed 600 python3 bench/gpu_step_time.py --size 2.7b --batch 1 --seq 1024 \
+        --mem-cap 13GiB --steps 4 --warmup 2 --timeout 900 --policies auto+overlap auto+overlap+auto-update \
+        auto+overlap+device-update --peers torch_adamw --name gpu_step_time_2_7b_streamed
+    ;;
 offload)  # item 9, alone
     step plan_760m_b1 60 memsched plan --model 760m --batch-size 1 --seq-len 1024 --capacity 13GiB --json
     step gpu_step_time_param_offload 240 python3 bench/gpu_step_time.py --size 760m --batch 1 --mem-cap 13GiB \

@@ -13,7 +13,8 @@ Configurations:
 * memsched: ``memsched.attach(model, policy=P, device="cuda")`` for each ``--policies`` entry (default
   ``cpu``, ``static:offload_optim_frac=0.5``, ``auto``, ``cuda``; ``name:key=value,...`` passes
   ``policy_options={key: value}``; a trailing ``+overlap`` attaches with ``overlap=True``, ``+backward``
-  with ``overlap="backward"``), step = forward,
+  with ``overlap="backward"``; then ``+device-update`` or ``+auto-update`` attaches with
+  ``host_update="device"``/``"auto"``), step = forward,
   ``sched.backward(loss)``,
   ``sched.optimizer.step()``, ``zero_grad()``. The plan and the H2D/D2H bytes are recorded.
 * ``torch_adamw``: plain ``torch.optim.AdamW(fused=True)`` with everything on the device (when it fits).
@@ -107,9 +108,21 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, options
 
 
+def split_host_update(spec: str) -> tuple[str, str]:
+    """``"auto+overlap+device-update"`` -> ``("auto+overlap", "device")``: a trailing ``+device-update`` or
+    ``+auto-update`` attaches with ``host_update="device"`` / ``"auto"`` (host chunks updated on the GPU,
+    their state streamed: :mod:`memsched.optim.streamed_update`); none: ``"cpu"``."""
+    for suffix, mode in (("+device-update", "device"), ("+auto-update", "auto")):
+        if spec.endswith(suffix):
+            return spec[: -len(suffix)], mode
+    return spec, "cpu"
+
+
 def split_overlap(spec: str) -> tuple[str, bool | str]:
     """``"auto+overlap"`` -> ``("auto", True)``; ``"auto+backward"`` -> ``("auto", "backward")`` (the update
-    starts during backward, :mod:`memsched.optim.early_update`); ``"auto"`` -> ``("auto", False)``."""
+    starts during backward, :mod:`memsched.optim.early_update`); ``"auto"`` -> ``("auto", False)``. A
+    ``+device-update``/``+auto-update`` suffix after it is :func:`split_host_update`'s."""
+    spec = split_host_update(spec)[0]
     for suffix, overlap in (("+overlap", True), ("+backward", "backward")):
         if spec.endswith(suffix):
             return spec[: -len(suffix)], overlap
@@ -209,6 +222,7 @@ def _setup_memsched(model: nn.Module, spec: str, cfg: dict[str, Any]) -> tuple[C
         lr=LR,
         weight_decay=WEIGHT_DECAY,
         overlap=split_overlap(spec)[1],
+        host_update=split_host_update(spec)[1],
         dtype=torch.bfloat16 if cfg.get("dtype") == "bf16" else None,
     )
     if cfg.get("llama"):  # built on meta: the weights are made in place, chunk views and all

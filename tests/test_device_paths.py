@@ -386,3 +386,35 @@ def test_between_steps_parameters_and_gradients_read_as_the_device(target):
             assert torch.equal(out.cpu(), want.cpu()), i
             assert all(p.device == target.device for p in m.parameters())
         assert sched.plan.param_host_chunks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_streamed_update_matches_adamw_on_the_device(target, dtype, monkeypatch):
+    """host_update="device": every host chunk's state is streamed to the device, updated there by the device's
+    fused AdamW and streamed back (memsched.optim.streamed_update); with torch's clip triggering in every step
+    the parameters equal the reference's updated on the device (where memsched runs the update), step by
+    step, and the host state read back through ``state_dict()`` equals the reference's optimizer state."""
+    from memsched.optim import streamed_update
+
+    monkeypatch.setattr(streamed_update, "STREAM_PIECE_NUMEL", 4096)  # several pieces per chunk, both sets
+    m = make_model(odd=True).to(target.device)
+    ref = Reference(m, dtype, device=target.device)
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(32, m[0].in_features, generator=g).to(target.device, dtype) for _ in range(5)]
+    with attach(m, target, policy="cpu", dtype=dtype, host_update="device") as sched:
+        for i, x in enumerate(xs):
+            sched.backward(mlp_loss(m, x))
+            devices = grad_devices(m)
+            assert float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)) > 0.05
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            ref.step(x, mlp_loss, 0.05, clip_devices=devices)  # the update on the device, as memsched's
+            assert_same(m, ref, f"{dtype} step {i}")
+        plan = sched.plan
+        state = sched.optimizer.state_dict()["state"]  # waits for the D2H copies of the state
+        target.synchronize()
+    assert plan.streamed and plan.streamed == tuple(plan.host_chunks)
+    ref_state = [ref.opt.state[q] for q in (ref.masters if dtype != torch.float32 else ref.model.parameters())]
+    for k, s in enumerate(ref_state):
+        assert same(state[k]["exp_avg"].cpu(), s["exp_avg"].cpu()), f"exp_avg {k}"
+        assert same(state[k]["exp_avg_sq"].cpu(), s["exp_avg_sq"].cpu()), f"exp_avg_sq {k}"
