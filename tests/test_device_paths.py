@@ -414,7 +414,8 @@ def test_streamed_update_matches_adamw_on_the_device(target, dtype, monkeypatch)
         state = sched.optimizer.state_dict()["state"]  # waits for the D2H copies of the state
         target.synchronize()
     assert plan.streamed and plan.streamed == tuple(plan.host_chunks)
-    ref_state = [ref.opt.state[q] for q in (ref.masters if dtype != torch.float32 else ref.model.parameters())]
+    masters = ref.masters if dtype != torch.float32 else list(ref.model.parameters())
+    ref_state = [ref.opt.state[q] for q in masters]
     for k, s in enumerate(ref_state):
         assert same(state[k]["exp_avg"].cpu(), s["exp_avg"].cpu()), f"exp_avg {k}"
         assert same(state[k]["exp_avg_sq"].cpu(), s["exp_avg_sq"].cpu()), f"exp_avg_sq {k}"
