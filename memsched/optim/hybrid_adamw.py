@@ -569,6 +569,7 @@ class HybridAdamW(torch.optim.Optimizer):
             # buffer needs no wait (CUDA: its copy's stream was recorded on it; the stand-in's link: the copy
             # holds it).
             self.streams.wait([c.d2h_event for c in self.store.chunks], "zero_grad()")
+            self.streamed.wait()  # its H2D copies of host gradients are done once its D2H copies are
         self.store.zero_grad(set_to_none)
 
     # ---- state_dict (one path for any world size: memsched.optim.state_dict)
