@@ -394,9 +394,9 @@ def test_streamed_update_matches_adamw_on_the_device(target, dtype, monkeypatch)
     fused AdamW and streamed back (memsched.optim.streamed_update); with torch's clip triggering in every step
     the parameters equal the reference's updated on the device (where memsched runs the update), step by
     step, and the host state read back through ``state_dict()`` equals the reference's optimizer state."""
-    from memsched.optim import streamed_update
+    from memsched.chunks import sizing
 
-    monkeypatch.setattr(streamed_update, "STREAM_PIECE_NUMEL", 4096)  # several pieces per chunk, both sets
+    monkeypatch.setattr(sizing, "STREAM_PIECE_NUMEL", 4096)  # several pieces per chunk, both sets
     m = make_model(odd=True).to(target.device)
     ref = Reference(m, dtype, device=target.device)
     g = torch.Generator().manual_seed(5)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import memsched
-from memsched.optim import streamed_update
-from memsched.optim.adam import fused_adamw_, kernel_spans
+from memsched.chunks import sizing
+from memsched.optim.adam import KERNEL_ALIGN, fused_adamw_, kernel_spans
 from policies import ChunkSpec, PlacementProblem, make_plan
 from policies.types import DEVICE, HOST
 from policies.update_paths import choose_update_paths, streaming_bytes
@@ -25,7 +25,7 @@ def test_streamed_update_is_bit_exact(dtype, overlap, monkeypatch):
     """Two param groups, a StepLR, a clip that triggers, 2 micro-batches, over a modelled link; pieces of 256
     elements, so each chunk streams in several pieces through both buffer sets. model.state_dict() and the
     fp32 masters after steps 1 and 3 equal the reference's (the D2H copies of the state were waited for)."""
-    monkeypatch.setattr(streamed_update, "STREAM_PIECE_NUMEL", 256)
+    monkeypatch.setattr(sizing, "STREAM_PIECE_NUMEL", 256)
     model = tiny_gpt()
     ref = GroupedReference(model, dtype)
     with memsched.attach(model, lr=LR, weight_decay=WD, dtype=dtype, chunk_numel=8192, policy="cpu",
@@ -108,6 +108,7 @@ def test_pieces_compute_what_the_whole_computes():
                          weight_decay=0.01, increment_steps=False)
         return p, m, v
 
+    assert sizing.STREAM_ALIGN == KERNEL_ALIGN  # a streamed piece is at least one aligned cut long
     whole = run([(0, total)])
     spans = kernel_spans(list(zip(starts, sizes, strict=True)), 256)
     assert len(spans) > 3 and spans[0][0] == 0 and spans[-1][1] == total

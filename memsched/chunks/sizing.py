@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,20 @@ H2D_PIECE_NUMEL = 1 << 22
 # state in pieces of at most this many elements, two pieces in flight: 2 x 16 Mi x (16 + 2) bytes = 576 MiB of
 # device memory at the step in bf16 (Megatron-LM's chunked optimizer-state offload uses 256 MB pieces)
 STREAM_PIECE_NUMEL = 1 << 24
+BUFFER_SETS = 2  # streamed pieces in flight: one computing while the other's copies run
+STREAM_ALIGN = 64  # memsched.optim.adam.KERNEL_ALIGN: a piece is at least one aligned cut long
+
+
+def stream_piece_numel(shard_numels: Sequence[int]) -> int:
+    """Elements per streamed piece for chunks of these shard sizes: ``STREAM_PIECE_NUMEL``, or the largest
+    shard when smaller (at least ``STREAM_ALIGN``)."""
+    return max(STREAM_ALIGN, min(STREAM_PIECE_NUMEL, max(shard_numels, default=0)))
+
+
+def stream_staging_bytes(piece: int, grad_dtype: torch.dtype) -> int:
+    """Device bytes the streamed update holds at the step: ``BUFFER_SETS`` sets of a piece's fp32 master,
+    moments and upcast gradients, and its gradients as they come from the host (``grad_dtype``), bytes."""
+    return BUFFER_SETS * piece * (4 * 4 + torch.empty((), dtype=grad_dtype).element_size())
 # [Note: parameter alignment in chunks]
 # Every parameter starts at a multiple of PARAM_ALIGN elements in its chunk (512 bytes in fp32, 256 in
 # fp16/bf16), so on the device its address, and its gradient's, is aligned as a tensor of its own would be:

@@ -2,8 +2,8 @@
 
 A host chunk keeps its fp32 master, ``exp_avg`` and ``exp_avg_sq`` in pinned host memory. When the plan
 streams it (:attr:`policies.PlacementPlan.streamed`, :mod:`policies.update_paths`), ``step()`` updates it on
-the device instead of the CPU, piece by piece (at most ``STREAM_PIECE_NUMEL`` elements, cut where the kernel's
-result does not change: :func:`memsched.optim.adam.kernel_spans`), with two pieces in flight:
+the device instead of the CPU, piece by piece (at most ``sizing.STREAM_PIECE_NUMEL`` elements, cut where the
+kernel's result does not change: :func:`memsched.optim.adam.kernel_spans`), with two pieces in flight:
 
 1. H2D: the piece's master and moments (and its gradients, when backward sent them to the host) into one of
    two device buffer sets, after the D2H copies that last read that set;
@@ -30,25 +30,16 @@ from typing import Any
 
 import torch
 
-from memsched.chunks import Chunk, ChunkStore, param_shards
-from memsched.chunks.sizing import STREAM_PIECE_NUMEL
+from memsched.chunks import Chunk, ChunkStore, param_shards, sizing
+from memsched.chunks.sizing import BUFFER_SETS, stream_staging_bytes
 from memsched.devices.transfers import Streams, TransferStats
-from memsched.optim.adam import KERNEL_ALIGN, fp32_grad, fused_adamw_, kernel_spans
+from memsched.optim.adam import fp32_grad, fused_adamw_, kernel_spans
 from memsched.telemetry.step_timeline import CPU_UPDATE
-
-BUFFER_SETS = 2  # pieces in flight: one computing while the other's copies run
 
 
 def piece_numel(chunks: Sequence[Chunk]) -> int:
-    """Elements per streamed piece for ``chunks``: ``STREAM_PIECE_NUMEL``, or less for smaller chunks."""
-    largest = max((c.shard_numel for c in chunks), default=0)
-    return max(KERNEL_ALIGN, min(STREAM_PIECE_NUMEL, largest))
-
-
-def staging_bytes(piece: int, grad_dtype: torch.dtype) -> int:
-    """Device bytes the streamed update holds at the step: ``BUFFER_SETS`` sets of a piece's fp32 master,
-    moments and upcast gradients, and its gradients as they come from the host (``grad_dtype``), bytes."""
-    return BUFFER_SETS * piece * (4 * 4 + torch.empty((), dtype=grad_dtype).element_size())
+    """:func:`memsched.chunks.sizing.stream_piece_numel` of ``chunks``' shards."""
+    return sizing.stream_piece_numel([c.shard_numel for c in chunks])
 
 
 class StreamedUpdates:
@@ -79,7 +70,7 @@ class StreamedUpdates:
         """Device bytes a step that streams ``chunks`` holds for them (0 without any), bytes."""
         if not chunks:
             return 0
-        return staging_bytes(piece_numel(chunks), chunks[0].compute_dtype)
+        return stream_staging_bytes(piece_numel(chunks), chunks[0].compute_dtype)
 
     def update(self, chunks: Sequence[Chunk], hps: Sequence[dict[str, Any]], active: set[int],
                inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:

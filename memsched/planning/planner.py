@@ -20,13 +20,13 @@ import torch
 
 import policies
 from memsched.chunks import Allocator, ChunkLayout, ChunkStore, chunk_bytes, pinned_bytes
+from memsched.chunks.sizing import stream_piece_numel, stream_staging_bytes
 from memsched.config import SchedulerConfig
 from memsched.devices.gpus import get_gpu
 from memsched.devices.host_memory import check_initial_host_state, host_budget
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.devices.transfers import TransferStats
 from memsched.distributed.base import DataParallel
-from memsched.optim.streamed_update import piece_numel, staging_bytes
 from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
@@ -286,7 +286,8 @@ class Planner:
         on_host = store.offloader is not None  # the host chunks' gradients go to the host in backward
         link = [streaming_bytes(n, size, size, grads_on_host=on_host, host_param_copy=False) for n in numel]
         costs = self.warmup_costs
-        staging = staging_bytes(piece_numel([store.chunks[i] for i in eligible]), dtype) if eligible else 0
+        piece = stream_piece_numel([numel[i] for i in eligible])
+        staging = stream_staging_bytes(piece, dtype) if eligible else 0
         return choose_update_paths(
             problem, plan, mode=mode, eligible=eligible,
             cpu_elements_per_s=costs.cpu_elements_per_s if costs is not None else None,
