@@ -54,6 +54,7 @@ def build(name: str) -> nn.Module:
     cls = transformers.Qwen2ForCausalLM if qwen else transformers.LlamaForCausalLM
     with init_empty_weights():
         model = cls(config)
+    model.tie_weights()  # a model built empty ties here (tied presets: Llama 3.2 1B and 3B)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -81,7 +82,6 @@ def main(argv: list[str] | None = None) -> list[float]:
                             weight_decay=0.0, overlap=True, host_update="auto", host_memory=args.host_memory)
     with sched:
         model.apply(model._init_weights)  # values, in place through the chunk views (or load_state_dict)
-        model.tie_weights()
         warm = max(1, args.steps // 10)  # linear warmup, then cosine decay
 
         def lr_factor(s: int) -> float:
