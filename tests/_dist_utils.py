@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-mp.set_forkserver_preload(["torch", "memsched", "tests._sim_preload"])
+# memsched.scheduler too (and with it torch._dynamo, ~1.5 s to import): ``memsched`` imports it lazily, so
+# without it every rank would import it again (issue 43: ~1.5 s of CPU per rank, about a hundred a run)
+mp.set_forkserver_preload(["torch", "memsched", "memsched.scheduler", "tests._sim_preload"])
 
 
 def free_port() -> int:
@@ -34,16 +36,21 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, outdir: str, pg_timeout_s: float, fn: Callable[..., Any], args: tuple
+    rank: int, world: int, port: int, outdir: str, pg_timeout_s: float | None, fn: Callable[..., Any],
+    args: tuple
 ) -> None:
     import tests._sim_preload  # noqa: F401  (a spawned rank: the stand-in first, as the fork server loads it)
 
     torch.set_num_threads(1)  # 2 cores shared by all ranks and other test runs
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
-        )
+        if pg_timeout_s is None:  # fn initialises the group itself, from the environment torchrun gives
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(world))
+        else:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=pg_timeout_s)
+            )
         result = fn(rank, world, *args)
         torch.save(result, Path(outdir) / f"rank{rank}.pt")
     except BaseException:
@@ -74,14 +81,16 @@ def run_ranks(
     world: int,
     *args: Any,
     timeout: float = 120.0,
-    pg_timeout_s: float = 30.0,
+    pg_timeout_s: float | None = 30.0,
     allow_exit: tuple[int, ...] = (),
 ) -> list[Any]:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run in its own process.
 
     Args:
         timeout: seconds for the whole launch before every rank is killed (``TimeoutError``).
-        pg_timeout_s: the process group's collective timeout, seconds.
+        pg_timeout_s: the process group's collective timeout, seconds; ``None``: no group is initialised,
+            ``fn`` initialises it (``env://``: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+            ``MASTER_ADDR`` and ``MASTER_PORT`` are set as ``torchrun`` sets them).
         allow_exit: ranks that may end without a result (they exit early on purpose); ``None`` in their slot.
 
     Raises:

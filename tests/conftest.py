@@ -75,6 +75,8 @@ def pytest_configure(config):
 
     from memsched.devices import sim_backend
 
+    if getattr(config.option, "dist", "no") != "no" and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller: it runs no test, its workers load what they need (issue 43)
     if not _cuda_session(config):
         sim_backend.load()
     # Every attach on the stand-in collects garbage first (an earlier model's tensors on the device count):
