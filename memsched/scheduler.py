@@ -28,6 +28,7 @@ reports). On the stand-in ``sim:SIZE`` device the capacity is enforced by
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -300,7 +301,9 @@ class Scheduler:
                 self.store.fetch_between = weak_method(self.params.fetch_between)
         self.planner = Planner(config, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates, params=self.params,
-                               link_bytes_per_s=lambda: self.streams.link_bytes_per_s(self.store.alloc))
+                               # no reference back to the scheduler (close() frees it at once)
+                               link_bytes_per_s=functools.partial(self.streams.link_bytes_per_s,
+                                                                  self.store.alloc))
         self.warmup = WarmupTrace(model, self.optimizer, self.device, host_memory=self.store.in_host_memory)
         # The end of warmup runs as a global optimizer step post-hook: it fires after the optimizer's own
         # post-hooks (the tracer's among them), so the tracer sees the whole last warmup step and its hooks

@@ -41,7 +41,8 @@ def speculate(problem: PlacementProblem, plan: PlacementPlan, *, order: Sequence
             first; indices that are not candidates are skipped.
         update_s: seconds of each chunk's CPU update (indexed like ``problem.chunks``), or ``None`` when not
             measured: then the count is limited by host memory alone.
-        backward_s: seconds of one backward pass, or ``None`` (no time limit).
+        backward_s: seconds of one backward pass, or ``None`` or 0 (not measured, e.g. a forward that never
+            runs the attached root: no time limit).
 
     Raises:
         ValueError: ``order`` names a chunk that does not exist, or ``update_s`` has the wrong length or a
@@ -54,7 +55,7 @@ def speculate(problem: PlacementProblem, plan: PlacementPlan, *, order: Sequence
         raise ValueError(f"update_s must hold one non-negative time per chunk ({n}), got {list(update_s)!r}")
     if backward_s is not None and backward_s < 0:
         raise ValueError(f"backward_s must be non-negative, got {backward_s!r}")
-    timed = update_s is not None and backward_s is not None
+    timed = update_s is not None and backward_s is not None and backward_s > 0  # 0: not measured
     cap = problem.host_capacity_bytes
     free = None if cap is None else cap - plan.host_bytes
     chosen: list[int] = []

@@ -79,3 +79,11 @@ def test_bad_inputs_are_refused_naming_them():
         speculate(p, plan, order=[5], update_s=[0.1] * 6, backward_s=-1.0)
     with pytest.raises(ValueError, match="speculative=\\[0\\]"):  # a device chunk cannot speculate
         check_plan("cpu", p, dataclasses.replace(_plan(p, device=(0,)), speculative=(0,)))
+
+
+def test_an_unmeasured_backward_does_not_stop_the_count():
+    """A backward of 0 s (not measured: a forward that never runs the attached root has no phases) sets no
+    time limit; memory alone does."""
+    p = _problem()
+    out = speculate(p, _plan(p), order=range(5, -1, -1), update_s=[0.01] * 6, backward_s=0.0)
+    assert out.speculative == (0, 1, 2, 3, 4, 5)
