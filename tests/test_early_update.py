@@ -365,3 +365,57 @@ def test_host_memory_limits_which_chunks_speculate_and_the_rest_wait_for_the_ste
     assert limited.host_bytes == base + sum(spare[i] for i in last)
     assert any("2 of the" in r and "would not fit" in r for r in limited.reasons)
     assert committed == 3 * 2  # the others were updated at the step
+
+
+def test_a_replan_to_the_device_frees_the_speculating_chunks_host_state():
+    """A re-plan that moves every speculating chunk to the device frees their host state: nothing memsched
+    keeps for the speculation (a refill of the spare) holds it, so the pinned bytes held stay the plan's."""
+    import gc
+
+    import policies
+
+    model = tiny_gpt()
+    ref = Reference(model)
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                         **PLACEMENTS["cpu"]) as sched:
+        for i, b in enumerate(gpt_batches(6)):
+            if i == 3:
+                assert sched.plan.speculative
+                sched.planner.policy = policies.get("static", offload_optim_frac=0.0)
+                sched._replan(sched.problem.peak_non_model_bytes, "test: every chunk to the device")
+                assert set(sched.plan.placement) == {"device"} and not sched.plan.speculative
+                gc.collect()
+                usage = sched.host_usage()
+                assert not sched.optimizer.early_updates.refills
+                assert usage.pinned_bytes <= usage.planned_pinned_bytes + 4096, usage
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(b, gpt_loss, None)
+    assert_same(model, ref, "re-planned to the device")
+
+
+def test_a_refill_after_an_update_at_the_step_is_used():
+    """After a step whose speculative updates were dropped (the gradients scaled after backward), the chunks
+    are updated at the step and their spares refilled after that update: the next backward's speculation
+    uses the refill and copies no state during backward."""
+    model = tiny_gpt()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, overlap="backward",
+                         **PLACEMENTS["cpu"]) as sched:
+        early = sched.optimizer.early_updates
+        for i, b in enumerate(gpt_batches(5)):
+            sched.backward(gpt_loss(model, b))
+            if i == 2:
+                early.wait()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.grad.mul_(0.5)
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            if i == 2:
+                sched.synchronize()
+                assert early.dropped > 0 and all(r.ok for r in early.refills.values()), early.refills
+        sched.synchronize()
+        names = {s.name for r in sched.step_timeline.records for s in r.spans if s.track == "cpu update"}
+    assert "refill spare" in names and "copy in backward" not in names

@@ -13,7 +13,7 @@ from memsched.optim.adam import KERNEL_ALIGN, fused_adamw_, kernel_spans
 from policies import ChunkSpec, PlacementProblem, make_plan
 from policies.types import DEVICE, HOST
 from policies.update_paths import choose_update_paths, streaming_bytes
-from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, tiny_gpt
+from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_loss, same, tiny_gpt
 from tests.test_overlap import CLIP, GroupedReference, grouped_parity_run, paused, two_groups
 
 LINK = "sim:64MiB,link=25GBps"
@@ -144,3 +144,74 @@ def test_choice_balances_the_cpu_against_the_link():
     with pytest.raises(ValueError, match="not on the host"):
         choose_update_paths(p, plan, mode="device", cpu_elements_per_s=None, link_bytes_per_s=None,
                             **{**kw, "eligible": [0]})
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameters_read_between_step_and_zero_grad_are_the_steps(dtype, overlap, monkeypatch):
+    """Between ``step()`` and ``zero_grad()`` a host chunk's parameters are views of its host values: after a
+    streamed update those are the step's (its D2H copies are done when ``step()`` returns, and under mixed
+    precision the parameters' host copy follows), so ``model.state_dict()`` there equals the reference's."""
+    monkeypatch.setattr(sizing, "STREAM_PIECE_NUMEL", 256)
+    model = tiny_gpt()
+    ref = Reference(model, dtype)
+    with memsched.attach(model, lr=LR, weight_decay=WD, dtype=dtype, chunk_numel=8192, policy="cpu",
+                         device=LINK, overlap=overlap, host_update="device") as sched:
+        for i, b in enumerate(gpt_batches(5)):
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            with paused(sched):
+                ref.step(b, gpt_loss, None)
+            state = model.state_dict()
+            with paused(sched):
+                for name, q in ref.model.state_dict().items():
+                    assert same(state[name], q), f"step {i}: {name}"
+            sched.optimizer.zero_grad()
+        assert sched.plan.streamed
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_streamed_chunk_whose_parameters_leave_the_device_comes_back_trained(overlap, monkeypatch):
+    """bf16: after streamed updates, a chunk's parameters leave the device (as a re-plan that keeps them on
+    the host does); their next fetch brings the trained values back, not the host copy of an older step."""
+    monkeypatch.setattr(sizing, "STREAM_PIECE_NUMEL", 256)
+    model = tiny_gpt()
+    ref = Reference(model, torch.bfloat16)
+    with memsched.attach(model, lr=LR, weight_decay=WD, dtype=torch.bfloat16, chunk_numel=8192,
+                         policy="static", device=LINK,
+                         policy_options={"offload_optim_frac": 1.0, "offload_param_frac": 0.01},
+                         overlap=overlap, host_update="device") as sched:
+        for i, b in enumerate(gpt_batches(6)):
+            if i == 3:
+                assert 1 in sched.plan.streamed and 0 in sched.plan.param_host_chunks
+                sched.params.use(frozenset({0, 1}), None)  # what the re-plan's Planner._apply does
+                sched.optimizer.streamed.chunks -= {0, 1}  # and _follow_speculation: kept on the host
+                assert sched.store.chunks[1].data is None
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(b, gpt_loss, None)
+            sched.synchronize()
+            assert_same(model, ref, f"step {i}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_gradients_zeroed_right_after_the_step_over_a_slow_link(dtype, monkeypatch):
+    """Over a slow link (20 MB/s) the streamed update's copies of the host gradients are still queued when
+    ``step()`` is called; ``model.zero_grad(set_to_none=False)`` right after it does not change what they
+    read."""
+    monkeypatch.setattr(sizing, "STREAM_PIECE_NUMEL", 256)
+    model = tiny_gpt()
+    ref = Reference(model, dtype)
+    with memsched.attach(model, lr=LR, weight_decay=WD, dtype=dtype, chunk_numel=8192, policy="cpu",
+                         device="sim:64MiB,link=20MBps", host_update="device") as sched:
+        for b in gpt_batches(4):
+            sched.backward(gpt_loss(model, b))
+            sched.optimizer.step()
+            model.zero_grad(set_to_none=False)
+            sched.optimizer.zero_grad()
+            with paused(sched):
+                ref.step(b, gpt_loss, None)
+        assert sched.plan.streamed
+    assert_same(model, ref, "model.zero_grad(set_to_none=False) after the step")

@@ -148,8 +148,9 @@ class EarlyUpdates:
             if c.index in self.speculative and c.placement == HOST:
                 if self._alloc_spare(c):
                     self.refill(c)
-            elif c.spare is not None:
+            else:
                 c.spare = None
+            if c.index not in self.speculative or c.placement != HOST:  # a refill holds the old host state
                 self.refills.pop(c.index, None)
 
     def refill(self, c: Chunk) -> None:
@@ -157,16 +158,19 @@ class EarlyUpdates:
         host updates): the next speculation of ``c`` starts from it unless the state is written meanwhile."""
         if not self.enabled or c.spare is None or c.placement != HOST or c.exp_avg is None:
             return
-        r = Refill(c.exp_avg, c.state_version())
+        r = Refill(c.exp_avg, -1)
         self.refills[c.index] = r
         r.future = self.submit(lambda: self._refill(c, r))
 
     def _refill(self, c: Chunk, r: Refill) -> None:
+        # The version is read here, on the worker, after the step's own update of the chunk (queued before
+        # this): read on the training thread it would be the one before that update, and never match.
         t0 = time.perf_counter()
         try:
             spare = c.spare
-            if spare is None or c.exp_avg is not r.state or c.state_version() != r.version:
+            if spare is None or c.exp_avg is not r.state:
                 return
+            r.version = c.state_version()
             with torch.no_grad():
                 for k in ("master", "exp_avg", "exp_avg_sq", "steps"):
                     spare[k].copy_(getattr(c, k))  # type: ignore[union-attr]

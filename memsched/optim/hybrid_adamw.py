@@ -134,6 +134,7 @@ class HybridAdamW(torch.optim.Optimizer):
             self.overlap = False
             self.timeline.stop()
             self.early_updates.wait()  # a refill in flight; none starts later
+            self.early_updates.refills.clear()  # each holds its chunk's host state
             self.streamed.wait()  # the streamed updates' copies into the host state
             self.early_updates.enabled = False
             self.host_updates.close()
@@ -285,6 +286,9 @@ class HybridAdamW(torch.optim.Optimizer):
                     with self.store.alloc.host_context():
                         self._update_host(c, hps[c.group], inv_host, coefs_host, updated=c.index in committed)
                     self.store.after_update(c)
+        # the streamed updates ran beside the CPU path's; the host state and the parameters' host values (read
+        # between steps, where parameters are host views) are the step's once their D2H copies are done
+        self.streamed.wait()
         self._refill(host_chunks)
         self._finish_step()
         return loss

@@ -12,10 +12,12 @@ kernel's result does not change: :func:`memsched.optim.adam.kernel_spans`), with
    chunk), and the parameters written in place from the new master (a cast under mixed precision);
 3. D2H: the new master and moments back into the host state, on the copy stream, while the next piece goes on.
 
-The step counts move on the host (as the CPU kernel moves them) and go to the device with the piece. The
-host state is written by the D2H copies after ``step()`` returns: :meth:`StreamedUpdates.wait` blocks until
-they are done, and everything that reads or writes host state calls it first (the next step, ``state_dict``,
-checkpoints, re-plans, host writes to the chunk).
+The step counts move on the host (as the CPU kernel moves them) and go to the device with the piece. Under
+mixed precision a chunk that keeps a host copy of its parameters (``staging``: their values between steps,
+and where they go when they leave the device) gets them back D2H too. ``step()`` issues the streamed updates
+first, then runs the CPU path's updates (or hands them to the worker) while the copies and the device work,
+and returns once the streamed updates' D2H copies are done (:meth:`StreamedUpdates.wait`): from then on the
+host state and the parameters' host values are those of the step, for every reader.
 
 The numbers are those of fused AdamW on the device that runs it, as for a device chunk
 (:doc:`docs/semantics.md`, exactness). The idea is Megatron-LM's ``--chunked-optimizer-state-offload``
@@ -147,7 +149,12 @@ class StreamedUpdates:
                         if ev is not None:
                             self._copies.append(ev)
                             last[j % BUFFER_SETS] = ev
-                self.transfers.add_d2h(n * 12)
+                    if c.staging is not None:  # the parameters' host copy (their values between steps, and
+                        # where they go when they leave the device) follows, as the CPU update's cast does
+                        ev = streams.copy_d2h(c.staging[lo:hi], param[lo:hi])
+                        if ev is not None:
+                            self._copies.append(ev)
+                self.transfers.add_d2h(n * (12 + (param.element_size() if c.staging is not None else 0)))
                 j += 1
         return j
 
