@@ -30,6 +30,7 @@ from memsched.optim.early_update import check_overlap
 from memsched.optim.hyperparams import check_hyperparameters, frozen_given, hyperparameter_groups
 from memsched.optim.precision import check_dtype
 from memsched.planning.plan_check import load_expected_plan
+from memsched.planning.planner import PlanningOptions
 from policies.types import check_ratio
 from policies.units import parse_positive_bytes
 from policies.update_paths import HOST_UPDATE_MODES
@@ -73,6 +74,14 @@ class SchedulerConfig:
     expected_plan: Mapping[str, Any] | None = None  # `memsched plan --json` to check the runtime plan against
     update_threads: int | None = None  # the CPU update worker's intra-op threads (None: the default)
     host_update: str = "cpu"  # where host chunks are updated (policies.update_paths.HOST_UPDATE_MODES)
+
+    def planning(self) -> PlanningOptions:
+        """The options planning reads (:class:`memsched.planning.planner.PlanningOptions`)."""
+        return PlanningOptions(
+            device=self.device, policy=self.placement.policy,
+            gpu_margin_mem_ratio=self.placement.gpu_margin_mem_ratio, compute_dtype=self.compute_dtype,
+            chunk_numel=self.chunk_numel, overlap=self.overlap, early_update=self.early_update,
+            host_memory_bytes=self.host_memory_bytes, host_update=self.host_update)
 
 
 def _check_warmup(n: Any) -> int:

@@ -199,6 +199,7 @@ class Scheduler:
         self.phase = Phase.WARMUP
         self.steps = 0
         self.transfers = TransferStats()
+        planning = config.planning()  # the options the planner reads (memsched.planning.planner)
         installed = self._installed = Installed(model, [p for g in groups for p in g["params"]] + frozen)
         tdev = self.device.torch_device
         # One rank: frozen parameters in chunks of their own; with more ranks each keeps its own copy.
@@ -234,7 +235,7 @@ class Scheduler:
                 self.device.capacity_bytes, sum(map(sum, packed)) * self.compute_dtype.itemsize)
             if self.warmup_params_on_host and alloc.pin:  # checked before anything is pinned
                 layout = build_layout(packed, chunk_numel=chunk_numel, align=self.dp.align, exact=True)
-                check_host_room(layout, config, alloc, frozen_group=len(groups) if frozen else None,
+                check_host_room(layout, planning, alloc, frozen_group=len(groups) if frozen else None,
                                 frozen_on_host=True, host_views=reads_host_memory(tdev, pinned=alloc.pin))
 
             def away(store: ChunkStore, c: Any) -> None:  # built: its host state, its parameters leave
@@ -252,7 +253,7 @@ class Scheduler:
             self.dp.broadcast_model(model, self.store)  # rank 0's parameters everywhere
             self.dp.shard(self.store)  # each chunk's own shard
             if initial == HOST and alloc.pin and not self.warmup_params_on_host:  # before pinning
-                check_host_room(self.store.layout, config, alloc, shard_numel=None if self.store.exact
+                check_host_room(self.store.layout, planning, alloc, shard_numel=None if self.store.exact
                                 else max(c.hi - c.lo for c in self.store.chunks),
                                 frozen_group=len(groups) if frozen else None,
                                 host_views=self.store.lean_params)
@@ -299,7 +300,7 @@ class Scheduler:
                 self.params.on_move = self.sim.move
             if shards is None:
                 self.store.fetch_between = weak_method(self.params.fetch_between)
-        self.planner = Planner(config, model, self.store, self.dp, self.transfers,
+        self.planner = Planner(planning, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates, params=self.params,
                                # no reference back to the scheduler (close() frees it at once)
                                link_bytes_per_s=functools.partial(self.streams.link_bytes_per_s,

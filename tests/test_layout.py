@@ -119,6 +119,18 @@ def test_tracer_and_policies_never_import_memsched(pkg):
     assert not {m: n for m, n in bad.items() if n}
 
 
+@pytest.mark.parametrize(("room", "later"), [("memsched.devices", "memsched.telemetry"),
+                                             ("memsched.planning", "memsched.config")],
+                         ids=["devices-not-telemetry", "planning-not-config"])
+def test_a_room_imports_nothing_from_a_later_one(room, later):
+    # The rooms follow the step's stages (docs/architecture.md): the devices name the copy tracks the step
+    # timeline records (memsched.devices.transfers), and the planner reads its options from
+    # memsched.planning.planner.PlanningOptions, which the attach options (memsched.config) build.
+    bad = {m: sorted(n for n in _imports(m, function_level=True) if n == later or n.startswith(later + "."))
+           for m in MODULES if m == room or m.startswith(room + ".")}
+    assert not {m: n for m, n in bad.items() if n}
+
+
 def test_no_class_is_assembled_from_project_mixins():
     # A project class takes at most one project base, and no project class is a mixin: each component owns
     # the state it reads (composition, as FSDP2 does).

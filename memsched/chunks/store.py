@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 import warnings
@@ -27,6 +28,24 @@ from tracer.ops import graph_task_id
 
 # The parameter dtypes memsched trains (memsched.config refuses others at attach).
 TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class BackwardPhase(enum.Enum):
+    """Where a :class:`ChunkStore` is in a backward: one state, changed only by the store's named transitions
+    (see [Note: the backward phase]), as FSDP2's ``FSDPParamGroup`` owns its ``TrainingState``.
+
+    * ``IDLE``: no backward is running, and the last one ended whole (or ``zero_grad`` came since).
+    * ``IN_BACKWARD``: a backward is running: a gradient reached a hook and its end is queued
+      (:meth:`ChunkStore.note_backward`; one rank and ZeRO-2). Backwards nested in it
+      (``checkpoint(use_reentrant=True)``) keep it until the outermost one ends.
+    * ``ABORTED``: a backward raised and was ended in its place (:meth:`ChunkStore.end_aborted_backward`): its
+      partial gradients stay, and :meth:`ChunkStore.settle` refuses a step until ``zero_grad`` or a backward
+      that ends whole.
+    """
+
+    IDLE = "idle"
+    IN_BACKWARD = "in backward"
+    ABORTED = "aborted"
 
 
 class ChunkStore:
@@ -84,8 +103,8 @@ class ChunkStore:
         self.host_grads: set[int] = set()  # parameters whose gradient is in their chunk's ``grad_host``
         # Whether some chunk offloads (a plain flag: compiled hooks read it, see memsched.runtime.waits)
         self.offloading = False
-        self.in_backward = False  # a backward is running (its end callback is queued)
-        self.aborted = False  # a backward raised, its partial gradients stay: steps refused until zero_grad
+        # Where the store is in a backward: changed only by the _*_backward transitions below
+        self._backward_phase = BackwardPhase.IDLE
         self._backward_end_observers: list[Callable[[], None]] = []
         self._zero_grad_observers: list[Callable[[], None]] = []
         # The gradient offload (memsched.chunks.grad_offload) once installed; without it host chunks keep
@@ -693,7 +712,7 @@ class ChunkStore:
                 and part are not, so anything reading them now (torch's ``clip_grad_norm_``, the step) would
                 see only part of them. ``zero_grad()`` drops them.
         """
-        if self.in_backward or self.aborted:
+        if self._backward_phase is not BackwardPhase.IDLE:
             # between steps again: parameters whose buffer is away read their host values, not the absent
             # views' NaN (the refusal stands until zero_grad())
             self.bindings.leave_compute()
@@ -813,7 +832,7 @@ class ChunkStore:
                     p.grad = None
         for observer in self._backward_end_observers:
             observer()
-        self.in_backward = self.aborted = False
+        self._end_backward()  # after the observers, before the host binding ([Note: the backward phase])
         self.bindings.leave_compute()
 
     def watch_backward_begin(self, output: Any) -> None:
@@ -862,7 +881,7 @@ class ChunkStore:
         task = graph_task_id()
         if self.lazy_grads and task != -1 and task not in self._open_tasks:
             self._open_tasks.add(task)
-            self.in_backward = True
+            self._begin_backward()
             end = functools.partial(self._backward_end, task)
             torch.autograd.Variable._execution_engine.queue_callback(end)
         return task
@@ -884,10 +903,62 @@ class ChunkStore:
         self._flush_ready()
         for observer in self._backward_end_observers:
             observer()
-        self.in_backward = False
-        self.aborted = True  # settle() refuses the partial gradients until zero_grad or a whole backward
+        self._abort_backward()  # settle() refuses the partial gradients until zero_grad or a whole backward
         self.bindings.leave_compute()
         return True
+
+    # -- the backward phase -------------------------------------------------------------------------------
+    @property
+    def backward_phase(self) -> BackwardPhase:
+        """Where the store is in a backward (:class:`BackwardPhase`; read-only: the transitions below change
+        it)."""
+        return self._backward_phase
+
+    @property
+    def in_backward(self) -> bool:
+        """A backward is running (its end callback is queued): the phase is ``IN_BACKWARD``."""
+        return self._backward_phase is BackwardPhase.IN_BACKWARD
+
+    def _begin_backward(self) -> None:
+        """[Note: the backward phase]
+        The store's :class:`BackwardPhase` changes at four points, each a named transition, and where each
+        sits against the observers and the bindings matters:
+
+        * ``_begin_backward`` (any phase -> ``IN_BACKWARD``): :meth:`note_backward`, when a gradient opens a
+          graph task's end (a nested backward's too, which keeps the phase). From ``ABORTED`` too: a backward
+          after one that raised runs, and if it ends whole its gradients are whole again. So
+          ``IN_BACKWARD`` goes with a queued end in ``_open_tasks``.
+        * ``_end_backward`` (-> ``IDLE``): :meth:`_backward_end`, once the outermost backward's end ran its
+          observers, which still see ``IN_BACKWARD``, and before :meth:`ChunkBindings.leave_compute` makes
+          the host chunks host-bound. Nested ends change nothing. It may find ``IDLE`` or ``ABORTED``: a
+          ``zero_grad()`` inside the backward (a hook) reset the phase, or a backward running on another
+          thread was ended in its place from this one; it ends whole all the same.
+        * ``_abort_backward`` (-> ``ABORTED``): :meth:`end_aborted_backward`, after the observers settled
+          what the raised backward left, before the host binding. From ``IDLE`` too: a backward that read
+          a saved parameter (:meth:`note_running`) but raised before any gradient reached a hook never
+          began the phase.
+        * ``_reset_backward`` (-> ``IDLE``): :meth:`zero_grad`, after :meth:`end_aborted_backward` (which
+          may pass through ``ABORTED`` first) and after the zero_grad observers dropped the pending offloads
+          (they see the phase as it was), before the gradients are released.
+
+        Every phase can thus follow every other, so the transitions check nothing but are named for the
+        event that makes them. :meth:`settle` refuses a step in any phase but ``IDLE``. The phase is apart
+        from :attr:`ChunkBindings.computing` (the bindings' phase, from a forward's start to its
+        backward's end): a forward after a backward that raised computes while ``ABORTED``, and
+        :meth:`settle` inside a backward leaves computing while ``IN_BACKWARD``."""
+        self._backward_phase = BackwardPhase.IN_BACKWARD
+
+    def _end_backward(self) -> None:
+        """The outermost backward ended whole ([Note: the backward phase])."""
+        self._backward_phase = BackwardPhase.IDLE
+
+    def _abort_backward(self) -> None:
+        """A backward that raised was ended in its place ([Note: the backward phase])."""
+        self._backward_phase = BackwardPhase.ABORTED
+
+    def _reset_backward(self) -> None:
+        """``zero_grad()``: no gradient of any backward stays ([Note: the backward phase])."""
+        self._backward_phase = BackwardPhase.IDLE
 
     def observe_backward_end(self, observer: Callable[[], None]) -> None:
         """Call ``observer()`` at the end of every backward (one rank), before the host chunks are
@@ -1156,7 +1227,7 @@ class ChunkStore:
         self.dp.before_zero_grad()  # pending gradient reductions finish first
         for observer in self._zero_grad_observers:  # pending offloads are dropped
             observer()
-        self.in_backward = self.aborted = False
+        self._reset_backward()
         if set_to_none and self.lazy_grads and not self.closed:
             self._release_kept_grads()
         if set_to_none and not self.closed:

@@ -41,8 +41,13 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from memsched.telemetry.step_timeline import D2H, H2D, WAITS
 from policies.units import format_bytes
+
+# The tracks the copies are recorded on (:meth:`Streams.trace_to`): the stand-in's modelled link, one per
+# direction, and the training thread's waits for copies. Named here, where the copies are made; the step
+# timeline (memsched.telemetry.step_timeline) takes them from this room, so devices import nothing after them.
+H2D, D2H = "h2d", "d2h"
+WAITS = "waits"
 
 
 @dataclass(eq=False)

@@ -21,10 +21,10 @@ import torch
 import policies
 from memsched.chunks import Allocator, ChunkLayout, ChunkStore, chunk_bytes, pinned_bytes
 from memsched.chunks.sizing import stream_piece_numel, stream_staging_bytes
-from memsched.config import SchedulerConfig
 from memsched.devices.gpus import get_gpu
 from memsched.devices.host_memory import check_initial_host_state, host_budget
 from memsched.devices.simdevice import OUT_OF_MEMORY
+from memsched.devices.spec import DeviceSpec
 from memsched.devices.transfers import TransferStats
 from memsched.distributed.base import DataParallel
 from memsched.planning.cost_model import WarmupCosts
@@ -40,7 +40,31 @@ from policies.update_paths import choose_update_paths, streaming_bytes
 from tracer.param_reads import BEGIN, FORWARD
 
 
-def check_host_room(layout: ChunkLayout, config: SchedulerConfig, alloc: Allocator,
+@dataclasses.dataclass(frozen=True)
+class PlanningOptions:
+    """The options of :func:`memsched.attach` that planning reads, checked already. The scheduler builds them
+    from its options (:meth:`memsched.config.SchedulerConfig.planning`), so the planning room imports
+    nothing from the attach options' module, which imports the rooms.
+
+    Fields: ``device`` (the device and its host link), ``policy`` and ``gpu_margin_mem_ratio`` (the
+    placement), ``compute_dtype``, ``chunk_numel`` (the chunk size override, ``None``: searched),
+    ``overlap`` (``overlap=True``: the CPU update beside the next forward), ``early_update``
+    (``overlap="backward"``), ``host_memory_bytes`` (``host_memory=``, the host budget's own limit) and
+    ``host_update`` (where host chunks are updated).
+    """
+
+    device: DeviceSpec
+    policy: policies.Policy
+    gpu_margin_mem_ratio: float
+    compute_dtype: torch.dtype
+    chunk_numel: int | None
+    overlap: bool = False
+    early_update: bool = False
+    host_memory_bytes: int | None = None
+    host_update: str = "cpu"
+
+
+def check_host_room(layout: ChunkLayout, config: PlanningOptions, alloc: Allocator,
                     shard_numel: int | None = None, *, frozen_group: int | None = None,
                     frozen_on_host: bool = False, host_views: bool = True) -> None:
     """All optimizer state starts pinned on the host until the plan: refuse before pinning it when the host
@@ -70,8 +94,8 @@ class Planner:
     """Owns the placement plan of one scheduler and moves the chunks to it.
 
     Args:
-        config: the scheduler's checked options (policy, ``gpu_margin_mem_ratio``, chunk size, dtype,
-        overlap).
+        config: the scheduler's checked options that planning reads (:class:`PlanningOptions`: policy,
+            ``gpu_margin_mem_ratio``, chunk size, dtype, overlap).
         model: the model (its parameters' names and shapes make the problem).
         store: the chunks.
         dp: the data parallelism (plans agree over the ranks).
@@ -93,7 +117,7 @@ class Planner:
             bytes (from the warmup trace; 0 before).
     """
 
-    def __init__(self, config: SchedulerConfig, model: torch.nn.Module, store: ChunkStore, dp: DataParallel,
+    def __init__(self, config: PlanningOptions, model: torch.nn.Module, store: ChunkStore, dp: DataParallel,
                  transfers: TransferStats, wait_updates: Callable[[str], None], params: Any = None,
                  link_bytes_per_s: Callable[[], float | None] = lambda: None) -> None:
         self._config = config
@@ -105,7 +129,7 @@ class Planner:
         self._wait_updates = wait_updates
         self._link_bytes_per_s = link_bytes_per_s  # the host link's bandwidth (host_update="auto")
         self._timeline: Any = None  # the warmup trace (machine inputs: fragmentation)
-        self.policy = config.placement.policy
+        self.policy = config.policy
         self.plan: PlacementPlan | None = None
         self.problem: policies.PlacementProblem | None = None
         self.plan_error: Exception | None = None
@@ -359,7 +383,7 @@ class Planner:
             {"offload_grads": store.offloader is not None and store.lazy_grads, "grad_working_chunks": 0})
         problem, layout = build_problem(
             self._model, peak, capacity,
-            gpu_margin_mem_ratio=self._config.placement.gpu_margin_mem_ratio, param_order=order,
+            gpu_margin_mem_ratio=self._config.gpu_margin_mem_ratio, param_order=order,
             chunk_numel=store.layout.chunk_numel, param_groups=store.groups,
             compute_dtype=self._config.compute_dtype, align=store.align, pinned=store.alloc.pin,
             private_grads=store.private_grads, host_views=store.lean_params or not store.backward_offload,

@@ -44,8 +44,10 @@ from typing import Any
 
 import torch
 
-MAIN, WAITS, CPU_UPDATE = "main", "waits", "cpu update"
-H2D, D2H = "h2d", "d2h"  # the copy tracks of the stand-in's modelled link
+# The copy tracks of the stand-in's modelled link and the waits track are named where the copies are made
+from memsched.devices.transfers import D2H, H2D, WAITS
+
+MAIN, CPU_UPDATE = "main", "cpu update"
 PHASES = ("data", "forward", "backward", "step")
 
 
