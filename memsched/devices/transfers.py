@@ -285,15 +285,19 @@ class Streams:
     def link_bytes_per_s(self, alloc: Any) -> float | None:
         """The host link's bandwidth per direction, bytes per second: the stand-in's modelled link; on CUDA a
         64 MiB pinned H2D copy on the side stream, timed with CUDA events (measured once, after one untimed
-        copy); ``None`` elsewhere (synchronous copies: no link to model). ``alloc``: where the copy's pinned
-        and device buffers come from (:class:`memsched.chunks.Allocator`)."""
+        copy); ``None`` elsewhere (synchronous copies: no link to model), or when the probe's buffers do not
+        fit. ``alloc``: where the copy's pinned and device buffers come from
+        (:class:`memsched.chunks.Allocator`)."""
         if self.link is not None:
             return self.link.bytes_per_s
         if not self.cuda:
             return None
         if self._measured is None:
             n = 64 << 20
-            src, dst = alloc.host_empty(n, torch.uint8), alloc.device_empty(n, torch.uint8)
+            try:
+                src, dst = alloc.host_empty(n, torch.uint8), alloc.device_empty(n, torch.uint8)
+            except RuntimeError:  # out of device or pinned memory (torch.OutOfMemoryError is one): unknown
+                return None
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.h2d):
                 dst.copy_(src, non_blocking=True)

@@ -308,7 +308,9 @@ class Planner:
                     if where == HOST and not plan.params_on_host(i) and not store.chunks[i].frozen]
         numel = [c.hi - c.lo for c in store.chunks]
         on_host = store.offloader is not None  # the host chunks' gradients go to the host in backward
-        link = [streaming_bytes(n, size, size, grads_on_host=on_host, host_param_copy=False) for n in numel]
+        # a mixed-precision chunk with a host copy of its parameters (not lean) gets them back D2H too
+        link = [streaming_bytes(n, size, size, grads_on_host=on_host, host_param_copy=c.mixed and not c.lean)
+                for n, c in zip(numel, store.chunks, strict=True)]
         costs = self.warmup_costs
         piece = stream_piece_numel([numel[i] for i in eligible])
         staging = stream_staging_bytes(piece, dtype) if eligible else 0
