@@ -19,6 +19,16 @@ from tests.test_overlap import CLIP, GroupedReference, grouped_parity_run, pause
 LINK = "sim:64MiB,link=25GBps"
 
 
+def _train(model, sched, ref, steps: int) -> None:
+    """``steps`` plain steps with memsched and with ``ref``."""
+    for b in gpt_batches(steps):
+        sched.backward(gpt_loss(model, b))
+        sched.optimizer.step()
+        sched.optimizer.zero_grad()
+        with paused(sched):
+            ref.step(b, gpt_loss, None)
+
+
 @pytest.mark.parametrize("overlap", [False, True, "backward"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_streamed_update_is_bit_exact(dtype, overlap, monkeypatch):
@@ -48,12 +58,7 @@ def test_auto_streams_over_a_fast_link_and_not_over_a_slow_one():
         ref = Reference(model)
         with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, policy="cpu", device=device,
                              host_update="auto") as sched:
-            for b in gpt_batches(4):
-                sched.backward(gpt_loss(model, b))
-                sched.optimizer.step()
-                sched.optimizer.zero_grad()
-                with paused(sched):
-                    ref.step(b, gpt_loss, None)
+            _train(model, sched, ref, 4)
             plan = sched.plan
         assert_same(model, ref, device)
         assert bool(plan.streamed) == streams, (device, plan.reasons)
@@ -68,12 +73,7 @@ def test_parameters_on_the_host_keep_their_chunks_on_the_cpu():
     with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, policy="static", device=LINK,
                          policy_options={"offload_optim_frac": 1.0, "offload_param_frac": 0.5},
                          host_update="device") as sched:
-        for b in gpt_batches(4):
-            sched.backward(gpt_loss(model, b))
-            sched.optimizer.step()
-            sched.optimizer.zero_grad()
-            with paused(sched):
-                ref.step(b, gpt_loss, None)
+        _train(model, sched, ref, 4)
         plan = sched.plan
     assert_same(model, ref, "params offloaded")
     assert plan.param_host_chunks and plan.streamed
