@@ -629,9 +629,11 @@ class Scheduler:
 
     def synchronize(self) -> None:
         """Wait for every pending update of the parameters: the overlapped CPU update (``overlap=True``; the
-        host blocks) and the H2D copies (CUDA; the current stream waits). Only reads from another thread need
-        it: on the training thread a read between an overlapped step and the next forward waits for its
-        chunk ([Note: reads between steps wait] in :mod:`memsched.runtime.waits`), and forwards,
+        host blocks), the H2D copies (CUDA; the current stream waits) and, with ``overlap="backward"``, the
+        worker's copies into the spare host states (:mod:`memsched.optim.early_update`). Only reads from
+        another thread need it: on the training thread a read between an overlapped step and the next
+        forward waits for its chunk ([Note: reads between steps wait] in :mod:`memsched.runtime.waits`), and
+        forwards,
         ``model.state_dict()``, ``model.load_state_dict()``, the optimizer's ``step()``/``state_dict()`` and
         ``close()`` wait by themselves.
 
@@ -639,6 +641,7 @@ class Scheduler:
             memsched.optim.host_updates.OverlapError: the overlapped update failed.
         """
         self.waits.synchronize()
+        self.optimizer.early_updates.wait()
 
     # ---- training API -------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

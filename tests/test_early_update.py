@@ -415,6 +415,7 @@ def test_a_refill_after_an_update_at_the_step_is_used():
             sched.optimizer.zero_grad()
             if i == 2:
                 sched.synchronize()
+                # synchronize() waited for the refills too
                 assert early.dropped > 0 and all(r.ok for r in early.refills.values()), early.refills
         sched.synchronize()
         names = {s.name for r in sched.step_timeline.records for s in r.spans if s.track == "cpu update"}

@@ -95,6 +95,7 @@ class Refill:
     version: int
     future: Future | None = None
     ok: bool = False
+    error: BaseException | None = None  # what stopped the copy (the speculation then copies itself)
 
 
 @dataclass
@@ -175,8 +176,8 @@ class EarlyUpdates:
                 for k in ("master", "exp_avg", "exp_avg_sq", "steps"):
                     spare[k].copy_(getattr(c, k))  # type: ignore[union-attr]
             r.ok = c.state_version() == r.version and c.exp_avg is r.state
-        except BaseException:  # the speculation copies inline instead
-            r.ok = False
+        except BaseException as e:  # the speculation copies inline instead
+            r.ok, r.error = False, e
         finally:
             self.span(CPU_UPDATE, "refill spare", t0, time.perf_counter(), chunk=c.index)
 
