@@ -11,8 +11,9 @@ and the backward's length measured in warmup, and the host memory left:
   the most backward left to hide behind);
 * a candidate is taken while its spare state fits the host memory the plan leaves free
   (``PlacementProblem.host_capacity_bytes`` less the plan's ``host_bytes``);
-* and while the updates taken so far do not already fill backward: a later chunk's update would start after
-  backward anyway, where the step updates it as early, overlapping the next forward, with no spare.
+* and while the updates taken so far do not already fill backward (twice its warmup time:
+  :data:`BACKWARD_SLACK`): a later chunk's update would start after backward anyway, where the step updates it
+  as early, overlapping the next forward, with no spare.
 
 The idea of updating the offloaded optimizer state during backward comes from ZeRO-Offload's delayed parameter
 update (arXiv 2101.06840, section 5) and DeepSpeed SuperOffload's speculation-then-validation; here the result
@@ -27,6 +28,11 @@ from collections.abc import Sequence
 from policies.plans import _sums
 from policies.types import HOST, PlacementPlan, PlacementProblem
 from policies.units import format_bytes
+
+#: The updates taken may fill this many times the warmup's backward: warmup times are single samples (one
+#: stall in the update's measurement must not cut speculation that backward hides), and an update that starts
+#: late in backward still overlaps what follows it.
+BACKWARD_SLACK = 2.0
 
 
 def speculate(problem: PlacementProblem, plan: PlacementPlan, *, order: Sequence[int],
@@ -67,9 +73,10 @@ def speculate(problem: PlacementProblem, plan: PlacementPlan, *, order: Sequence
         if i in seen or plan.placement[i] != HOST or c.frozen:
             continue
         seen.add(i)
-        if timed and busy >= backward_s:  # type: ignore[operator]
-            stop = (f"the updates of the first {len(chosen)} already fill the backward measured in warmup "
-                    f"({backward_s * 1e3:.1f} ms); the others are updated at the step")  # type: ignore[operator]
+        if timed and busy >= BACKWARD_SLACK * backward_s:  # type: ignore[operator]
+            stop = (f"the updates of the first {len(chosen)} already fill {BACKWARD_SLACK:g}x the backward "
+                    f"measured in warmup ({backward_s * 1e3:.1f} ms); the others are updated at the "  # type: ignore[operator]
+                    "step")
             break
         if free is not None and spare + c.host_bytes > free:
             stop = (f"the next one's spare state ({format_bytes(c.host_bytes)}) would not fit the "

@@ -52,10 +52,11 @@ def test_host_memory_left_stops_the_count_in_backward_order():
 
 def test_updates_that_fill_backward_stop_the_count():
     p = _problem()
-    # 10 ms per update, 25 ms of backward: the third update starts within backward, the fourth would not
-    out = speculate(p, _plan(p), order=range(5, -1, -1), update_s=[0.01] * 6, backward_s=0.025)
+    # 10 ms per update, 12.5 ms of backward (25 ms with the slack): the third update starts within it, the
+    # fourth would not
+    out = speculate(p, _plan(p), order=range(5, -1, -1), update_s=[0.01] * 6, backward_s=0.0125)
     assert out.speculative == (3, 4, 5)
-    assert "fill the backward" in out.reasons[-1]
+    assert "already fill 2x the backward" in out.reasons[-1]
     # unmeasured times: memory alone limits
     assert speculate(p, _plan(p), order=range(5, -1, -1), update_s=None, backward_s=0.025).speculative == (
         0, 1, 2, 3, 4, 5)
