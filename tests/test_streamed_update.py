@@ -215,3 +215,45 @@ def test_host_gradients_zeroed_right_after_the_step_over_a_slow_link(dtype, monk
                 ref.step(b, gpt_loss, None)
         assert sched.plan.streamed
     assert_same(model, ref, "model.zero_grad(set_to_none=False) after the step")
+
+
+def test_out_of_device_memory_for_the_streamed_buffers_leaves_everything_as_it_was(monkeypatch):
+    """The streamed update's device buffers are allocated before the step's first in-place write: when the
+    device cannot hold them (CUDA raises ``torch.OutOfMemoryError``), the step raises with every parameter
+    and all optimizer state as before it, and the same step made again is the reference's."""
+    from memsched.optim.streamed_update import StreamedUpdates
+
+    model = tiny_gpt()
+    ref = Reference(model)
+    batches = gpt_batches(4)
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, policy="static", device=LINK,
+                         policy_options={"offload_optim_frac": 0.5}, host_update="device") as sched:
+        _train(model, sched, ref, 3)
+        plan = sched.plan
+        assert plan.streamed and plan.device_chunks  # device chunks would be written first
+        sched.backward(gpt_loss(model, batches[3]))
+        before = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        state = sched.optimizer.state_dict()
+        real = StreamedUpdates.prepare
+
+        def no_room(self, chunks):
+            if chunks:
+                raise torch.OutOfMemoryError("test: no room for the streamed buffers")
+            return real(self, chunks)
+
+        monkeypatch.setattr(StreamedUpdates, "prepare", no_room)
+        with pytest.raises(torch.OutOfMemoryError, match="no room"):
+            sched.optimizer.step()
+        monkeypatch.setattr(StreamedUpdates, "prepare", real)
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k].detach().cpu()) for k in before)
+        again = sched.optimizer.state_dict()
+        for k, s in state["state"].items():
+            for name, t in s.items():
+                if torch.is_tensor(t):
+                    assert torch.equal(t, again["state"][k][name]), (k, name)
+        sched.optimizer.step()  # the same step, made again
+        sched.optimizer.zero_grad()
+        with paused(sched):
+            ref.step(batches[3], gpt_loss, None)
+    assert_same(model, ref, "after the retried step")

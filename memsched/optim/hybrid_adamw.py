@@ -235,6 +235,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.capacity_check is not None:
             self.capacity_check(self._step_temporary_bytes(device_chunks) + self.streamed.temporary_bytes(
                 streamed), "optimizer step temporaries")
+        self.streamed.prepare(streamed)  # its device buffers: out of memory raises here, before any write
         # ---- no failure expected below this line: in-place writes start ------------------------------------
         with_grad = store.with_grad
         for p, g in fixes:
@@ -262,6 +263,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if self.checks.found_inf(chunks):
                 self.scaler.skip_step()
                 self.early_updates.discard()
+                self.streamed.release()
                 self._refill(host_chunks)
                 self._finish_step()
                 return loss

@@ -62,6 +62,8 @@ class StreamedUpdates:
         self.span = span
         self.chunks: frozenset[int] = frozenset()  # the plan's streamed chunks (PlacementPlan.streamed)
         self._copies: list[Any] = []  # events of the D2H copies still writing host state
+        self._sets: list[dict[str, torch.Tensor]] = []  # the step's device buffer sets (prepare)
+        self._piece = 0
         self.updates = 0  # chunk updates made on the device (statistics)
 
     def takes(self, c: Chunk) -> bool:
@@ -74,21 +76,39 @@ class StreamedUpdates:
             return 0
         return stream_staging_bytes(piece_numel(chunks), chunks[0].compute_dtype)
 
-    def update(self, chunks: Sequence[Chunk], hps: Sequence[dict[str, Any]], active: set[int],
-               inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
-        """Update ``chunks`` (host chunks this object :meth:`takes`) on the device, piece by piece (module
-        docstring). ``hps``: each param group's hyper-parameters; ``active``: ids of the parameters with a
-        gradient this step; ``inv_scale`` and ``coefs`` (fp16 inverse loss scale, clip coefficients) are
-        device tensors."""
+    def prepare(self, chunks: Sequence[Chunk]) -> None:
+        """Allocate the device buffer sets a step that streams ``chunks`` uses (none without any), before the
+        step's first in-place write, so that running out of device memory leaves everything as it was.
+
+        Raises:
+            torch.OutOfMemoryError: (CUDA) the device cannot hold them.
+        """
+        self.release()
         if not chunks:
             return
-        self.wait()  # the previous step's copies still write the host state the H2D copies read
         piece = piece_numel(chunks)
         alloc = self.store.alloc
         dev_dtype = chunks[0].compute_dtype
         f32 = ("master", "exp_avg", "exp_avg_sq", "g")
-        sets = [{k: alloc.device_empty(piece, torch.float32) for k in f32}
-                | {"gc": alloc.device_empty(piece, dev_dtype)} for _ in range(BUFFER_SETS)]
+        self._sets = [{k: alloc.device_empty(piece, torch.float32) for k in f32}
+                      | {"gc": alloc.device_empty(piece, dev_dtype)} for _ in range(BUFFER_SETS)]
+        self._piece = piece
+
+    def release(self) -> None:
+        """Free the buffer sets :meth:`prepare` allocated, for a step that updates nothing (fp16 overflow)."""
+        self._sets, self._piece = [], 0
+
+    def update(self, chunks: Sequence[Chunk], hps: Sequence[dict[str, Any]], active: set[int],
+               inv_scale: torch.Tensor | None, coefs: list[torch.Tensor]) -> None:
+        """Update ``chunks`` (host chunks this object :meth:`takes`, after :meth:`prepare` for them) on the
+        device, piece by piece (module docstring). ``hps``: each param group's hyper-parameters; ``active``:
+        ids of the parameters with a gradient this step; ``inv_scale`` and ``coefs`` (fp16 inverse loss scale,
+        clip coefficients) are device tensors. The buffer sets are freed at the end."""
+        sets, piece, self._sets = self._sets, self._piece, []
+        if not chunks:
+            return
+        assert sets, "StreamedUpdates.prepare() first"
+        self.wait()  # the previous step's copies still write the host state the H2D copies read
         last: list[Any] = [None] * BUFFER_SETS  # per set, the D2H copy that last read it
         j = 0
         for c in chunks:
