@@ -100,7 +100,7 @@ def schedule_peak_bytes(problem: PlacementProblem, placement: Sequence[str], par
     return peak
 
 
-def _sums(problem: PlacementProblem, placement: Sequence[str],
+def plan_bytes(problem: PlacementProblem, placement: Sequence[str],
           param_placement: Sequence[str] = (), speculative: Sequence[int] = ()) -> tuple[int, int]:
     """Device bytes and pinned host bytes of a placement (and of the parameters it keeps on the host, and of
     the spare host states of its ``speculative`` chunks)."""
@@ -178,7 +178,7 @@ def check_plan(name: str, problem: PlacementProblem, plan: PlacementPlan) -> Non
     both = sorted(set(plan.speculative) & set(plan.streamed))
     if both:
         raise ValueError(f"placement policy {name!r} returned chunks {both!r} both speculative and streamed")
-    dev, host = _sums(problem, plan.placement, plan.param_placement, plan.speculative)
+    dev, host = plan_bytes(problem, plan.placement, plan.param_placement, plan.speculative)
     if (plan.device_bytes, plan.host_bytes, plan.margin_bytes) != (dev, host, problem.margin_bytes):
         raise ValueError(
             f"placement policy {name!r} returned device_bytes={plan.device_bytes}, "
@@ -237,7 +237,7 @@ def make_plan(
     # beside parameters kept on the device would be pinned memory for nothing).
     placement = tuple((param_placement[i] if param_placement else DEVICE) if c.frozen else where
                       for i, (c, where) in enumerate(zip(problem.chunks, placement, strict=True)))
-    dev, host = _sums(problem, placement, param_placement)
+    dev, host = plan_bytes(problem, placement, param_placement)
     peak = (schedule_peak_bytes(problem, placement, param_placement, schedule)
             if schedule is not None and param_placement else None)
     return PlacementPlan(

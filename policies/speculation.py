@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from policies.plans import _sums
+from policies.plans import plan_bytes
 from policies.types import HOST, PlacementPlan, PlacementProblem
 from policies.units import format_bytes
 
@@ -89,7 +89,7 @@ def speculate(problem: PlacementProblem, plan: PlacementPlan, *, order: Sequence
     host = sum(1 for i, where in enumerate(plan.placement)
                if where == HOST and not problem.chunks[i].frozen and i not in plan.streamed)
     speculative = tuple(sorted(chosen))
-    _, host_bytes = _sums(problem, plan.placement, plan.param_placement, speculative)
+    _, host_bytes = plan_bytes(problem, plan.placement, plan.param_placement, speculative)
     if not host:
         return plan
     text = (f"overlap='backward': {len(chosen)} of the {host} host chunks updated on the CPU start their "

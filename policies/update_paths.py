@@ -77,7 +77,8 @@ def choose_update_paths(problem: PlacementProblem, plan: PlacementPlan, *, mode:
     host = [i for i, where in enumerate(plan.placement) if where == HOST and not problem.chunks[i].frozen]
     if mode == "cpu" or not host:
         return plan
-    cands = [i for i in eligible if i in set(host)]
+    host_set = set(host)
+    cands = [i for i in eligible if i in host_set]
     room = problem.capacity_bytes - problem.resident_model_bytes - plan.device_bytes
     why: str
     chosen: list[int] = []
