@@ -49,7 +49,8 @@ def streaming_bytes(numel: int, grad_bytes: int, param_bytes: int, *, grads_on_h
 def choose_update_paths(problem: PlacementProblem, plan: PlacementPlan, *, mode: str,
                         eligible: Sequence[int], cpu_elements_per_s: float | None,
                         link_bytes_per_s: float | None, link_bytes: Sequence[tuple[int, int]],
-                        param_h2d_bytes: Sequence[int], staging_bytes: int) -> PlacementPlan:
+                        param_h2d_bytes: Sequence[int], staging_bytes: int,
+                        rate_source: str = "warmup", link_source: str = "") -> PlacementPlan:
     """``plan`` with :attr:`PlacementPlan.streamed` (the host chunks whose update runs on the device) and a
     reason saying which path each host chunk took and why.
 
@@ -65,6 +66,8 @@ def choose_update_paths(problem: PlacementProblem, plan: PlacementPlan, *, mode:
             (:func:`streaming_bytes`).
         param_h2d_bytes: per chunk, the bytes its CPU update sends to the device (its new parameters).
         staging_bytes: the device bytes the streamed update holds while it runs (its piece buffers).
+        rate_source: where ``cpu_elements_per_s`` comes from, for the reason (``"warmup"``).
+        link_source: where ``link_bytes_per_s`` comes from, for the reason (``""``: not said).
 
     Raises:
         ValueError: an unknown ``mode``, or an ``eligible`` chunk that is not on the host.
@@ -107,9 +110,10 @@ def choose_update_paths(problem: PlacementProblem, plan: PlacementPlan, *, mode:
         chosen = cands[:best]
         cpu_s, link_s = cost(best)
         all_cpu, _ = cost(0)
-        why = (f"the CPU updates at {cpu_elements_per_s / 1e6:.0f} M elements/s (warmup) and the link moves "
-               f"{link_bytes_per_s / 1e9:.1f} GB/s per direction: CPU {cpu_s * 1e3:.1f} ms beside link "
-               f"{link_s * 1e3:.1f} ms, against {all_cpu * 1e3:.1f} ms all on the CPU")
+        source = f" ({link_source})" if link_source else ""
+        why = (f"the CPU updates at {cpu_elements_per_s / 1e6:.0f} M elements/s ({rate_source}) and the link "
+               f"moves {link_bytes_per_s / 1e9:.1f} GB/s per direction{source}: CPU {cpu_s * 1e3:.1f} ms "
+               f"beside link {link_s * 1e3:.1f} ms, against {all_cpu * 1e3:.1f} ms all on the CPU")
     streamed = tuple(sorted(chosen))
     text = (f"host_update={mode!r}: {len(streamed)} of the {len(host)} host chunks are updated on the device "
             f"(state streamed over the link in pieces, {format_bytes(staging_bytes)} of device memory at the "

@@ -36,3 +36,66 @@ def test_the_plan_carries_its_predicted_step(overlap):
         assert sched.predicted_step["overlap"] is overlap and sched.predicted_step["cpu_update_s"] > 0
         assert sched.plan.reasons[-1].startswith("Predicted step")
         assert not sched.step_timeline.records  # the warmup step is the model's input, not a record
+
+
+def test_exposed_update_of_each_mode():
+    """One formula for both models: serial waits for the CPU and the stream at once; overlap=True hides the
+    CPU behind the stream's wait and the next forward; "backward" hides the speculating chunks' update behind
+    backward first."""
+    from memsched.planning.step_model import exposed_update
+
+    assert exposed_update(0.030, 0.010, 0.020, False) == pytest.approx(0.030)
+    assert exposed_update(0.030, 0.010, 0.020, False, link_s=0.050) == pytest.approx(0.050)
+    assert exposed_update(0.030, 0.010, 0.020, True) == pytest.approx(0.020)
+    assert exposed_update(0.030, 0.010, 0.020, True, link_s=0.005) == pytest.approx(0.005 + 0.015)
+    # 25 ms speculate: 20 ms hidden by backward, 5 + 5 ms left for the 10 ms forward
+    assert exposed_update(0.030, 0.010, 0.020, "backward", speculative_s=0.025) == pytest.approx(0.0)
+    # 5 ms speculate: 25 ms left, 10 hidden by the forward
+    assert exposed_update(0.030, 0.010, 0.020, "backward", speculative_s=0.005) == pytest.approx(0.015)
+    assert exposed_update(0.030, 0.010, 0.020, "backward") == pytest.approx(0.020)  # none speculates
+    with pytest.raises(ValueError, match="speculative_s <= cpu_s"):
+        exposed_update(0.010, 0.010, 0.020, "backward", speculative_s=0.020)
+    with pytest.raises(ValueError, match="overlap must be False, True or 'backward', got 'both'"):
+        exposed_update(0.010, 0.010, 0.020, "both")
+
+
+def test_the_warmup_model_counts_speculating_and_streamed_chunks():
+    spans = (Span(MAIN, "forward", 0.0, 0.010), Span(MAIN, "backward", 0.010, 0.030),
+             Span(CPU_UPDATE, "update", 0.031, 0.041))
+    costs = WarmupCosts.from_record(StepRecord(1, 0.0, 0.05, spans, False), host_elements=1_000_000)
+    # 3 M elements = 30 ms; 1 M of them speculate (10 ms hidden by the 20 ms backward); 20 ms left, 10 hidden
+    p = costs.predict(3_000_000, "backward", speculative_elements=1_000_000)
+    assert p["exposed_cpu_s"] == pytest.approx(0.010) and p["speculative_s"] == pytest.approx(0.010)
+    assert costs.predict(3_000_000, "backward")["exposed_cpu_s"] == pytest.approx(0.0)  # all speculate
+    assert costs.predict(1_000_000, False, link_s=0.025)["step_s"] == pytest.approx(0.030 + 0.025)
+    with pytest.raises(ValueError, match="speculative_elements must be in"):
+        costs.predict(1_000, "backward", speculative_elements=2_000)
+    text = costs.reason(3_000_000, 3, "backward", speculative_elements=1_000_000)
+    assert "overlapped from backward" in text and "10.0 ms of it from backward" in text
+
+
+def test_the_plan_predicts_its_speculating_and_streamed_chunks(monkeypatch):
+    """The runtime plan's prediction takes the plan's own choices: with overlap="backward" the speculating
+    chunks' update is counted as hidden by backward, and streamed chunks leave the CPU update for the link's
+    time at the step, which the reasons name."""
+    with memsched.attach(tiny_gpt(), policy="cpu", device="sim:64MiB,link=25GBps", lr=LR, weight_decay=WD,
+                         chunk_numel=8192, overlap="backward") as sched:
+        model = sched.model
+        sched.backward(gpt_loss(model, gpt_batches(1)[0]))
+        sched.optimizer.step()
+        p, plan = sched.predicted_step, sched.plan
+        host = sum(c.hi - c.lo for c in sched.store.chunks if c.index in plan.host_chunks)
+        spec = sum(c.hi - c.lo for c in sched.store.chunks if c.index in plan.speculative)
+    assert p["overlap"] == "backward" and plan.speculative
+    assert p["speculative_s"] == pytest.approx(spec / sched.warmup_costs.cpu_elements_per_s)
+    assert p["cpu_update_s"] == pytest.approx(host / sched.warmup_costs.cpu_elements_per_s)
+    assert "overlapped from backward" in plan.reasons[-1]
+    with memsched.attach(tiny_gpt(), policy="cpu", device="sim:64MiB,link=25GBps", lr=LR, weight_decay=WD,
+                         chunk_numel=8192, host_update="device") as sched:
+        model = sched.model
+        sched.backward(gpt_loss(model, gpt_batches(1)[0]))
+        sched.optimizer.step()
+        p, plan = sched.predicted_step, sched.plan
+    assert plan.streamed == tuple(plan.host_chunks) and p["cpu_update_s"] == 0
+    assert p["link_s"] > 0 and p["exposed_cpu_s"] == pytest.approx(p["link_s"])
+    assert f"{len(plan.streamed)} chunks streamed through the device" in plan.reasons[-1]

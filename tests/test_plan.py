@@ -561,6 +561,35 @@ def test_the_plan_predicts_the_step_on_a_named_gpu(capsys) -> None:
     assert "give --gpu NAME" in json.loads(capsys.readouterr().out)["step_time"]["reason"]
 
 
+def test_the_plan_chooses_each_host_chunks_update_path(capsys) -> None:
+    """`--host-update auto` chooses, as attach(host_update="auto") does after warmup, which host chunks stream
+    through the GPU from --cpu-adam-rate and the link (--link-bandwidth, else the GPU's nominal PCIe x16):
+    a slow CPU over a fast link streams chunks, whose link time enters the predicted step and whose state
+    enters the plan's link bytes; a fast CPU over a slow link streams none. `--host-update cpu` (the
+    default) refuses --link-bandwidth."""
+    argv = ["plan", "--model", "tiny", "--batch-size", "4", "--seq-len", "64", "--no-largest-preset",
+            "--json", "--policy", "cpu", "--gpu", "h100-80gb", "--capacity", "1GiB"]
+    assert main([*argv, "--cpu-adam-rate", "1e9"]) == 0
+    cpu = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--cpu-adam-rate", "1e6", "--host-update", "auto"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    plan, st = r["plans"]["cpu"], r["step_time"]
+    assert plan["streamed"] and "the h100-80gb's nominal PCIe x16 bandwidth" in plan["reasons"][-1]
+    assert "63.0 GB/s per direction" in plan["reasons"][-1] and st["serial"]["link_s"] > 0
+    assert st["serial"]["host_elements"] < cpu["step_time"]["serial"]["host_elements"]
+    assert r["verdict"]["h2d_bytes_per_step"] > cpu["verdict"]["h2d_bytes_per_step"]
+    assert r["verdict"]["d2h_bytes_per_step"] > cpu["verdict"]["d2h_bytes_per_step"]
+    assert main([*argv, "--cpu-adam-rate", "1e12", "--host-update", "auto", "--link-bandwidth", "1MBps"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert not slow["plans"]["cpu"]["streamed"] and "1 MB" not in slow["plans"]["cpu"]["reasons"][-1]
+    assert "0.0 GB/s per direction (--link-bandwidth)" in slow["plans"]["cpu"]["reasons"][-1]
+    assert main([*argv, "--link-bandwidth", "25GBps"]) == 2
+    assert "--link-bandwidth applies with --host-update device or auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse's usage error
+        main([*argv, "--host-update", "auto", "--link-bandwidth", "25Gbps"])
+    assert "bits per second" in capsys.readouterr().err
+
+
 def test_the_step_model_refuses_bad_input_and_leaves_uncalibrated_dtypes_out() -> None:
     from memsched.planning.step_model import predict_step
 

@@ -62,3 +62,14 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
+
+
+def bandwidth(text: str) -> float:
+    """A bandwidth in bytes per second, such as ``25GBps`` or ``12GiB/s``
+    (:func:`memsched.devices.spec.parse_bandwidth`)."""
+    from memsched.devices.spec import parse_bandwidth
+
+    try:
+        return parse_bandwidth(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -15,11 +15,12 @@ import shlex
 import textwrap
 from collections.abc import Callable
 
-from memsched.cli.argtypes import positive_float, positive_int, positive_int_list, ratio
+from memsched.cli.argtypes import bandwidth, positive_float, positive_int, positive_int_list, ratio
 from memsched.devices.gpus import gpu_names
 from memsched.models.llama import LLAMA_PRESETS
 from memsched.models.presets import sizes
 from policies.units import parse_positive_bytes
+from policies.update_paths import HOST_UPDATE_MODES
 
 # ---- shared ------------------------------------------------------------------------------------------------
 TARGET_HELP = """\
@@ -279,6 +280,13 @@ def add_plan(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--cpu-adam-rate", type=positive_float, default=None, metavar="ELEMENTS_PER_S",
                    help="fused CPU AdamW throughput of the training host, elements/s, for the predicted step "
                         "(default: measured on this machine)")
+    p.add_argument("--host-update", choices=HOST_UPDATE_MODES, default="cpu",
+                   help="where the host chunks' optimizer update runs, as attach(host_update=...): cpu "
+                        "(default), device (their state streamed through the GPU), or auto (per chunk, "
+                        "whichever lowers the step's update time: the CPU rate against the link's bandwidth)")
+    p.add_argument("--link-bandwidth", type=bandwidth, default=None, metavar="BYTES_PER_S",
+                   help="with --host-update: the host link's bandwidth per direction, e.g. 25GBps (default: "
+                        "the --gpu's nominal PCIe x16 bandwidth)")
     p.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                    help="also predict one rank's device peak at each ZeRO stage with N >= 2 data-parallel "
                         "ranks (the batch is per rank; one size only)")

@@ -37,8 +37,10 @@ from memsched.planning.capacity import (  # noqa: F401 (re-exported for the comm
     per_rank_dict,
     plan_for_capacity,
     result_dict,
+    stream_link_bytes,
     sweep_dict,
     verdict,
+    with_update_paths,
 )
 from memsched.planning.prediction import (  # noqa: F401 (re-exported for the command's users)
     ATTENTION,
@@ -114,8 +116,12 @@ def run(args: argparse.Namespace) -> int:
     if args.world_size is not None and args.world_size < 2:
         raise ValueError(f"--world-size must be at least 2 (one rank is the plan without it), got "
                          f"{args.world_size}")
+    if args.link_bandwidth is not None and args.host_update == "cpu":
+        raise ValueError("--link-bandwidth applies with --host-update device or auto (the streamed update's "
+                         "link); the CPU update does not use it")
     capacity, gpu = _capacity(args)
     host = _host_budget(args)
+    link = _link(args, gpu)
     dtype = DTYPES[args.dtype] if args.dtype else None
     over: str | None = None  # the swept key when several sizes are given
     if args.model is not None:
@@ -153,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     console = make_console(stderr=args.json)
     # the training host's CPU AdamW rate: given, or measured here once (right when planning on that host)
     rate = (args.cpu_adam_rate, "--cpu-adam-rate") if args.cpu_adam_rate is not None else \
-        (measure_cpu_adam_rate() if gpu is not None else 0.0,
-         "measured on this machine (give --cpu-adam-rate for the training host)")
+        (measure_cpu_adam_rate() if gpu is not None or args.host_update == "auto" else 0.0,
+         "measured on this machine; give --cpu-adam-rate for the training host")
     entries: list[tuple[int, dict[str, Any], CapacityPlan]] = []
     for build, what in runs:
         label = f" ({over} {what[over]})" if over else ""
@@ -166,8 +172,12 @@ def run(args: argparse.Namespace) -> int:
                                     attention=args.attention)
         cplan = plan_for_capacity(prediction, capacity, gpu_margin_mem_ratio=args.gpu_margin_mem_ratio,
                                   host_capacity_bytes=host[0], host_capacity_source=host[1])
+        if args.host_update != "cpu":
+            with_update_paths(cplan, args.policy, mode=args.host_update, dtype=prediction.dtype,
+                              cpu_elements_per_s=rate[0] or None, link_bytes_per_s=link[0],
+                              rate_source=rate[1], link_source=link[1])
         result = result_dict(prediction, cplan, what=what, policy=args.policy, gpu=gpu)
-        result["step_time"] = _step_time(args, prediction, cplan, gpu, rate)
+        result["step_time"] = _step_time(args, prediction, cplan, gpu, rate, link)
         if args.world_size is not None:
             result["ranks"] = per_rank_dict(prediction, capacity, args.world_size, policy=args.policy,
                                             gpu_margin_mem_ratio=args.gpu_margin_mem_ratio)
@@ -223,20 +233,40 @@ def _pipeline_stage(args: argparse.Namespace, llama: bool, over: str | None,
                                 "in_flight": in_flight(order)}}
 
 
+def _link(args: argparse.Namespace, gpu: str | None) -> tuple[float | None, str]:
+    """The host link's bandwidth per direction for ``--host-update`` (bytes per second, ``None`` unknown) and
+    its source: ``--link-bandwidth``, else the named GPU's nominal PCIe bandwidth."""
+    if args.link_bandwidth is not None:
+        return args.link_bandwidth, "--link-bandwidth"
+    table = get_gpu(gpu) if gpu in gpu_names() else None
+    if table is not None and table.link_bytes_per_s:
+        return table.link_bytes_per_s, (f"the {table.name}'s nominal PCIe x16 bandwidth; give "
+                                        "--link-bandwidth with a measured one")
+    return None, "unknown: give --link-bandwidth or --gpu NAME"
+
+
 def _step_time(args: argparse.Namespace, prediction: Any, cplan: CapacityPlan, gpu: str | None,
-               rate: tuple[float, str]) -> dict[str, Any]:
+               rate: tuple[float, str], link: tuple[float | None, str]) -> dict[str, Any]:
     """The verdict policy's predicted step (:mod:`memsched.planning.step_model`), serial and with
-    ``overlap=True``, or why there is none (``{"reason": ...}``)."""
+    ``overlap=True``, its streamed chunks' update over the link included, or why there is none
+    (``{"reason": ...}``)."""
     table = (get_gpu(gpu) if gpu in gpu_names() else gpu_for_device_name(gpu)) if gpu else None
     if table is None:
         return {"reason": "no step-time prediction without a known GPU (give --gpu NAME)"}
     plan = cplan.plans.get(args.policy)
     if plan is None or isinstance(plan, str):
         return {"reason": f"no plan for policy {args.policy!r}"}
-    host = sum(cplan.problem.chunks[i].numel for i in plan.host_chunks)
+    streamed = set(plan.streamed)
+    host = sum(cplan.problem.chunks[i].numel for i in plan.host_chunks if i not in streamed)
+    link_s = 0.0
+    if streamed and link[0]:
+        stream = stream_link_bytes(cplan.problem)
+        link_s = max(sum(stream[i][0] for i in streamed), sum(stream[i][1] for i in streamed)) / link[0]
     out: dict[str, Any] = {"gpu": table.name, "cpu_rate_source": rate[1]}
+    if streamed:
+        out["link_source"] = link[1]
     for mode, overlap in (("serial", False), ("overlap", True)):
-        step = predict_step(prediction.flops, table, prediction.dtype, host, rate[0], overlap)
+        step = predict_step(prediction.flops, table, prediction.dtype, host, rate[0], overlap, link_s=link_s)
         if step is None:
             return {"reason": f"the step-time model is not calibrated for {prediction.dtype} yet "
                               "(memsched.planning.step_model.EFFICIENCY)"}
@@ -359,7 +389,9 @@ def render(result: dict[str, Any], console: Console) -> None:
             f"({a['flops'] / 1e12:.2f} TFLOP at {a['efficiency']:.2f} of "
             f"{a['peak_flops'] / 1e12:.0f} TFLOP/s) "
             f"+ CPU update {a['cpu_update_s'] * 1e3:.0f} ms ({a['host_elements']:,} elements at "
-            f"{a['cpu_elements_per_s'] / 1e9:.2f} G/s, {st['cpu_rate_source']})", highlight=False)
+            f"{a['cpu_elements_per_s'] / 1e9:.2f} G/s, {st['cpu_rate_source']})"
+            + (f" beside the streamed update, {a['link_s'] * 1e3:.0f} ms over the link ({st['link_source']})"
+               if a.get("link_s") else ""), highlight=False)
     elif st:
         console.print(f"[dim]Step time: {st['reason']}[/dim]")
     if "ranks" in result:

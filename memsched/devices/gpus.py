@@ -18,29 +18,37 @@ class GPU:
     """A named GPU: ``memory_bytes`` is its nominal memory, bytes; ``fp32_flops`` and ``half_flops`` its
     peak dense FLOP/s in fp32 (without TF32: torch's default matmul precision) and in bf16/fp16 on tensor
     cores with fp32 accumulation, from NVIDIA's datasheets (SXM boards where there are several), for the
-    step-time model (:mod:`memsched.planning.step_model`)."""
+    step-time model (:mod:`memsched.planning.step_model`). ``link_bytes_per_s``: the nominal bandwidth of
+    its host link per direction, bytes per second (PCIe 3.0, 4.0 and 5.0 x16: 15.75, 31.5 and 63 GB/s after
+    line coding, the PCI-SIG base specifications), which ``memsched plan --host-update`` uses when no
+    ``--link-bandwidth`` is given; measured copies reach less."""
 
     name: str
     memory_bytes: int
     description: str
     fp32_flops: float = 0.0
     half_flops: float = 0.0
+    link_bytes_per_s: float = 0.0
+
+
+#: Nominal PCIe x16 bandwidth per direction, bytes per second, by generation.
+PCIE_X16 = {3: 15.75e9, 4: 31.5e9, 5: 63e9}
 
 
 _TABLE: tuple[GPU, ...] = (
-    GPU("t4", 16 * GiB, "NVIDIA T4, 16 GiB GDDR6", 8.1e12, 65e12),
-    GPU("v100-16gb", 16 * GiB, "NVIDIA V100, 16 GiB HBM2", 15.7e12, 125e12),
-    GPU("a10", 24 * GiB, "NVIDIA A10, 24 GiB GDDR6", 31.2e12, 125e12),
-    GPU("l4", 24 * GiB, "NVIDIA L4, 24 GiB GDDR6", 30.3e12, 121e12),
-    GPU("rtx3090", 24 * GiB, "GeForce RTX 3090, 24 GiB GDDR6X", 35.6e12, 71e12),
-    GPU("rtx4090", 24 * GiB, "GeForce RTX 4090, 24 GiB GDDR6X", 82.6e12, 165.2e12),
-    GPU("v100-32gb", 32 * GiB, "NVIDIA V100, 32 GiB HBM2", 15.7e12, 125e12),
-    GPU("a100-40gb", 40 * GiB, "NVIDIA A100, 40 GiB HBM2", 19.5e12, 312e12),
-    GPU("a6000", 48 * GiB, "NVIDIA RTX A6000, 48 GiB GDDR6", 38.7e12, 154.8e12),
-    GPU("l40s", 48 * GiB, "NVIDIA L40S, 48 GiB GDDR6", 91.6e12, 362e12),
-    GPU("a100-80gb", 80 * GiB, "NVIDIA A100, 80 GiB HBM2e", 19.5e12, 312e12),
-    GPU("h100-80gb", 80 * GiB, "NVIDIA H100, 80 GiB HBM3", 67e12, 989e12),
-    GPU("h200", 141 * GiB, "NVIDIA H200, 141 GB HBM3e (torch sees 139.8 GiB)", 67e12, 989e12),
+    GPU("t4", 16 * GiB, "NVIDIA T4, 16 GiB GDDR6", 8.1e12, 65e12, PCIE_X16[3]),
+    GPU("v100-16gb", 16 * GiB, "NVIDIA V100, 16 GiB HBM2", 15.7e12, 125e12, PCIE_X16[3]),
+    GPU("a10", 24 * GiB, "NVIDIA A10, 24 GiB GDDR6", 31.2e12, 125e12, PCIE_X16[4]),
+    GPU("l4", 24 * GiB, "NVIDIA L4, 24 GiB GDDR6", 30.3e12, 121e12, PCIE_X16[4]),
+    GPU("rtx3090", 24 * GiB, "GeForce RTX 3090, 24 GiB GDDR6X", 35.6e12, 71e12, PCIE_X16[4]),
+    GPU("rtx4090", 24 * GiB, "GeForce RTX 4090, 24 GiB GDDR6X", 82.6e12, 165.2e12, PCIE_X16[4]),
+    GPU("v100-32gb", 32 * GiB, "NVIDIA V100, 32 GiB HBM2", 15.7e12, 125e12, PCIE_X16[3]),
+    GPU("a100-40gb", 40 * GiB, "NVIDIA A100, 40 GiB HBM2", 19.5e12, 312e12, PCIE_X16[4]),
+    GPU("a6000", 48 * GiB, "NVIDIA RTX A6000, 48 GiB GDDR6", 38.7e12, 154.8e12, PCIE_X16[4]),
+    GPU("l40s", 48 * GiB, "NVIDIA L40S, 48 GiB GDDR6", 91.6e12, 362e12, PCIE_X16[4]),
+    GPU("a100-80gb", 80 * GiB, "NVIDIA A100, 80 GiB HBM2e", 19.5e12, 312e12, PCIE_X16[4]),
+    GPU("h100-80gb", 80 * GiB, "NVIDIA H100, 80 GiB HBM3", 67e12, 989e12, PCIE_X16[5]),
+    GPU("h200", 141 * GiB, "NVIDIA H200, 141 GB HBM3e (torch sees 139.8 GiB)", 67e12, 989e12, PCIE_X16[5]),
 )
 GPUS: dict[str, GPU] = {g.name: g for g in _TABLE}
 

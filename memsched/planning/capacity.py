@@ -12,6 +12,7 @@ import torch
 
 import policies
 from memsched.chunks import chunk_bytes
+from memsched.chunks.sizing import stream_piece_numel, stream_staging_bytes
 from memsched.models import count_parameters
 from memsched.planning.prediction import Prediction
 from memsched.planning.problem import (
@@ -23,6 +24,7 @@ from memsched.planning.problem import (
 from memsched.planning.reads import chunk_accesses, grad_working_bytes
 from policies.types import PlacementPlan, PlacementProblem
 from policies.units import format_bytes
+from policies.update_paths import choose_update_paths, streaming_bytes
 
 SCHEMA = "memsched.plan"
 VERSION = 2  # 2: gradients placed with their chunk, parameters that may stay on the host, link bytes
@@ -143,22 +145,63 @@ def _chunked_params(model: torch.nn.Module, order: Any, dtype: torch.dtype,
     return [p for g in (*groups, frozen) for p in g]
 
 
+def stream_link_bytes(problem: PlacementProblem) -> list[tuple[int, int]]:
+    """Per chunk of a one-rank plan, the ``(H2D, D2H)`` bytes of its update streamed through the device
+    (:func:`policies.update_paths.streaming_bytes`): its gradients went to the host in backward and come back
+    with the state; it keeps no host copy of its parameters beside the master (fp32, or a lean chunk under
+    mixed precision: [Note: lean host chunks])."""
+    return [streaming_bytes(c.numel, c.param_bytes // max(1, c.numel), c.param_bytes // max(1, c.numel),
+                            grads_on_host=True, host_param_copy=False) for c in problem.chunks]
+
+
+def with_update_paths(cplan: CapacityPlan, policy: str, *, mode: str, dtype: torch.dtype,
+                      cpu_elements_per_s: float | None, link_bytes_per_s: float | None,
+                      rate_source: str = "--cpu-adam-rate", link_source: str = "") -> None:
+    """``memsched plan --host-update``: ``policy``'s plan in ``cplan`` takes the update path of each host
+    chunk (:func:`policies.update_paths.choose_update_paths`, as ``attach(host_update=mode)`` chooses after
+    warmup) from the training host's CPU AdamW rate and the link's bandwidth (elements/s, bytes/s; ``None``:
+    unknown; ``rate_source`` and ``link_source`` name their origins in the reason). A chunk whose parameters
+    live on the host stays on the CPU. Nothing happens to a policy that found no plan.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    plan = cplan.plans.get(policy)
+    if not isinstance(plan, PlacementPlan):
+        return
+    problem = cplan.problem
+    eligible = [i for i in plan.host_chunks if not plan.params_on_host(i) and not problem.chunks[i].frozen]
+    size = torch.empty((), dtype=dtype).element_size()
+    staging = stream_staging_bytes(stream_piece_numel([problem.chunks[i].numel for i in eligible]), dtype) \
+        if eligible else 0
+    cplan.plans[policy] = choose_update_paths(
+        problem, plan, mode=mode, eligible=eligible, cpu_elements_per_s=cpu_elements_per_s,
+        link_bytes_per_s=link_bytes_per_s, link_bytes=stream_link_bytes(problem),
+        param_h2d_bytes=[c.numel * size for c in problem.chunks], staging_bytes=staging,
+        rate_source=rate_source, link_source=link_source)
+
+
 def link_bytes(cplan: CapacityPlan, plan: PlacementPlan) -> dict[str, int]:
     """The bytes a step of ``plan`` moves over the host link (one micro-batch), bytes.
 
     ``h2d``: each host chunk's updated parameters once (after its CPU update), and each fetch of a chunk
     whose parameters stay on the host (:attr:`policies.ParamSchedule.h2d_copies` counts both for those);
-    ``d2h``: each host chunk's gradients once per micro-batch.
+    ``d2h``: each host chunk's gradients once per micro-batch. A chunk streamed through the device for its
+    update (:attr:`PlacementPlan.streamed`) sends its state and gradients H2D and its state back D2H instead
+    of its parameters (:func:`stream_link_bytes`).
     """
     chunks = cplan.problem.chunks
     offloaded = set(plan.param_host_chunks)
-    h2d = sum(c.param_bytes for c in chunks if plan.placement[c.index] == policies.HOST
-              and c.index not in offloaded)
+    streamed = set(plan.streamed)
+    stream = stream_link_bytes(cplan.problem) if streamed else []
+    h2d = sum(stream[c.index][0] if c.index in streamed else c.param_bytes for c in chunks
+              if plan.placement[c.index] == policies.HOST and c.index not in offloaded)
     if plan.schedule is not None:
         per = max(c.param_bytes for c in chunks)
         h2d += plan.schedule.h2d_copies * per
     # a chunk's gradient buffer is as large as its compute buffer; a frozen chunk has none
-    return {"h2d": h2d, "d2h": sum(chunks[i].param_bytes for i in plan.host_chunks if not chunks[i].frozen)}
+    return {"h2d": h2d, "d2h": sum(chunks[i].param_bytes + (stream[i][1] if i in streamed else 0)
+                                   for i in plan.host_chunks if not chunks[i].frozen)}
 
 
 def verdict(cplan: CapacityPlan, policy: str = "auto") -> dict[str, Any]:

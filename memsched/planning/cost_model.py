@@ -7,7 +7,10 @@ throughput, elements/s) besides the forward and the backward. For a plan with ``
 * CPU update ``U = N / throughput``;
 * serial step ``forward + backward + U`` (the device chunks' update, on a GPU, is small next to it and not
   modelled);
-* overlapped step ``forward + backward + max(0, U - forward)``: the worker runs during the next forward.
+* overlapped step ``forward + backward + max(0, U - forward)``: the worker runs during the next forward;
+* with ``overlap="backward"`` the plan's speculating chunks update during backward first, and what is left
+  runs during the next forward; chunks streamed through the device take the link's time at the step beside
+  the CPU's (:func:`memsched.planning.step_model.exposed_update`, the one formula both models use).
 
 The warmup step is traced, so its forward and backward are upper bounds (the tracer costs about 1.1x on a
 large step, more on a tiny one), and it is the first step (allocator warm-up). The point is the comparison
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memsched.planning.step_model import exposed_update
 from memsched.telemetry.step_timeline import CPU_UPDATE, StepRecord
 
 
@@ -51,21 +55,43 @@ class WarmupCosts:
         return WarmupCosts(summary["phases_s"]["forward"], summary["phases_s"]["backward"],
                            self.cpu_elements_per_s, self.flops)
 
-    def predict(self, host_elements: int, overlap: bool) -> dict[str, Any]:
-        """The modelled step (seconds) for a plan with ``host_elements`` on the host: ``step_s``,
-        ``cpu_update_s``, ``exposed_cpu_s``, ``forward_s``, ``backward_s``, ``overlap``."""
-        cpu = host_elements / self.cpu_elements_per_s if self.cpu_elements_per_s else 0.0
-        exposed = max(0.0, cpu - self.forward_s) if overlap else cpu
+    def predict(self, host_elements: int, overlap: bool | str, *, speculative_elements: int | None = None,
+                link_s: float = 0.0) -> dict[str, Any]:
+        """The modelled step (seconds) for a plan that updates ``host_elements`` on the CPU
+        (``speculative_elements`` of them from backward with ``overlap="backward"``; ``None``: all) and
+        streams others through the device in ``link_s`` seconds: ``step_s``, ``cpu_update_s``,
+        ``exposed_cpu_s`` (all the step waits for, the stream's included), ``forward_s``, ``backward_s``,
+        ``overlap``, ``speculative_s``, ``link_s``.
+
+        Raises:
+            ValueError: an unknown overlap mode, or speculative elements not among the host elements.
+        """
+        rate = self.cpu_elements_per_s
+        cpu = host_elements / rate if rate else 0.0
+        spec = 0 if overlap != "backward" else host_elements if speculative_elements is None \
+            else speculative_elements
+        if not 0 <= spec <= host_elements:
+            raise ValueError(f"speculative_elements must be in [0, host_elements={host_elements}], got "
+                             f"{speculative_elements!r}")
+        speculative = min(cpu, spec / rate) if rate else 0.0
+        exposed = exposed_update(cpu, self.forward_s, self.backward_s, overlap, speculative_s=speculative,
+                                 link_s=link_s)
         return {"model": "warmup", "step_s": self.forward_s + self.backward_s + exposed, "cpu_update_s": cpu,
                 "exposed_cpu_s": exposed, "forward_s": self.forward_s, "backward_s": self.backward_s,
-                "overlap": overlap}
+                "overlap": overlap, "speculative_s": speculative, "link_s": link_s}
 
-    def reason(self, host_elements: int, host_chunks: int, overlap: bool) -> str:
-        """The plan's sentence on its predicted step."""
-        p = self.predict(host_elements, overlap)
+    def reason(self, host_elements: int, host_chunks: int, overlap: bool | str, *,
+               speculative_elements: int | None = None, link_s: float = 0.0, streamed_chunks: int = 0) -> str:
+        """The plan's sentence on its predicted step (:meth:`predict`'s arguments; ``streamed_chunks``: how
+        many chunks stream through the device)."""
+        p = self.predict(host_elements, overlap, speculative_elements=speculative_elements, link_s=link_s)
         rate = (f" at {self.cpu_elements_per_s / 1e6:.0f} M elements/s" if self.cpu_elements_per_s else "")
-        return (f"Predicted step {p['step_s'] * 1e3:.1f} ms ({'overlapped' if overlap else 'serial'} CPU "
+        mode = {False: "serial", True: "overlapped", "backward": "overlapped from backward"}[overlap]
+        spec = (f" ({p['speculative_s'] * 1e3:.1f} ms of it from backward)" if overlap == "backward" else "")
+        stream = (f" + the update of {streamed_chunks} chunks streamed through the device, "
+                  f"{link_s * 1e3:.1f} ms over the link" if streamed_chunks else "")
+        return (f"Predicted step {p['step_s'] * 1e3:.1f} ms ({mode} CPU "
                 f"update): forward {p['forward_s'] * 1e3:.1f} ms + backward {p['backward_s'] * 1e3:.1f} ms "
                 f"measured in the warmup step (traced: upper bounds) + CPU update of {host_chunks} host "
-                f"chunks {p['cpu_update_s'] * 1e3:.1f} ms{rate}, of which {p['exposed_cpu_s'] * 1e3:.1f} ms "
-                "exposed.")
+                f"chunks {p['cpu_update_s'] * 1e3:.1f} ms{rate}{spec}{stream}, of which "
+                f"{p['exposed_cpu_s'] * 1e3:.1f} ms exposed.")

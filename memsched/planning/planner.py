@@ -307,18 +307,34 @@ class Planner:
         eligible = [i for i, where in enumerate(plan.placement)
                     if where == HOST and not plan.params_on_host(i) and not store.chunks[i].frozen]
         numel = [c.hi - c.lo for c in store.chunks]
-        on_host = store.offloader is not None  # the host chunks' gradients go to the host in backward
-        # a mixed-precision chunk with a host copy of its parameters (not lean) gets them back D2H too
-        link = [streaming_bytes(n, size, size, grads_on_host=on_host, host_param_copy=c.mixed and not c.lean)
-                for n, c in zip(numel, store.chunks, strict=True)]
         costs = self.warmup_costs
         piece = stream_piece_numel([numel[i] for i in eligible])
         staging = stream_staging_bytes(piece, dtype) if eligible else 0
         return choose_update_paths(
             problem, plan, mode=mode, eligible=eligible,
             cpu_elements_per_s=costs.cpu_elements_per_s if costs is not None else None,
-            link_bytes_per_s=self._link_bytes_per_s(), link_bytes=link,
+            link_bytes_per_s=self._link_bytes_per_s(), link_bytes=self._stream_link_bytes(),
             param_h2d_bytes=[n * size for n in numel], staging_bytes=staging)
+
+    def _stream_link_bytes(self) -> list[tuple[int, int]]:
+        """Per chunk, the ``(H2D, D2H)`` bytes of its update streamed through the device
+        (:func:`policies.update_paths.streaming_bytes`)."""
+        store = self._store
+        size = torch.empty((), dtype=self._config.compute_dtype).element_size()
+        on_host = store.offloader is not None  # the host chunks' gradients go to the host in backward
+        # a mixed-precision chunk with a host copy of its parameters (not lean) gets them back D2H too
+        return [streaming_bytes(c.hi - c.lo, size, size, grads_on_host=on_host,
+                                host_param_copy=c.mixed and not c.lean) for c in store.chunks]
+
+    def _stream_seconds(self, plan: PlacementPlan) -> float:
+        """The plan's streamed updates over the link, seconds (0 without streamed chunks or a known link)."""
+        if not plan.streamed:
+            return 0.0
+        bandwidth = self._link_bytes_per_s()
+        if not bandwidth:
+            return 0.0
+        link = self._stream_link_bytes()
+        return max(sum(link[i][0] for i in plan.streamed), sum(link[i][1] for i in plan.streamed)) / bandwidth
 
     def _speculate(self, problem: policies.PlacementProblem, plan: PlacementPlan) -> PlacementPlan:
         """[Note: the spare state is planned] With ``overlap="backward"`` and one rank, the host chunks whose
@@ -349,17 +365,23 @@ class Planner:
         costs = self.warmup_costs
         if costs is None:
             return plan
+        streamed = set(plan.streamed)
         host = [c for c, where in zip(self._store.chunks, plan.placement, strict=True)
-                if where == HOST and not c.frozen]  # updated on the CPU
+                if where == HOST and not c.frozen and c.index not in streamed]  # updated on the CPU
         elements = sum(c.hi - c.lo for c in host)
+        speculative = sum(self._store.chunks[i].hi - self._store.chunks[i].lo for i in plan.speculative)
+        link_s = self._stream_seconds(plan)
         overlap: bool | str = "backward" if self._config.early_update else bool(self._config.overlap)
         roofline = None
         if self._device.gpu is not None and costs.flops > 0 and costs.cpu_elements_per_s:
             roofline = predict_step(costs.flops, get_gpu(self._device.gpu), self._config.compute_dtype,
-                                    elements, costs.cpu_elements_per_s, overlap)
+                                    elements, costs.cpu_elements_per_s, overlap,
+                                    speculative_elements=speculative, link_s=link_s)
         if roofline is None:
-            self.predicted_step = costs.predict(elements, self._config.overlap)
-            text = costs.reason(elements, len(host), self._config.overlap)
+            self.predicted_step = costs.predict(elements, overlap, speculative_elements=speculative,
+                                                link_s=link_s)
+            text = costs.reason(elements, len(host), overlap, speculative_elements=speculative, link_s=link_s,
+                                streamed_chunks=len(streamed))
         else:
             self.predicted_step = {"model": "roofline", "gpu": self._device.gpu, **roofline.as_dict()}
             mode = {False: "serial", True: "overlapped", "backward": "overlapped from backward"}[overlap]
@@ -367,8 +389,12 @@ class Planner:
                     f"update): compute {roofline.compute_s * 1e3:.1f} ms ({roofline.flops / 1e12:.2f} TFLOP "
                     f"at {roofline.efficiency:.2f} of {roofline.peak_flops / 1e12:.0f} TFLOP/s) + CPU update "
                     f"of {len(host)} host chunks {roofline.cpu_update_s * 1e3:.1f} ms at "
-                    f"{roofline.cpu_elements_per_s / 1e6:.0f} M elements/s measured in warmup, of which "
-                    f"{roofline.exposed_cpu_s * 1e3:.1f} ms exposed.")
+                    f"{roofline.cpu_elements_per_s / 1e6:.0f} M elements/s measured in warmup"
+                    + (f" ({speculative / roofline.cpu_elements_per_s * 1e3:.1f} ms of it from backward)"
+                       if overlap == "backward" else "")
+                    + (f" + the update of {len(streamed)} chunks streamed through the device, "
+                       f"{link_s * 1e3:.1f} ms over the link" if streamed else "")
+                    + f", of which {roofline.exposed_cpu_s * 1e3:.1f} ms exposed.")
         return dataclasses.replace(plan, reasons=(*plan.reasons, text))
 
     def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:
