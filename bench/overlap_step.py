@@ -174,17 +174,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "backward_dropped": runs["backward"]["sched"].optimizer.early_updates.dropped,
         "runs": out,
     }
-    # The cost model (memsched.planning.cost_model) against the measured steps: from the warmup step alone,
-    # and with the steady-state forward and backward of the serial run.
+    # The cost model (memsched.planning.cost_model) against the measured steps: the plan's own prediction
+    # (from the warmup step alone, with the run's overlap mode and its speculating chunks), and the same with
+    # the steady-state forward and backward of the serial run.
+    modes = {"serial": False, "overlap": True, "backward": "backward"}
     for name, run in runs.items():
         sched = run["sched"]
         host = sum(c.hi - c.lo for c in sched.store.chunks if c.placement == "host")
+        spec = sum(sched.store.chunks[i].hi - sched.store.chunks[i].lo for i in sched.plan.speculative)
         costs = sched.warmup_costs
         steady = costs.with_steady_phases(runs["serial"]["sched"].step_timeline.mean_summary())
         measured = out[name]["step"]["median_s"]
         result[f"{name}_predicted"] = {
-            "from_warmup_s": costs.predict(host, name != "serial")["step_s"],
-            "from_steady_phases_s": steady.predict(host, name != "serial")["step_s"],
+            "plan_s": sched.predicted_step["step_s"],
+            "from_warmup_s": costs.predict(host, modes[name], speculative_elements=spec)["step_s"],
+            "from_steady_phases_s": steady.predict(host, modes[name], speculative_elements=spec)["step_s"],
             "measured_s": measured}
     path = write_result(args.name, result)
     trace = path.with_suffix(".perfetto.json")
