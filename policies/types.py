@@ -289,6 +289,9 @@ class PlacementPlan:
             ``ChunkSpec.host_bytes``, counted in ``host_bytes``.
         streamed: the host chunks whose update runs on the device, their state streamed over the link in
             pieces (``attach(host_update=...)``, :func:`policies.update_paths.choose_update_paths`), sorted.
+        staging_bytes: the device bytes the streamed updates hold during the step (their piece buffers, freed
+            after it), bytes; 0 without ``streamed`` chunks. They are not in ``device_bytes`` (held between
+            steps) and were checked to fit beside it.
     """
 
     policy: str
@@ -304,6 +307,7 @@ class PlacementPlan:
     peak_bytes: int | None = None
     speculative: tuple[int, ...] = ()
     streamed: tuple[int, ...] = ()
+    staging_bytes: int = 0
 
     @property
     def device_chunks(self) -> list[int]:
@@ -330,4 +334,4 @@ class PlacementPlan:
                 "param_placement": list(self.param_placement) or [DEVICE] * len(self.placement),
                 "schedule": self.schedule.to_dict() if self.schedule is not None else None,
                 "peak_bytes": self.peak_bytes, "speculative": list(self.speculative),
-                "streamed": list(self.streamed)}
+                "streamed": list(self.streamed), "staging_bytes": self.staging_bytes}

@@ -118,4 +118,5 @@ def choose_update_paths(problem: PlacementProblem, plan: PlacementPlan, *, mode:
     text = (f"host_update={mode!r}: {len(streamed)} of the {len(host)} host chunks are updated on the device "
             f"(state streamed over the link in pieces, {format_bytes(staging_bytes)} of device memory at the "
             f"step), the others on the CPU; {why}.")
-    return dataclasses.replace(plan, streamed=streamed, reasons=(*plan.reasons, text))
+    return dataclasses.replace(plan, streamed=streamed, staging_bytes=staging_bytes if streamed else 0,
+                               reasons=(*plan.reasons, text))

@@ -80,6 +80,21 @@ def test_parameters_on_the_host_keep_their_chunks_on_the_cpu():
     assert not set(plan.streamed) & set(plan.param_host_chunks)
 
 
+def test_the_plan_holds_the_streamed_updates_device_buffers():
+    """The plan's ``staging_bytes`` are the device bytes the step's streamed updates allocate."""
+    model = tiny_gpt()
+    with memsched.attach(model, lr=LR, weight_decay=WD, chunk_numel=8192, policy="cpu", device=LINK,
+                         host_update="device") as sched:
+        sched.backward(gpt_loss(model, gpt_batches(1)[0]))
+        sched.optimizer.step()
+        plan, streamed = sched.plan, sched.optimizer.streamed
+        streamed.prepare([sched.store.chunks[i] for i in plan.streamed])
+        held = sum(t.numel() * t.element_size() for s in streamed._sets for t in s.values())
+        streamed.release()
+    assert plan.streamed and plan.staging_bytes == held > 0
+    assert plan.to_dict()["staging_bytes"] == held
+
+
 def test_bad_host_update_is_refused_naming_it():
     with pytest.raises(ValueError, match=r"host_update must be one of \('cpu', 'device', 'auto'\), got "):
         memsched.attach(tiny_gpt(), device="sim:64MiB", host_update="gpu")
@@ -130,7 +145,7 @@ def test_choice_balances_the_cpu_against_the_link():
     # CPU: 1 Mi elements in 10 ms; link: a chunk's 14 MiB H2D in 10 ms as well: two of four stream
     out = choose_update_paths(p, plan, mode="auto", cpu_elements_per_s=100 * 2**20,
                               link_bytes_per_s=14 * 2**20 * 100, **kw)
-    assert out.streamed == (1, 2)
+    assert out.streamed == (1, 2) and out.staging_bytes == 1 << 20
     assert "host_update='auto': 2 of the 4 host chunks" in out.reasons[-1]
     assert choose_update_paths(p, plan, mode="cpu", cpu_elements_per_s=1.0, link_bytes_per_s=1e12,
                                **kw).streamed == ()
@@ -140,7 +155,7 @@ def test_choice_balances_the_cpu_against_the_link():
     assert unknown.streamed == () and "unknown" in unknown.reasons[-1]
     big = choose_update_paths(p, plan, mode="device", cpu_elements_per_s=None, link_bytes_per_s=None,
                               **{**kw, "staging_bytes": 2**35})
-    assert big.streamed == () and "device memory at the step" in big.reasons[-1]
+    assert big.streamed == () and big.staging_bytes == 0 and "device memory at the step" in big.reasons[-1]
     with pytest.raises(ValueError, match="not on the host"):
         choose_update_paths(p, plan, mode="device", cpu_elements_per_s=None, link_bytes_per_s=None,
                             **{**kw, "eligible": [0]})
