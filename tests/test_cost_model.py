@@ -34,7 +34,12 @@ def test_the_plan_carries_its_predicted_step(overlap):
         sched.optimizer.step()
         assert sched.warmup_costs is not None and sched.warmup_costs.cpu_elements_per_s > 0
         assert sched.predicted_step["overlap"] is overlap and sched.predicted_step["cpu_update_s"] > 0
-        assert sched.plan.reasons[-1].startswith("Predicted step")
+        assert sched.plan.reasons[-2].startswith("Predicted step")
+        modes = sched.plan.reasons[-1]
+        assert modes.startswith("Overlap modes, predicted from the warmup step: serial ")
+        assert f"In force: {'overlap=True' if overlap else 'serial'}" in modes
+        # the host chunks' own fp32 gradients: what overlap=True adds, unless it is in force
+        assert ("of host memory)" in modes.split("overlap='backward'")[0]) == (not overlap)
         assert not sched.step_timeline.records  # the warmup step is the model's input, not a record
 
 
@@ -89,7 +94,8 @@ def test_the_plan_predicts_its_speculating_and_streamed_chunks(monkeypatch):
     assert p["overlap"] == "backward" and plan.speculative
     assert p["speculative_s"] == pytest.approx(spec / sched.warmup_costs.cpu_elements_per_s)
     assert p["cpu_update_s"] == pytest.approx(host / sched.warmup_costs.cpu_elements_per_s)
-    assert "overlapped from backward" in plan.reasons[-1]
+    assert "overlapped from backward" in plan.reasons[-2]
+    assert "In force: overlap='backward'" in plan.reasons[-1]
     with memsched.attach(tiny_gpt(), policy="cpu", device="sim:64MiB,link=25GBps", lr=LR, weight_decay=WD,
                          chunk_numel=8192, host_update="device") as sched:
         model = sched.model
@@ -99,3 +105,24 @@ def test_the_plan_predicts_its_speculating_and_streamed_chunks(monkeypatch):
     assert plan.streamed == tuple(plan.host_chunks) and p["cpu_update_s"] == 0
     assert p["link_s"] > 0 and p["exposed_cpu_s"] == pytest.approx(p["link_s"])
     assert f"{len(plan.streamed)} chunks streamed through the device" in plan.reasons[-1]
+    assert not any(r.startswith("Overlap modes") for r in plan.reasons)  # no chunk is updated on the CPU
+
+
+def test_the_plan_compares_the_overlap_modes_with_their_host_memory():
+    """With host chunks updated on the CPU the plan says what each overlap mode is predicted to take and the
+    host memory it would add: overlap=True each host chunk's own fp32 gradients (4 bytes per element),
+    overlap="backward" the spare states of the chunks that would speculate."""
+    with memsched.attach(tiny_gpt(), policy="cpu", device="sim:64MiB", lr=LR, weight_decay=WD,
+                         chunk_numel=8192) as sched:
+        model = sched.model
+        sched.backward(gpt_loss(model, gpt_batches(1)[0]))
+        sched.optimizer.step()
+        plan = sched.plan
+        host = sum(c.hi - c.lo for c in sched.store.chunks if c.index in plan.host_chunks)
+    from policies.units import format_bytes
+
+    modes = plan.reasons[-1]
+    assert "overlap=True" in modes and f"(+{format_bytes(4 * host)} of host memory)" in modes
+    spares = modes.split("overlap='backward'")[1]
+    assert "of host memory)" in spares and "chunks speculating" in spares
+    assert "In force: serial" in modes

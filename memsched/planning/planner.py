@@ -36,6 +36,7 @@ from policies.plans import make_plan, schedule_for
 from policies.schedule import schedule_sharded
 from policies.speculation import speculate
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
+from policies.units import format_bytes
 from policies.update_paths import choose_update_paths, streaming_bytes
 from tracer.param_reads import BEGIN, FORWARD
 
@@ -214,7 +215,7 @@ class Planner:
             ) from e
         plan = self._speculate(problem, self._update_paths(problem, plan))
         self._dp.check_same("placement plan", tuple(plan.placement))  # or the collectives would not match
-        plan = self._with_predicted_step(plan)
+        plan = self._with_overlap_modes(problem, self._with_predicted_step(plan))
         self._apply(plan)
         self.history.append(PlanChange(steps, "end of warmup", plan, problem.peak_non_model_bytes,
                                        self._transfers.chunk_moves_bytes))
@@ -345,6 +346,10 @@ class Planner:
         the count where the updates would outlast backward."""
         if not self._config.early_update or self._dp.world != 1:
             return plan
+        return self._speculation(problem, plan)
+
+    def _speculation(self, problem: policies.PlacementProblem, plan: PlacementPlan) -> PlacementPlan:
+        """:meth:`_speculate`'s choice, whatever the overlap mode in force."""
         costs = self.warmup_costs
         update_s = backward_s = None
         if costs is not None and costs.cpu_elements_per_s:
@@ -395,6 +400,52 @@ class Planner:
                     + (f" + the update of {len(streamed)} chunks streamed through the device, "
                        f"{link_s * 1e3:.1f} ms over the link" if streamed else "")
                     + f", of which {roofline.exposed_cpu_s * 1e3:.1f} ms exposed.")
+        return dataclasses.replace(plan, reasons=(*plan.reasons, text))
+
+    def _with_overlap_modes(self, problem: policies.PlacementProblem, plan: PlacementPlan) -> PlacementPlan:
+        """``plan`` with a sentence comparing the overlap modes (one rank, with host chunks updated on the
+        CPU): the step each is predicted to take by the warmup model (:mod:`memsched.planning.cost_model`),
+        the host memory each would add to this plan (``overlap=True``: each host chunk's own fp32 gradients,
+        ``private_grads``; ``overlap="backward"``: the spare states of the chunks
+        :func:`policies.speculation.speculate` would choose), the mode in force, and the faster one when it
+        is not in force. memsched does not switch by itself: the mode decides the chunks' layout at attach,
+        and no committed GPU measurement has shown the model's gain yet (``bench/overlap_step.py``,
+        ``bench/GPU-PENDING.md``)."""
+        costs = self.warmup_costs
+        if costs is None or not costs.cpu_elements_per_s or self._dp.world != 1:
+            return plan
+        store, streamed = self._store, set(plan.streamed)
+        host = [c for c, where in zip(store.chunks, plan.placement, strict=True)
+                if where == HOST and not c.frozen and c.index not in streamed]
+        if not host:
+            return plan
+        elements = sum(c.hi - c.lo for c in host)
+        link_s = self._stream_seconds(plan)
+        in_force: bool | str = "backward" if self._config.early_update else bool(self._config.overlap)
+        spec_plan = plan if in_force == "backward" else self._speculation(problem, plan)
+        spec = sum(store.chunks[i].hi - store.chunks[i].lo for i in spec_plan.speculative)
+        spares = sum(problem.chunks[i].host_bytes for i in spec_plan.speculative)
+
+        def private(flag: bool) -> int:
+            views = store.lean_params or not store.backward_offload
+            return sum(chunk_bytes(c.numel, compute_dtype=self._config.compute_dtype, shard_numel=c.hi - c.lo,
+                                   n_params=len(c.params), offload_grads=c.offload_grads, private_grads=flag,
+                                   host_views=views).host_state_bytes for c in host)
+
+        extra = {False: 0, True: 0 if store.private_grads else private(True) - private(False),
+                 "backward": 0 if in_force == "backward" else spares}
+        steps = {mode: costs.predict(elements, mode, speculative_elements=spec, link_s=link_s)["step_s"]
+                 for mode in (False, True, "backward")}
+        names = {False: "serial", True: "overlap=True", "backward": "overlap='backward'"}
+        parts = [f"{names[m]} {steps[m] * 1e3:.1f} ms"
+                 + (f" (+{format_bytes(extra[m])} of host memory)" if extra[m] else "") for m in steps]
+        best = min(steps, key=lambda m: (steps[m], m != in_force))
+        advice = ("" if best == in_force or steps[best] > 0.95 * steps[in_force] else
+                  f"; {names[best]} is predicted {steps[in_force] / steps[best]:.2f}x faster (attach(overlap="
+                  f"{best!r}))")
+        text = (f"Overlap modes, predicted from the warmup step: {', '.join(parts)}"
+                + (f", {len(spec_plan.speculative)} chunks speculating" if spec_plan.speculative else "")
+                + f". In force: {names[in_force]}{advice}.")
         return dataclasses.replace(plan, reasons=(*plan.reasons, text))
 
     def _problem(self, peak_non_model_bytes: int) -> policies.PlacementProblem:
