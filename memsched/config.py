@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 import policies
-from memsched.chunks.store import TRAINABLE_DTYPES
+from memsched.chunks.sizing import TRAINABLE_DTYPES
 from memsched.devices.spec import DeviceSpec, parse_device
 from memsched.distributed.options import (
     COLLECTIVE_TIMEOUT_S,

@@ -245,7 +245,9 @@ class Scheduler:
 
             self.store = ChunkStore([g["params"] for g in groups], alloc, compute_dtype=self.compute_dtype,
                                     chunk_numel=chunk_numel, dp=self.dp, private_grads=bool(config.overlap),
-                                    after_chunk=away if self.warmup_params_on_host else None, frozen=frozen)
+                                    after_chunk=away if self.warmup_params_on_host else None, frozen=frozen,
+                                    before_host_write=weak_method(self._wait_worker),
+                                    before_device_read=weak_method(self._wait_h2d))
             # Frozen parameters and buffers go to the device too (trainable ones already are chunk views, or
             # host views when their parameters are on the host: those stay).
             model._apply(lambda t: t if t.device == tdev or id(t) in trainable
@@ -274,8 +276,6 @@ class Scheduler:
         # the store, before the optimizer's updates during backward).
         self.grad_offload = GradOffload(self.store, weak_method(self._start_grad_d2h),
                                         weak_method(self._wait_worker))
-        self.store.before_host_write = weak_method(self._wait_worker)
-        self.store.before_device_read = weak_method(self._wait_h2d)
         self.scaler = LossScaler(tdev) if self.compute_dtype == torch.float16 else None
         self.optimizer = HybridAdamW(
             self.store, groups, defaults=config.adamw.defaults, streams=self.streams,
@@ -283,7 +283,7 @@ class Scheduler:
             capacity_check=self.sim.require if self.sim is not None else None, names=self.names,
             dp=self.dp, owner_thread=threading.get_ident(), grad_offload=self.grad_offload,
             update_threads=config.update_threads)
-        self.store.observe_grads_ready(self.optimizer.grads_ready)
+        self.store.backward.observe_grads_ready(self.optimizer.grads_ready)
         if meta:
             installed.add_handle(self.optimizer.register_step_pre_hook(weak_method(self._check_meta_step)))
         self.optimizer.checks.frozen_given = config.adamw.frozen_given
@@ -299,7 +299,7 @@ class Scheduler:
             if self.sim is not None:
                 self.params.on_move = self.sim.move
             if shards is None:
-                self.store.fetch_between = weak_method(self.params.fetch_between)
+                self.store.bindings.fetch_with(weak_method(self.params.fetch_between))
         self.planner = Planner(planning, model, self.store, self.dp, self.transfers,
                                self.optimizer.wait_updates, params=self.params,
                                # no reference back to the scheduler (close() frees it at once)
@@ -527,7 +527,7 @@ class Scheduler:
         """What the plan counts apart from the measured peak that is not on the device now, bytes (the elastic
         peak probe's base; see [Note: gradients in the measured peak]): the device chunks' absent gradient
         buffers and the host chunks' gradient working set."""
-        return self.store.absent_grad_bytes() + self.planner.host_grad_working_bytes
+        return self.store.grads.absent_bytes() + self.planner.host_grad_working_bytes
 
     def _start_grad_d2h(self, c: Any, dst: torch.Tensor) -> int:
         """Start the D2H copy of host chunk ``c``'s gradients into ``dst``

@@ -218,18 +218,18 @@ def assert_same(model: nn.Module, ref: Reference, what: str = "", optimizer=None
 
 def count_grad_copies(monkeypatch, copies: list) -> None:
     """Record in ``copies`` (shapes) every gradient that autograd allocated outside its chunk view and
-    memsched had to copy in (``ChunkStore.rebind_grad``); an empty list means gradients stayed in the
+    memsched had to copy in (``GradBuffers.rebind``); an empty list means gradients stayed in the
     chunks."""
-    from memsched.chunks import ChunkStore
+    from memsched.chunks.gradients import GradBuffers
 
-    original = ChunkStore.rebind_grad
+    original = GradBuffers.rebind
 
     def counted(self, p, c=None):
-        if p.grad is not None and p.grad.data_ptr() != self.grad_view(p, c).data_ptr():
+        if p.grad is not None and p.grad.data_ptr() != self.view(p, c).data_ptr():
             copies.append(tuple(p.shape))
         return original(self, p, c)
 
-    monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
+    monkeypatch.setattr(GradBuffers, "rebind", counted)
 
 
 # Branchy's chunks (one rank): inp.weight, inp.bias, a.weight, a.bias | b.weight, b.bias, out.weight,

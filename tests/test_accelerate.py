@@ -97,7 +97,7 @@ def _accelerate_run(base, tokens, mixed_precision: str, use_memsched: bool, monk
 
                 def view(p, store=store):
                     host = store.bindings.param_host_bound(p)
-                    return store.host_view("grad", p) if host else store.grad_view(p)
+                    return store.host_view("grad", p) if host else store.grads.view(p)
 
                 out["unbound"] += [n for n, p in model.named_parameters()
                                    if p.grad is None or p.grad.data_ptr() != view(p).data_ptr()]

@@ -148,16 +148,16 @@ def test_gradients_land_in_the_flat_buffer_and_readiness_fires_once_per_chunk():
     m.zero_grad(set_to_none=True)
     assert m.mid.weight.grad is None
     m(idx).sum().backward()
-    assert m.mid.weight.grad.data_ptr() == store.grad_view(m.mid.weight).data_ptr()
+    assert m.mid.weight.grad.data_ptr() == store.grads.view(m.mid.weight).data_ptr()
     assert torch.allclose(m.mid.weight.grad, ref.mid.weight.grad)
-    store.zero_grad()  # set_to_none: the gradient buffers are freed
+    store.grads.zero_grad()  # set_to_none: the gradient buffers are freed
     assert all(c.grad is None for c in store.chunks) and all(p.grad is None for p in store.params())
     assert all(not c.ready for c in store.chunks)
     m(idx).sum().backward()  # made again by the next backward, with the same gradients
     assert torch.allclose(m.mid.weight.grad, ref.mid.weight.grad)
-    store.zero_grad(set_to_none=False)  # zeroed in place, views kept
+    store.grads.zero_grad(set_to_none=False)  # zeroed in place, views kept
     assert all(torch.count_nonzero(c.grad) == 0 for c in store.chunks)
-    assert m.mid.weight.grad.data_ptr() == store.grad_view(m.mid.weight).data_ptr()
+    assert m.mid.weight.grad.data_ptr() == store.grads.view(m.mid.weight).data_ptr()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -174,7 +174,7 @@ def test_chunk_bytes_match_the_real_tensors(dtype):
             c.init_state(placement, alloc)
             real = sum(t.numel() * t.element_size() for t in c.state_tensors())
             assert real == expected
-            grad = store.alloc_grad(c)  # made by the first backward
+            grad = store.grads.alloc(c)  # made by the first backward
             assert c.data.numel() * c.data.element_size() + grad.numel() * grad.element_size() \
                 == cb.resident_bytes
     assert m[0].weight.dtype == dtype

@@ -209,7 +209,7 @@ def test_gradient_accumulation_under_compile(zero):
         pair.check_steady()
         store = pair.sched.store
         for p in store.params():  # gradients live in the chunk again (or are None until the next backward)
-            assert p.grad is None or p.grad.data_ptr() == store.grad_view(p).data_ptr()
+            assert p.grad is None or p.grad.data_ptr() == store.grads.view(p).data_ptr()
 
 
 # ---- 4. evaluation between steps --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -150,3 +151,72 @@ def test_no_class_is_assembled_from_project_mixins():
 
 _CLASS_NAMES = {n.name for p in MODULES.values() for n in ast.walk(ast.parse(p.read_text()))
                 if isinstance(n, ast.ClassDef)}
+
+
+def _chunk_fields() -> set[str]:
+    """The fields of :class:`memsched.chunks.chunk.Chunk`: every ``self.X`` its methods assign."""
+    tree = ast.parse(MODULES["memsched.chunks.chunk"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Chunk")
+    return {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            for t in ast.walk(t) if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+            and t.value.id == "self"}
+
+
+# Names the project gives a chunk (``c``, ``chunk``, ``new_chunk``, ...), and Chunk fields whose names other
+# objects' fields share (``p.data``, ``p.grad``, ``self.steps``): an assignment to one of those counts when
+# its target is a name like these, or a subscript of ``chunks`` (``store.chunks[i].data = ...``).
+_CHUNK_NAME = re.compile(r"^(c|ch|chunk|\w+_chunk|chunk_\w+)$")
+_SHARED_NAMES = {"data", "grad", "steps", "index", "group", "numel", "params", "ranges", "dtype", "device",
+                 "lo", "hi", "ready", "frozen", "master", "spare", "placement", "lean"}
+
+
+def _chunk_writes(path: pathlib.Path, fields: set[str]) -> list[str]:
+    """``file:line`` of each assignment to a Chunk field in ``path`` (outside a ``self.X`` of its own
+    class)."""
+    found = []
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            for t in ast.walk(target):
+                if not (isinstance(t, ast.Attribute) and t.attr in fields and isinstance(t.ctx, ast.Store)):
+                    continue
+                owner = t.value
+                named = isinstance(owner, ast.Name) and bool(_CHUNK_NAME.match(owner.id))
+                listed = isinstance(owner, ast.Subscript) and "chunks" in ast.unparse(owner.value)
+                own_field = isinstance(owner, ast.Name) and owner.id == "self"
+                if named or listed or (t.attr not in _SHARED_NAMES and not own_field
+                                       and not isinstance(owner, ast.Name)):
+                    found.append(f"{where}:{t.lineno}: {ast.unparse(target)}")
+    return found
+
+
+def test_chunk_fields_are_written_by_chunk_methods_only():
+    # Chunk owns its transitions (its docstring): other modules call its named methods (set_data,
+    # keep_grad_shard, drop_param_shard, ...), never assign its fields.
+    fields = _chunk_fields()
+    assert {"data", "grad", "grad_shard", "param_shard", "placement", "spare", "h2d_event"} <= fields
+    offenders = [w for mod, path in MODULES.items() if mod != "memsched.chunks.chunk"
+                 for w in _chunk_writes(path, fields)]
+    assert not offenders, offenders
+
+
+def test_the_chunk_write_check_sees_writes(tmp_path):
+    # The check itself: writes through a chunk's name, through the chunk list and of a field only a chunk
+    # has are seen; a parameter's .data and a class's own field are not.
+    src = tmp_path / "m.py"
+    src.write_text("c.data = None\nchunk.grad_shard = s\nstore.chunks[0].spare = None\nx.y.h2d_event = e\n"
+                   "p.data = v\nself.placement = 'host'\nself.steps += 1\nc.lo, c.hi = 0, 4\n")
+    writes = [w.rpartition(": ")[2] for w in _chunk_writes(src, _chunk_fields())]
+    assert writes == ["c.data", "chunk.grad_shard", "store.chunks[0].spare", "x.y.h2d_event",
+                      "(c.lo, c.hi)", "(c.lo, c.hi)"]
+
+
+def test_the_chunk_store_stays_small():
+    # The store keeps the chunks, their layout and re-packing, their placement and views; the stages of a
+    # step it composes have rooms of their own (memsched.chunks.backward, memsched.chunks.gradients,
+    # memsched.chunks.binding): a change to one stage touches its room (issue 41).
+    lines = len((ROOT / "memsched" / "chunks" / "store.py").read_text().splitlines())
+    assert lines < 800, lines

@@ -95,17 +95,17 @@ def test_model_zero_grad_keeps_gradients_in_the_chunks(monkeypatch):
     import copy
 
     import memsched
-    from memsched.chunks import ChunkStore
+    from memsched.chunks.gradients import GradBuffers
 
     copies = []
-    original = ChunkStore.rebind_grad
+    original = GradBuffers.rebind
 
     def counted(self, p, c=None):
-        if p.grad is not None and p.grad.data_ptr() != self.grad_view(p, c).data_ptr():
+        if p.grad is not None and p.grad.data_ptr() != self.view(p, c).data_ptr():
             copies.append(p.shape)
         return original(self, p, c)
 
-    monkeypatch.setattr(ChunkStore, "rebind_grad", counted)
+    monkeypatch.setattr(GradBuffers, "rebind", counted)
 
     class TwoHeads(torch.nn.Module):
         def __init__(self):

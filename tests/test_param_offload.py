@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memsched
 import memsched.checkpoint
-from memsched.chunks.store import BackwardPhase
+from memsched.chunks.backward import BackwardPhase
 from memsched.devices import sim_backend
 from tests._numerics import LR, SIM, WD, Reference, assert_same, same, to_dev
 from tracer import MemoryTracer
@@ -226,13 +226,13 @@ def test_a_step_after_a_backward_that_raised_is_refused_and_nothing_is_lost() ->
                 for k, v in st.items():
                     assert same(v, after["state"][i][k]), (i, k)
         # [Note: the backward phase] in memsched.chunks.store: ended in its place, then reset by zero_grad()
-        assert sched.store.backward_phase is not BackwardPhase.IDLE
-        sched.store.end_aborted_backward()  # as zero_grad() does first
-        assert sched.store.backward_phase is BackwardPhase.ABORTED and not sched.store.in_backward
+        assert sched.store.backward.phase is not BackwardPhase.IDLE
+        sched.store.backward.end_aborted()  # as zero_grad() does first
+        assert sched.store.backward.phase is BackwardPhase.ABORTED and not sched.store.backward.in_backward
         sched.optimizer.zero_grad()
-        assert sched.store.backward_phase is BackwardPhase.IDLE
+        assert sched.store.backward.phase is BackwardPhase.IDLE
         train(sched, model, ref, data, 2, 4)  # training goes on, exactly
-        assert sched.store.backward_phase is BackwardPhase.IDLE
+        assert sched.store.backward.phase is BackwardPhase.IDLE
 
 
 def test_a_warmup_out_of_memory_with_the_parameters_on_the_device_says_how_to_trace_them_on_the_host():

@@ -12,7 +12,10 @@ The package has these layers:
 * :mod:`.layout`: pure packing (:func:`search_chunk_size`, :func:`build_layout`) and shard arithmetic from
   numels only, so it runs on meta tensors,
 * :mod:`.buffers`: where tensors come from (:class:`Allocator`, one arena per chunk's state),
-* :mod:`.chunk` and :mod:`.store`: the runtime objects (:class:`Chunk`, :class:`ChunkStore`) that own them.
+* :mod:`.chunk` and :mod:`.store`: the runtime objects (:class:`Chunk`, :class:`ChunkStore`) that own them,
+* the stages of a step the store composes, each owning its state: :mod:`.binding` (where the parameters
+  point), :mod:`.backward` (the gradient hooks and the backward phase) and :mod:`.gradients` (the gradient
+  buffers and ``zero_grad``).
 
 Data parallelism: a chunk's optimizer state covers a shard ``[lo, hi)`` of the chunk (one rank: the whole
 chunk). The store tells its :class:`memsched.distributed.base.DataParallel` when a chunk's gradients are ready

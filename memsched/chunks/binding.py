@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.sharded_grad import is_sharded
+from memsched.chunks.sizing import TRAINABLE_DTYPES
 from memsched.devices.host_alias import settle
 from policies.types import HOST
 from tracer.ops import is_metadata
@@ -44,12 +45,10 @@ class ChunkViews(Protocol):
     chunks: list[Chunk]
     param_chunk: dict[int, Chunk]
     alloc: Any  # memsched.chunks.buffers.Allocator
-    host_grads: set[int]
-    with_grad: set[int]
+    grads: Any  # memsched.chunks.gradients.GradBuffers: its host_grads and with_grad
     closed: bool
     before_host_write: Callable[[Chunk], None]
     before_device_read: Callable[[Chunk], None]
-    fetch_between: Callable[[list[int]], None] | None
 
     def host_view(self, kind: str, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor: ...
 
@@ -60,6 +59,8 @@ class ChunkViews(Protocol):
     def forget_views(self, c: Chunk, kind: str) -> None: ...
 
     def offloads(self, c: Chunk) -> bool: ...
+
+    def all_params(self) -> Iterator[torch.nn.Parameter]: ...
 
 
 _ABSENT_KEY = "absent"
@@ -285,6 +286,63 @@ class ChunkBindings:
         self.computing = False  # between a forward's start and its backward's end
         self.owner = threading.get_ident()  # the attaching thread, which trains ([Note: foreign reads])
         self._ref = weakref.ref(self)
+        # fetches chunks whose parameters live on the host only, for a read between steps (:meth:`fetch_with`)
+        self._fetch_between: Callable[[list[int]], None] | None = None
+
+    def fetch_with(self, fetch_between: Callable[[list[int]], None]) -> None:
+        """Chunks whose parameters live on the host only are fetched with ``fetch_between(indices)`` for a
+        graph read between steps (:meth:`graph_read`; the parameter fetcher's, one rank)."""
+        self._fetch_between = fetch_between
+
+    # -- whether the parameters are still bound ----------------------------------------------------------
+    def unbound(self, *, quick: bool = False) -> torch.nn.Parameter | None:
+        """The first parameter that is no longer the view into its chunk that attach made it (new storage,
+        dtype, device or memory format), or ``None`` when every parameter still is. ``quick``: compare the
+        storage address and the dtype only (a conversion changes one of them; strides changed in place on the
+        same storage are left to the full check), about three times cheaper: the check before each forward."""
+        for p in self._store.all_params():
+            view = self.expected_view(p)
+            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
+                return p
+            if not quick and (p.stride() != view.stride() or p.device != view.device):
+                return p
+        return None
+
+    def check_bound(self, names: dict[int, str]) -> None:
+        """Every parameter is still the view into its chunk that attach made it.
+
+        Raises:
+            RuntimeError: a parameter got new storage, dtype, device, shape or memory format after attach
+                (``model.double()``, ``model.half()``, ``model.to(...)``, ``p.data = ...``); the message names
+                it, what changed and what to do. Updates would otherwise go to the chunk and never reach the
+                model (a dtype change would first fail inside autograd with torch's ``grad_dtype`` error).
+        """
+        p = self.unbound()
+        if p is None:
+            return
+        view = self.expected_view(p)
+        name = names.get(id(p), f"of shape {tuple(p.shape)}")
+        if p.dtype != view.dtype:
+            unsupported = "" if p.dtype in TRAINABLE_DTYPES else (
+                f"; {str(p.dtype).removeprefix('torch.')} is not supported: memsched trains float32, "
+                "bfloat16 and float16 parameters")
+            raise RuntimeError(
+                f"parameter {name!r} is no longer memsched's view into its chunk: its dtype changed from "
+                f"{view.dtype} to {p.dtype} after memsched.attach (model.double(), .half(), .bfloat16(), "
+                ".to(dtype)); memsched cannot follow a conversion. To compute in bfloat16 or float16 with "
+                "fp32 master weights, pass dtype= to memsched.attach instead; to convert the model, convert "
+                f"it before memsched.attach: close() the scheduler, convert, and attach again{unsupported}")
+        if p.device != view.device:
+            what = f"it moved from {view.device} to {p.device}"
+        elif p.stride() != view.stride():
+            what = f"its memory format changed (strides {view.stride()} -> {p.stride()})"
+        else:
+            what = "it got new storage (p.data = ..., or a module conversion)"
+        raise RuntimeError(
+            f"parameter {name!r} is no longer memsched's view into its chunk: {what} after attach. "
+            "memsched cannot follow that; convert the model (dtype, device, memory format) before "
+            "memsched.attach (close() the scheduler, convert, and attach again), or load values in place "
+            "(model.load_state_dict, or `with torch.no_grad(): param.copy_(...)`)")
 
     # -- the state ------------------------------------------------------------------------------------------
     def state(self, c: Chunk) -> Binding:
@@ -404,7 +462,7 @@ class ChunkBindings:
                     continue
                 self._take_hand_set_grad(p, c)
                 p.data = self._host_param_view(p, c)
-                kept = id(p) in store.host_grads and c.grad_host is not None
+                kept = id(p) in store.grads.host_grads and c.grad_host is not None
                 p.grad = store.user_view("grad", p, c) if kept else None
                 self._versions[id(p)] = p._version
                 _mark(p, _HOST_KEY, self._ref, c.index)  # [Note: graph reads between steps]
@@ -447,10 +505,10 @@ class ChunkBindings:
             return out
         away = [c.index for c in chunks if c.data is None]
         if away:  # parameters that live on the host only: fetched first (one rank has a fetcher for them)
-            if store.fetch_between is None:
+            if self._fetch_between is None:
                 raise RuntimeError(f"memsched internal error: chunks {away} have no device copy to read")
             with torch._C.DisableTorchFunction():
-                store.fetch_between(away)  # their parameters are bound below, with the other chunks'
+                self._fetch_between(away)  # their parameters are bound below, with the other chunks'
         del out, failed  # the host graph goes (and with it the accumulators it made for host tensors)
         torch.set_rng_state(rng)
         with torch._C.DisableTorchFunction():
@@ -486,8 +544,8 @@ class ChunkBindings:
                              "expected a dense gradient shaped like the parameter")
         with torch.no_grad(), _bookkeeping(), store.alloc.host_context():
             store.host_view("grad", p, c).copy_(g)
-        store.host_grads.add(id(p))
-        store.with_grad.add(id(p))
+        store.grads.host_grads.add(id(p))
+        store.grads.with_grad.add(id(p))
 
     def refresh_host(self, c: Chunk) -> None:
         """``c``'s host buffers were replaced (an update made during backward was swapped in): host-bound
@@ -509,14 +567,14 @@ class ChunkBindings:
                     written |= p._version != self._versions.get(id(p), p._version)
                     continue
                 if g is None:
-                    if id(p) in store.host_grads:  # dropped by the user
-                        store.host_grads.discard(id(p))
-                        store.with_grad.discard(id(p))
+                    if id(p) in store.grads.host_grads:  # dropped by the user
+                        store.grads.host_grads.discard(id(p))
+                        store.grads.with_grad.discard(id(p))
                 elif g.data_ptr() != store.host_view("grad", p, c).data_ptr():  # set by hand
                     with store.alloc.host_context():
                         store.host_view("grad", p, c).copy_(g)
-                    store.host_grads.add(id(p))
-                    store.with_grad.add(id(p))
+                    store.grads.host_grads.add(id(p))
+                    store.grads.with_grad.add(id(p))
                     p.grad = store.user_view("grad", p, c)
                 written |= p._version != self._versions.get(id(p), p._version)
             if written:
@@ -588,7 +646,7 @@ class ChunkBindings:
     def data_arrived(self, c: Chunk, data: torch.Tensor) -> None:
         """``c``'s compute buffer is ``data`` again (a fetch allocated it; the caller copies the values in,
         and binds the parameters at their read: :meth:`to_device`)."""
-        c.data = data
+        c.set_data(data)
         self._store.forget_views(c, "data")
 
     def data_leaves(self, c: Chunk) -> None:
@@ -617,8 +675,8 @@ class ChunkBindings:
         elif not self.host_bound(c):
             self.to_absent(c)
         store.forget_views(c, "data")
-        c.data = None
-        c.h2d_event = None
+        c.drop_data()
+        c.forget_h2d()
 
     def drop_param_host(self, c: Chunk) -> None:
         """A lean chunk whose parameters stay on the device from now on (a plan keeps them there): its host
@@ -646,5 +704,5 @@ class ChunkBindings:
         self._check(c, Binding.SHARDED)
         self._point(c, "absent")
         self._store.forget_views(c, "data")
-        c.data = None
+        c.drop_data()
         self._set(c, Binding.SHARDED)

@@ -52,13 +52,18 @@ class Chunk:
     The optimizer state of one placement is one allocation (:meth:`Allocator.arena`). The chunk owns its
     transitions: its shard (:meth:`set_shard`, :meth:`reshard`), its copies and their events
     (:meth:`start_d2h`, :meth:`start_h2d`, :meth:`wait_d2h`, :meth:`wait_h2d`), its placement
-    (:meth:`init_state`, :meth:`move_to`), its gradient readiness (:meth:`mark_grad_ready`,
-    :meth:`reset_ready`) and its release (:meth:`release`); other classes call these, never assign its fields.
+    (:meth:`init_state`, :meth:`move_to`), its compute buffer (:meth:`set_data`, :meth:`drop_data`), its
+    gradients (:meth:`alloc_grad`, :meth:`free_grad`, :meth:`keep_grad_shard`, :meth:`drop_grad_shard`,
+    :meth:`take_whole_grad`), ZeRO-3's kept shard (:meth:`keep_param_shard`, :meth:`drop_param_shard`), its
+    spare state (:meth:`alloc_spare`, :meth:`swap_spare`, :meth:`drop_spare`), its gradient readiness
+    (:meth:`mark_grad_ready`, :meth:`set_ready`, :meth:`reset_ready`) and its release (:meth:`release`);
+    other classes call these, never assign its fields (``tests/test_layout.py`` checks it).
     """
 
     def __init__(self, index: int, group: int, numel: int, params: list[torch.nn.Parameter],
                  ranges: list[tuple[int, int]], data: torch.Tensor, grad: torch.Tensor | None, *,
-                 initial_master: torch.Tensor | None = None, frozen: bool = False) -> None:
+                 initial_master: torch.Tensor | None = None, frozen: bool = False,
+                 offload_grads: bool = False, private_grads: bool = False, lean: bool = False) -> None:
         self.index = index
         self.frozen = frozen
         self.group = group
@@ -86,24 +91,24 @@ class Chunk:
         self.grad_host: torch.Tensor | None = None
         self.landing: torch.Tensor | None = None
         # One rank: the optimizer state of a host chunk comes with host gradients (``grad_host``) and the
-        # parameters' host values; set by the store before the state exists. ``private_grads`` (overlap=True):
+        # parameters' host values; given by the store at construction. ``private_grads`` (overlap=True):
         # the CPU update reads its own fp32 copy (``host_grad``) even in fp32, so that writes to ``p.grad``
         # after the step cannot reach an update still running on the worker.
-        self.offload_grads = False
-        self.private_grads = False
+        self.offload_grads = offload_grads
+        self.private_grads = private_grads
         # [Note: lean host chunks]
         # Under mixed precision a host chunk's parameters need a copy in the compute dtype on the host only
         # where something reads them there: the H2D copy after the CPU update, and the parameters themselves
         # between steps where the device cannot read host memory in place (a host gradient beside a device
         # parameter would be a device error) or while their buffer is off the device (parameter offload).
         # One rank, gradients offloaded, no private gradients, a device that reads pinned memory in place
-        # (``lean``, set by the store): the chunk keeps no such copy while its buffer is on the device. The
+        # (``lean``, given by the store): the chunk keeps no such copy while its buffer is on the device. The
         # update casts its master into a staging buffer the host chunks share (HybridAdamW.h2d_staging)
         # for the H2D copy, and between steps its parameters stay views of the device buffer while their
         # gradients are views of the host's (both read as the device). The copy is made when the buffer
         # leaves (ChunkBindings.data_leaves), so parameter offload costs its bytes and nothing else does:
         # 14 bytes per parameter in bf16 (master, moments, bf16 gradients) instead of 16.
-        self.lean = False
+        self.lean = lean
         # Parameters whose gradient is complete in the backward pass ``ready_task`` (autograd graph task id):
         # readiness is per backward pass, so accumulation with a parameter unused in one micro-batch never
         # declares a chunk ready while that backward still writes into it.
@@ -322,6 +327,11 @@ class Chunk:
         self.landing = landing
         self.spare = current
 
+    def drop_spare(self) -> None:
+        """Let the spare host state go (freed once nothing holds it): the plan no longer speculates this
+        chunk."""
+        self.spare = None
+
     def state_version(self) -> int:
         """The version counter of the state's allocation (all its parts but the gradients are views of one
         arena sharing it, so any in-place write to any of them moves it); a frozen chunk's host values'."""
@@ -421,6 +431,28 @@ class Chunk:
         D2H stream that reads it was recorded on it, :class:`memsched.devices.transfers.Streams`)."""
         self.grad = None
 
+    def keep_grad_shard(self, shard: torch.Tensor) -> None:
+        """ZeRO-2: ``shard`` (``[hi - lo]``, compute dtype, this rank's part of the averaged gradients)
+        becomes the reduced shard (a copy of its own when it is a view of a larger receive buffer), or is
+        added to an earlier micro-batch's."""
+        with torch.no_grad():
+            if self.grad_shard is None:
+                own = shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+                self.grad_shard = shard if own else shard.clone()
+            else:
+                self.grad_shard.add_(shard)
+
+    def drop_grad_shard(self) -> None:
+        """ZeRO-2: the reduced shard goes (no parameter has a gradient any more)."""
+        self.grad_shard = None
+
+    def take_whole_grad(self, whole: torch.Tensor) -> None:
+        """ZeRO-2: the whole averaged gradients ``whole`` (``[numel]``, gathered from the reduced shards of
+        every rank) become the gradient buffer, and the reduced shard goes."""
+        self.grad = whole
+        self.grad_generation += 1
+        self.grad_shard = None
+
     def grad_signature(self) -> tuple[Any, ...] | None:
         """What changes whenever the gradient buffer (or the reduced shard) is written or replaced:
         ``(allocation, version, shard version)``, or ``None`` without either."""
@@ -445,8 +477,32 @@ class Chunk:
         self.ready.add(param_id)
         return len(self.ready) == len(self.params)
 
+    def set_ready(self, param_ids: set[int]) -> None:
+        """The parameters ``param_ids`` are those whose gradients are complete in this backward (its end: the
+        others got none)."""
+        self.ready = set(param_ids)
+
     def reset_ready(self) -> None:
         self.ready, self.ready_task = set(), None
+
+    # -- the compute buffer, and ZeRO-3's kept shard --------------------------------------------------------
+    def set_data(self, data: torch.Tensor) -> None:
+        """The compute buffer is ``data`` again (a fetch allocated it; the caller copies the values in)."""
+        self.data = data
+
+    def drop_data(self) -> None:
+        """The compute buffer leaves the device (freed once nothing else holds it): the parameters are away
+        (:mod:`memsched.runtime.param_fetch`; ZeRO-3, :mod:`memsched.distributed.sharded_params`)."""
+        self.data = None
+
+    def keep_param_shard(self, shard: torch.Tensor) -> None:
+        """ZeRO-3: ``shard`` (``[hi - lo]``, compute dtype, on the device) holds this rank's part of the
+        parameters while the compute buffer is away."""
+        self.param_shard = shard
+
+    def drop_param_shard(self) -> None:
+        """ZeRO-3: the kept shard goes (the whole buffer is back, or the part lives in ``param_host``)."""
+        self.param_shard = None
 
     def release(self) -> None:
         """Drop every tensor (the buffers are freed when nothing else holds them)."""
@@ -487,6 +543,10 @@ class Chunk:
         if self.h2d_event is not None:
             self.h2d_event.synchronize()
             self.h2d_event = None
+
+    def forget_h2d(self) -> None:
+        """The H2D copy in flight was waited for elsewhere, or its destination is gone: its event goes."""
+        self.h2d_event = None
 
     def wait_d2h(self) -> None:
         """Block the host until the chunk's gradient D2H copy is done (``host_grad``/``staging`` hold it)."""

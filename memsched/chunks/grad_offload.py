@@ -71,9 +71,9 @@ class GradOffload:
         self._pending: list[_Offload] = []
         self.live_max = 0
         self.offloaded_bytes = 0
-        store.observe_grads_ready(self.grads_ready)
-        store.observe_backward_end(self.finish)
-        store.observe_zero_grad(self.discard)
+        store.backward.observe_grads_ready(self.grads_ready)
+        store.backward.observe_end(self.finish)
+        store.grads.observe_zero_grad(self.discard)
         store.install_offloader(self)
 
     def in_flight(self, c: Chunk) -> tuple[torch.Tensor | None, list[tuple[int, int, bool]]] | None:
@@ -85,7 +85,7 @@ class GradOffload:
         for off in reversed(self._pending):
             if off.chunk is c:
                 parts = [(store.param_range[id(p)][0] - c.lo, store.param_range[id(p)][1],
-                          id(p) in store.host_grads) for p in off.fresh]
+                          id(p) in store.grads.host_grads) for p in off.fresh]
                 return off.landing, parts
         return None
 
@@ -109,12 +109,12 @@ class GradOffload:
         self.live_max = max(self.live_max, live)
         fresh = [p for p in c.params if id(p) in c.ready]
         self._wait_worker(c)  # the CPU update of the last step no longer reads the host gradients
-        held = any(id(p) in store.host_grads for p in c.params)
+        held = any(id(p) in store.grads.host_grads for p in c.params)
         landing = c.landing_buffer(store.alloc) if held else None
         dst = landing if landing is not None else c.grad_host
         self.offloaded_bytes += self._start_d2h(c, dst)
         self._pending.append(_Offload(c, fresh, landing))
-        store.free_grad(c)  # the copy holds the buffer until it is done (CUDA: its stream is recorded)
+        store.grads.free(c)  # the copy holds the buffer until it is done (CUDA: its stream is recorded)
 
     def finish(self) -> None:
         """Backward's end: chunks whose gradients backward did not complete (a parameter without a gradient)
@@ -123,7 +123,7 @@ class GradOffload:
         store = self.store
         for c in store.chunks:
             if store.offloads(c) and c.grad is not None:
-                c.ready = {id(p) for p in c.params if p.grad is not None}
+                c.set_ready({id(p) for p in c.params if p.grad is not None})
                 self._offload(c)
         pending, self._pending = self._pending, []
         with torch.no_grad(), store.alloc.host_context():
@@ -135,11 +135,11 @@ class GradOffload:
                         r0, n = store.param_range[id(p)]
                         new = off.landing[r0 - c.lo:r0 - c.lo + n]
                         host = c.grad_host[r0 - c.lo:r0 - c.lo + n]
-                        if id(p) in store.host_grads:
+                        if id(p) in store.grads.host_grads:
                             host.add_(new)
                         else:
                             host.copy_(new)
-                    store.host_grads.add(id(p))
+                    store.grads.host_grads.add(id(p))
 
     def discard(self) -> None:
         """``zero_grad`` (also after a backward that failed): copies in flight are waited for and dropped."""

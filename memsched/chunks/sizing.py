@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+# The parameter dtypes memsched trains (memsched.config refuses others at attach).
+TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 STEP_BYTES = 4  # each parameter's fp32 step count lives next to its chunk's moments
 # A lean host chunk's updated values go to the device in pieces of at most this many elements, through one
 # pinned staging buffer of that size ([Note: lean host chunks] in memsched.chunks.chunk): 8 MiB in bf16

@@ -1,63 +1,56 @@
-"""The chunks of a model: building them, binding parameters as views, gradient readiness, re-packing."""
+"""The chunks of a model: building them, binding parameters as views, their placement, re-packing.
+
+:class:`ChunkStore` owns the chunks, their layout and re-packing, where each parameter is in them and the
+views memsched makes of its slots, and the placement of each chunk's optimizer state. It composes the stages
+of a step that work on the chunks, each an object that owns its state, in a module of its own:
+
+* ``store.bindings`` (:class:`memsched.chunks.binding.ChunkBindings`): where each chunk's parameters point,
+  with its lifecycle per chunk;
+* ``store.backward`` (:class:`memsched.chunks.backward.BackwardTracker`): the gradient hooks, each chunk's
+  readiness and the backward phase;
+* ``store.grads`` (:class:`memsched.chunks.gradients.GradBuffers`): the gradient buffers, the gradients on
+  the host, ZeRO-2's reduced shards and ``zero_grad``.
+"""
 
 from __future__ import annotations
 
-import enum
-import functools
-import sys
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils import _pytree as pytree
 
+from memsched.chunks.backward import BackwardPhase, BackwardTracker
 from memsched.chunks.binding import Binding, ChunkBindings, present
 from memsched.chunks.buffers import Allocator
 from memsched.chunks.chunk import Chunk
 from memsched.chunks.events import ChunkEvents, OneProcess
+from memsched.chunks.gradients import GradBuffers
 from memsched.chunks.layout import ChunkLayout, Slot, build_layout, ordered_groups
-from memsched.chunks.sharded_grad import ShardedGrad, is_sharded
+from memsched.chunks.sharded_grad import is_sharded
+from memsched.chunks.strides import contiguous_strides, dense_strides
 from memsched.devices.host_alias import host_alias_of, reads_host_memory, settle
 from memsched.devices.simdevice import OUT_OF_MEMORY
 from policies.types import DEVICE, HOST
-from tracer.hook_handles import Detachable
-from tracer.ops import graph_task_id
-
-# The parameter dtypes memsched trains (memsched.config refuses others at attach).
-TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class BackwardPhase(enum.Enum):
-    """Where a :class:`ChunkStore` is in a backward: one state, changed only by the store's named transitions
-    (see [Note: the backward phase]), as FSDP2's ``FSDPParamGroup`` owns its ``TrainingState``.
-
-    * ``IDLE``: no backward is running, and the last one ended whole (or ``zero_grad`` came since).
-    * ``IN_BACKWARD``: a backward is running: a gradient reached a hook and its end is queued
-      (:meth:`ChunkStore.note_backward`; one rank and ZeRO-2). Backwards nested in it
-      (``checkpoint(use_reentrant=True)``) keep it until the outermost one ends.
-    * ``ABORTED``: a backward raised and was ended in its place (:meth:`ChunkStore.end_aborted_backward`): its
-      partial gradients stay, and :meth:`ChunkStore.settle` refuses a step until ``zero_grad`` or a backward
-      that ends whole.
-    """
-
-    IDLE = "idle"
-    IN_BACKWARD = "in backward"
-    ABORTED = "aborted"
+def _nothing(_chunk: Chunk) -> None:
+    """The default of the store's ``before_host_write`` and ``before_device_read``: nothing to wait for."""
 
 
 class ChunkStore:
-    """The chunks of a model: builds them from param groups and a layout, binds parameters as views, counts
-    gradient readiness with post-accumulate-grad hooks and re-packs on request.
+    """The chunks of a model: builds them from param groups and a layout, binds parameters as views, places
+    their optimizer state and re-packs on request; its stages (``bindings``, ``backward``, ``grads``) are
+    described in the module docstring.
 
     Args:
         groups: trainable parameters per param group (tied parameters once; no frozen ones).
         alloc: where buffers come from.
         compute_dtype: dtype of the compute and gradient buffers (fp32 masters are kept when it is not fp32).
         chunk_numel: chunk size override (elements); ``None`` = searched.
-        on_grads_ready: an observer (:meth:`observe_grads_ready`), or ``None``.
+        on_grads_ready: an observer of complete chunks
+            (:meth:`memsched.chunks.backward.BackwardTracker.observe_grads_ready`), or ``None``.
         dp: the data parallelism (:class:`memsched.chunks.events.ChunkEvents`, implemented by
             :class:`memsched.distributed.base.DataParallel`; default one process): told when a chunk's
             gradients are ready, after its update and before gradients are zeroed; its ``align`` aligns the
@@ -69,6 +62,10 @@ class ChunkStore:
         frozen: frozen parameters (``requires_grad=False``; one rank) packed into chunks of their own, after
             the trainable ones: no gradients, no optimizer state, placed and fetched like the others
             (:class:`Chunk`'s ``frozen``; issue 31).
+        before_host_write: called as ``before_host_write(chunk)`` before memsched writes a host chunk's host
+            buffers (the CPU update must be done reading them); default nothing.
+        before_device_read: called as ``before_device_read(chunk)`` before a chunk's parameters become
+            device views between steps (its H2D copy in flight must land first); default nothing.
 
     Raises:
         ValueError: the groups are empty.
@@ -82,7 +79,9 @@ class ChunkStore:
                  on_grads_ready: Callable[[Chunk], None] | None = None,
                  dp: ChunkEvents | None = None, private_grads: bool = False,
                  after_chunk: Callable[[ChunkStore, Chunk], None] | None = None,
-                 frozen: Sequence[torch.nn.Parameter] = ()) -> None:
+                 frozen: Sequence[torch.nn.Parameter] = (),
+                 before_host_write: Callable[[Chunk], None] | None = None,
+                 before_device_read: Callable[[Chunk], None] | None = None) -> None:
         self.groups = [list(g) for g in groups]
         self.frozen = list(frozen)
         self.alloc = alloc
@@ -93,38 +92,22 @@ class ChunkStore:
         # id(host buffer) -> (the buffer, its device-typed alias): the base of the user views (user_view)
         self._host_aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._alias_versions: list[int] = []  # their version counters when last settled
-        self._grads_ready_observers: list[Callable[[Chunk], None]] = []  # after ``dp`` (the optimizer)
-        if on_grads_ready is not None:
-            self._grads_ready_observers.append(on_grads_ready)
-        self.grad_events = 0  # gradients accumulated by backward so far (any parameter)
         self.closed = False
         # Where each chunk's parameters point, and the phase (computing or between steps) they follow
         self.bindings = ChunkBindings(self)
-        self.host_grads: set[int] = set()  # parameters whose gradient is in their chunk's ``grad_host``
+        # The gradient buffers, and the backward stage that fills them (hooks, readiness, the phase)
+        self.grads = GradBuffers(self, {id(p) for g in self.groups for p in g if p.grad is not None})
+        self.backward = BackwardTracker(self, on_grads_ready)
         # Whether some chunk offloads (a plain flag: compiled hooks read it, see memsched.runtime.waits)
         self.offloading = False
-        # Where the store is in a backward: changed only by the _*_backward transitions below
-        self._backward_phase = BackwardPhase.IDLE
-        self._backward_end_observers: list[Callable[[], None]] = []
-        self._zero_grad_observers: list[Callable[[], None]] = []
         # The gradient offload (memsched.chunks.grad_offload) once installed; without it host chunks keep
         # their gradients on the device until the step, as with more ranks.
         self.offloader: object | None = None
         # Called before memsched writes a host chunk's host buffers (the CPU worker must be done reading them)
-        self.before_host_write: Callable[[Chunk], None] = lambda c: None
+        self.before_host_write: Callable[[Chunk], None] = before_host_write or _nothing
         # Called before a chunk's parameters become device views between steps: reads of them from here on
         # (outside any forward, so no module hook waits for them) must come after its H2D copy in flight
-        self.before_device_read: Callable[[Chunk], None] = lambda c: None
-        # fetches chunks whose parameters live on the host only, for a read between steps (ParamFetcher)
-        self.fetch_between: Callable[[list[int]], None] | None = None
-        # Parameters that have a gradient in torch's sense (``p.grad is not None``) although every ``.grad``
-        # stays bound to its chunk view: filled by backward, emptied by ``zero_grad(set_to_none=True)``.
-        self.with_grad: set[int] = {id(p) for g in self.groups for p in g if p.grad is not None}
-        self._open_tasks: set[int | None] = set()  # backward passes whose end is queued (_backward_end)
-        self._running: set[int] = set()  # backward passes that read a saved parameter, until their end
-        self._ready_pending: list[Chunk] = []  # complete chunks not announced yet (_flush_ready)
-        self._flush_task: int | None = None  # the backward whose flush is queued (more ranks, ZeRO-0/1)
-        self._n_params = sum(len(g) for g in self.groups)
+        self.before_device_read: Callable[[Chunk], None] = before_device_read or _nothing
         self.align = self.dp.align
         # One rank and ZeRO-2: a chunk's gradient buffer exists only while some gradient does (from the
         # first gradient a backward gives one of its parameters to zero_grad; at ZeRO-2 to its
@@ -152,13 +135,9 @@ class ChunkStore:
                                    align=self.align, exact=self.exact)
         self.chunks: list[Chunk] = []
         self.param_chunk: dict[int, Chunk] = {}
-        self._hooks: list = []
         self._build(self.layout, self._packing(), after_chunk=after_chunk)
         self.dp.install(self)
-        for g in self.groups:
-            for p in g:
-                self._hooks.append(p.register_hook(Detachable(self._pre_grad_hook(p))))
-                self._hooks.append(p.register_post_accumulate_grad_hook(Detachable(self._grad_hook)))
+        self.backward.install(list(self.params()))
 
     def _packing(self) -> list[list[torch.nn.Parameter]]:
         """The groups packed into chunks: the param groups, then the frozen parameters (a group of their own,
@@ -182,7 +161,7 @@ class ChunkStore:
         On failure (e.g. out of memory) every parameter bound so far gets standalone tensors back, with its
         values (its ``staged`` host copies when given, else fresh copies), and the error is re-raised: the
         model is as it was, only its storages are new. ``grads=False``: gradients are not bound (the caller
-        puts them where their chunk's placement wants them, :meth:`_place_staged_grads`).
+        puts them where their chunk's placement wants them, :meth:`GradBuffers.place_staged`).
         ``after_chunk(store, c)`` runs after each chunk is built, before the next one is allocated (its
         state is made there and its buffer may leave the device: a model whose parameters do not all fit is
         built a chunk at a time).
@@ -249,12 +228,9 @@ class ChunkStore:
                 p.grad = self.slot(grad, off, p)
             else:
                 p.grad = None
-        chunk = Chunk(ci, layout.chunk_groups[ci], numel, params, ranges, data, grad,
-                      initial_master=initial, frozen=frozen)
-        chunk.offload_grads = self.backward_offload
-        chunk.private_grads = self.private_grads
-        chunk.lean = self.lean_params and not frozen
-        return chunk
+        return Chunk(ci, layout.chunk_groups[ci], numel, params, ranges, data, grad, initial_master=initial,
+                     frozen=frozen, offload_grads=self.backward_offload, private_grads=self.private_grads,
+                     lean=self.lean_params and not frozen)
 
     def _unbind(self, chunks: Sequence[Chunk]) -> None:
         """Give the parameters of ``chunks`` standalone copies of their values (newest chunk first, so each
@@ -331,13 +307,13 @@ class ChunkStore:
                         else t[off - (lo if k < 2 else 0):off - (lo if k < 2 else 0) + n]
                         for k, t in enumerate(flat))
                     side[id(p)] = c.placement
-        self.host_grads.clear()
+        self.grads.host_grads.clear()
         self._release(staged)
 
         def restore(store: ChunkStore, c: Chunk) -> None:  # as each new chunk is built
             self._restore_state(c, staged, side, steps)
             if not c.frozen:
-                self._place_staged_grads(c, staged)
+                self.grads.place_staged(c, staged)
             if after_chunk is not None:
                 after_chunk(store, c)
             self._restage(c, staged)
@@ -381,33 +357,10 @@ class ChunkStore:
             if grad is not None:
                 if c.grad is not None and p.grad is not None:
                     grad = c.grad[off:off + n]
-                elif c.grad_host is not None and id(p) in self.host_grads:
+                elif c.grad_host is not None and id(p) in self.grads.host_grads:
                     grad = c.grad_host[off:off + n]
             staged[id(p)] = (values[off:off + n], grad, master[off:off + n], c.exp_avg[off:off + n],
                              c.exp_avg_sq[off:off + n])
-
-    def _place_staged_grads(self, c: Chunk, staged: dict[int, tuple[torch.Tensor, ...]]) -> None:
-        """One rank, re-packing: each staged gradient of ``c`` goes where its chunk keeps gradients (a host
-        chunk's host gradients, or a device chunk's buffer, allocated then), so a host chunk's never takes
-        device memory."""
-        if not self.lazy_grads:
-            return
-        with torch.no_grad():
-            for p in c.params:
-                g = staged[id(p)][1]
-                if g is None:
-                    p.grad = None
-                    continue
-                g = self.slot(g, 0, p)
-                if self.offloads(c):
-                    with self.alloc.host_context():
-                        self.host_view("grad", p, c).copy_(g)
-                    self.host_grads.add(id(p))
-                    p.grad = None  # host-bound next (rebind_hosts)
-                else:
-                    view = self.grad_view(p, c)
-                    view.copy_(g)
-                    p.grad = view
 
     def rebind_hosts(self) -> None:
         """After (re)building the chunks: host chunks' gradients go to the host and, between steps, their
@@ -415,7 +368,7 @@ class ChunkStore:
         self.note_placements()
         for c in self.chunks:
             if self.offloads(c):
-                self._grads_to_host(c)
+                self.grads.to_host(c)
                 if not self.bindings.computing:
                     self.bindings.to_host(c)
 
@@ -438,7 +391,7 @@ class ChunkStore:
     def stride_of(self, p: torch.nn.Parameter) -> tuple[int, ...]:
         """The strides of ``p``'s views (its memory format; see [Note: memory formats])."""
         s = self._strides.get(id(p))
-        return s if s is not None else _contiguous_strides(p.shape)
+        return s if s is not None else contiguous_strides(p.shape)
 
     def slot(self, flat: torch.Tensor, off: int, p: torch.nn.Parameter) -> torch.Tensor:
         """``p``'s slot ``flat[off:off + numel]`` as a tensor of its shape and memory format."""
@@ -506,7 +459,7 @@ class ChunkStore:
                     continue
                 p.data = slot
                 if grad is not None:
-                    gview = self.grad_view(p, c)
+                    gview = self.grads.view(p, c)
                     gview.copy_(grad)
                     p.grad = gview
             done.append(p)
@@ -633,34 +586,6 @@ class ChunkStore:
         """Whether ``c``'s compute buffer (its parameters' device copy) is on the device."""
         return c.data is not None
 
-    def _grads_to_device(self, c: Chunk) -> None:
-        """``c``'s host gradients go into its device gradient buffer (a chunk placed on the device, or
-        ``close()``): ``p.grad`` becomes the device view. ``c`` must be device-bound."""
-        mine = [p for p in c.params if id(p) in self.host_grads]
-        if not mine:
-            return
-        self.before_host_write(c)
-        c.wait_d2h()
-        with torch.no_grad():
-            for p in mine:
-                view = self.grad_view(p, c)
-                view.copy_(self.host_view("grad", p, c))
-                p.grad = view
-                self.host_grads.discard(id(p))
-
-    def _grads_to_host(self, c: Chunk) -> None:
-        """``c``'s device gradients go into its host gradients (a chunk placed on the host between steps, or
-        re-packed): its device gradient buffer is freed; ``p.grad`` follows at host binding."""
-        if c.grad is None:
-            return
-        mine = [p for p in c.params
-                if p.grad is not None and p.grad.data_ptr() == self.grad_view(p, c).data_ptr()]
-        with torch.no_grad(), self.alloc.host_context():
-            for p in mine:
-                self.host_view("grad", p, c).copy_(self.grad_view(p, c))
-                self.host_grads.add(id(p))
-        self.free_grad(c)
-
     def place(self, c: Chunk, placement: str) -> int:
         """Move ``c``'s optimizer state to ``placement`` (:meth:`Chunk.move_to`), with its gradients and, one
         rank, its binding: a chunk moved to the host while nothing computes is host-bound, one moved to the
@@ -677,13 +602,13 @@ class ChunkStore:
         if self.bindings.host_bound(c):  # to the device: device-bound first, with any host writes taken in
             self.bindings.to_device(c)
         if placement != HOST:
-            self._grads_to_device(c)  # while its host gradients still exist
+            self.grads.to_device(c)  # while its host gradients still exist
         moved = c.move_to(placement, self.alloc)
         # The cached host and user views would keep the old host buffers (pinned memory) alive after the move.
         self.forget_host_views(c)
         self.note_placements()
         if self.offloads(c):
-            self._grads_to_host(c)
+            self.grads.to_host(c)
             if not self.bindings.computing:
                 self.bindings.to_host(c)
         return moved
@@ -697,11 +622,9 @@ class ChunkStore:
             return c.param_host  # host-bound (not lean), or (ZeRO-3) away with its part on the host
         return c.param_part()
 
-    def has_grads(self, c: Chunk) -> bool:
-        """Whether any parameter of ``c`` holds a gradient memsched keeps: in its device buffer, or on the
-        host."""
-        return (c.grad is not None or c.grad_shard is not None
-                or any(id(p) in self.host_grads for p in c.params))
+    def after_update(self, chunk: Chunk) -> None:
+        """``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes there)."""
+        self.dp.after_update(chunk)
 
     def settle(self) -> None:
         """Before a step: gradients still on the device of host chunks go to the host and the host chunks
@@ -712,7 +635,7 @@ class ChunkStore:
                 and part are not, so anything reading them now (torch's ``clip_grad_norm_``, the step) would
                 see only part of them. ``zero_grad()`` drops them.
         """
-        if self._backward_phase is not BackwardPhase.IDLE:
+        if self.backward.phase is not BackwardPhase.IDLE:
             # between steps again: parameters whose buffer is away read their host values, not the absent
             # views' NaN (the refusal stands until zero_grad())
             self.bindings.leave_compute()
@@ -724,246 +647,11 @@ class ChunkStore:
         # a host chunk bound to the device between steps while it holds host gradients (a graph read after
         # backward, [Note: graph reads between steps]) is host-bound again, as at backward's end
         if self.bindings.computing or any(self.offloads(c) and (c.grad is not None or (
-                not self.bindings.host_bound(c) and any(id(p) in self.host_grads for p in c.params)))
+                not self.bindings.host_bound(c) and any(id(p) in self.grads.host_grads for p in c.params)))
                 for c in self.chunks):
-            for observer in self._backward_end_observers:
-                observer()
+            self.backward.tell_end()
             self.bindings.computing = True
             self.bindings.leave_compute()
-
-    # -- gradients ------------------------------------------------------------------------------------------
-    def _pre_grad_hook(self, p: torch.nn.Parameter) -> Callable[[torch.Tensor], None]:
-        """[Note: gradients land in the chunk]
-        One rank: before autograd accumulates a gradient into ``p`` that has none, ``p.grad`` becomes its
-        zeroed chunk view (the chunk's buffer is allocated at its first gradient), so that autograd adds the
-        gradient into the chunk in place instead of allocating a tensor memsched would copy. ``0 + g == g``
-        for every ``g`` (only the sign of an exact zero may differ, which AdamW's moments and updates never
-        see). A host chunk's earlier gradients stay on the host: the new ones are added to them there when
-        they are offloaded (:mod:`memsched.chunks.grad_offload`).
-        A parameter that gets no gradient keeps ``p.grad is None``, as in torch."""
-
-        def hook(_grad: torch.Tensor) -> None:
-            self._flush_ready()
-            if not self.lazy_grads:
-                return
-            c = self.param_chunk.get(id(p))
-            if c is None:
-                return
-            bindings = self.bindings
-            if not bindings.computing:  # a backward with no forward since the last one ended (retain_graph)
-                bindings.enter_compute()
-            elif bindings.host_bound(c):  # away from the device since the forward's end
-                bindings.to_absent(c) if c.data is None else bindings.to_device(c)
-            g = p.grad
-            if is_sharded(g):  # ZeRO-2: reduced already; this backward's gradients go to a new buffer
-                p.grad = g = None
-            if g is not None and self.offloads(c) and (c.grad is None
-                                                       or g.data_ptr() != self.grad_view(p, c).data_ptr()):
-                # The host gradients of earlier micro-batches stay on the host; a gradient set by hand since
-                # the forward replaces them there. Either way the new gradient is added on the host.
-                host = self.host_view("grad", p, c)
-                if g.data_ptr() != host.data_ptr() or id(p) not in self.host_grads:
-                    with torch.no_grad(), self.alloc.host_context():
-                        host.copy_(g)
-                    self.host_grads.add(id(p))
-                p.grad = None
-            if p.grad is not None:
-                return
-            with torch.no_grad():
-                view = self.grad_view(p, c)
-                view.zero_()  # may hold the gradient of an earlier backward that model.zero_grad() dropped
-            p.grad = view
-
-        return hook
-
-    def _grad_hook(self, p: torch.nn.Parameter) -> None:
-        self._flush_ready()
-        c = self.param_chunk.get(id(p))
-        if c is None:
-            return
-        self.rebind_grad(p, c)  # allocates the chunk's gradient buffer at its first gradient
-        self.with_grad.add(id(p))
-        self.grad_events += 1
-        task = self.note_backward()
-        if c.mark_grad_ready(id(p), task):
-            # See [Note: readiness after the user's hooks]
-            self._ready_pending.append(c)
-            if not self.lazy_grads and task != self._flush_task:  # no _backward_end queued to flush it
-                self._flush_task = task
-                torch.autograd.Variable._execution_engine.queue_callback(self._flush_ready)
-
-    def _flush_ready(self) -> None:
-        """[Note: readiness after the user's hooks]
-        A chunk whose last gradient just accumulated is complete, but the post-accumulate-grad hooks the
-        user registered on that parameter (after attach's) have not run yet: they must see ``p.grad`` and may
-        change it in place (clamp, log, scale), as with torch. So the chunk is announced complete (offload to
-        the host, reduction, an update during backward) at the next gradient hook of any parameter, or at
-        backward's end, after those hooks ran."""
-        while self._ready_pending:
-            c = self._ready_pending.pop(0)
-            for p in c.params:  # a user hook may have replaced p.grad
-                if p.grad is not None and not is_sharded(p.grad) and id(p) in self.with_grad:
-                    self.rebind_grad(p, c)
-            self.on_grads_ready(c)
-
-    def _backward_end(self, task: int | None = None) -> None:
-        """At the end of a backward (one rank): a parameter of a device chunk that has no gradient (none since
-        ``zero_grad``) gets ``p.grad = None``, as in torch, instead of its zeroed chunk view: code that tests
-        for None (fill missing gradients with zeros, skip unused parameters) then behaves as with
-        ``torch.optim.AdamW``. The view comes back before the next forward (:meth:`bind_dropped_grads`) or at
-        the step. Then the observers finish the gradients' offload, and the host chunks become host-bound
-        (:meth:`ChunkBindings.leave_compute`).
-
-        A backward nested in another (``torch.utils.checkpoint(use_reentrant=True)`` runs one per block inside
-        the outer backward) announces its complete chunks and lets the observers finish their offload, but
-        the parameters stay bound to the device until the outermost backward ends, since the outer one
-        recomputes more blocks that read them."""
-        self._open_tasks.discard(task)
-        self._flush_ready()
-        if self._open_tasks:  # nested: the offloads it began finish, the parameters stay on the device
-            for observer in self._backward_end_observers:
-                observer()
-            return
-        if len(self.with_grad) < self._n_params:
-            for p in self.params():
-                if id(p) not in self.with_grad and p.grad is not None and not is_sharded(p.grad) \
-                        and self.param_chunk[id(p)].grad is not None \
-                        and p.grad.data_ptr() == self.grad_view(p).data_ptr():
-                    p.grad = None
-        for observer in self._backward_end_observers:
-            observer()
-        self._end_backward()  # after the observers, before the host binding ([Note: the backward phase])
-        self.bindings.leave_compute()
-
-    def watch_backward_begin(self, output: Any) -> None:
-        """[Note: a backward with no forward before it]
-        A retained graph's second backward (``loss.backward(retain_graph=True)`` then ``loss.backward()``)
-        starts after the first one's end made the host chunks host-bound:
-        its nodes read the parameters autograd saved (the leaves themselves) as host tensors, torch's device
-        error, before any gradient reaches a memsched hook. So at the end of a root forward that records a
-        graph, every tensor in its output (pytree leaves: tuples, dicts, Hugging Face ``ModelOutput``) gets
-        a pre-hook on its ``grad_fn`` that binds the parameters to the device again
-        (:meth:`ChunkBindings.enter_compute`) where a backward reaches it between steps. Every node of the
-        model's graph lies behind one of them, so the pre-hook runs before any node that reads a parameter.
-        In a backward that follows its forward the parameters are bound already and it does nothing; after
-        ``close()`` it does nothing either (the hooks go with the graph)."""
-        if not self.lazy_grads or not any(self.offloads(c) for c in self.chunks):
-            return
-        ref = weakref.ref(self)
-
-        def begin(_grad_outputs: Any) -> None:
-            store = ref()
-            if store is not None and not store.closed and not store.bindings.computing:
-                with torch._C.DisableTorchFunction():
-                    store.bindings.enter_compute()
-
-        seen: set[int] = set()
-        for t in pytree.tree_leaves(output):
-            fn = t.grad_fn if isinstance(t, torch.Tensor) else None
-            if fn is not None and id(fn) not in seen:
-                seen.add(id(fn))
-                fn.register_prehook(begin)
-
-    def note_running(self) -> None:
-        """A backward (or ``torch.autograd.grad``) runs on this thread and read a saved parameter: it is known
-        to be running until its end, so that one that raises is known ([Note: a backward that raised])."""
-        task = graph_task_id()
-        if task in (None, -1) or task in self._running:
-            return
-        self._running.add(task)
-        done = functools.partial(self._running.discard, task)
-        torch.autograd.Variable._execution_engine.queue_callback(done)
-
-    def note_backward(self) -> int | None:
-        """A gradient arrived in a backward on this thread: its end is queued once (:meth:`_backward_end`; one
-        rank), which also tells a backward that raised before it ([Note: a backward that raised]). Returns
-        the graph task's id."""
-        task = graph_task_id()
-        if self.lazy_grads and task != -1 and task not in self._open_tasks:
-            self._open_tasks.add(task)
-            self._begin_backward()
-            end = functools.partial(self._backward_end, task)
-            torch.autograd.Variable._execution_engine.queue_callback(end)
-        return task
-
-    def end_aborted_backward(self) -> bool:
-        """[Note: a backward that raised]
-        A backward that raises (an error in a hook, in a checkpointed block's re-forward, out of memory) never
-        reaches :meth:`_backward_end`: the parameters stay bound as while computing, those of chunks whose
-        buffer is away as NaN views ([Note: absent parameters]), and fetched chunks stay on the device. The
-        next use of the model between steps (``zero_grad()``, ``state_dict()``, the next forward) ends that
-        backward as a completed one would: the observers settle the fetched chunks and finish the gradients'
-        offload, and the host chunks become host-bound, so every parameter reads its value again. Its partial
-        gradients stay for the step to refuse (:meth:`memsched.optim.hybrid_adamw.HybridAdamW.step`). Returns
-        whether there was one to end; never inside a backward running on this thread."""
-        if not (self._open_tasks or self._running) or graph_task_id() not in (-1, None):
-            return False
-        self._open_tasks.clear()
-        self._running.clear()
-        self._flush_ready()
-        for observer in self._backward_end_observers:
-            observer()
-        self._abort_backward()  # settle() refuses the partial gradients until zero_grad or a whole backward
-        self.bindings.leave_compute()
-        return True
-
-    # -- the backward phase -------------------------------------------------------------------------------
-    @property
-    def backward_phase(self) -> BackwardPhase:
-        """Where the store is in a backward (:class:`BackwardPhase`; read-only: the transitions below change
-        it)."""
-        return self._backward_phase
-
-    @property
-    def in_backward(self) -> bool:
-        """A backward is running (its end callback is queued): the phase is ``IN_BACKWARD``."""
-        return self._backward_phase is BackwardPhase.IN_BACKWARD
-
-    def _begin_backward(self) -> None:
-        """[Note: the backward phase]
-        The store's :class:`BackwardPhase` changes at four points, each a named transition, and where each
-        sits against the observers and the bindings matters:
-
-        * ``_begin_backward`` (any phase -> ``IN_BACKWARD``): :meth:`note_backward`, when a gradient opens a
-          graph task's end (a nested backward's too, which keeps the phase). From ``ABORTED`` too: a backward
-          after one that raised runs, and if it ends whole its gradients are whole again. So
-          ``IN_BACKWARD`` goes with a queued end in ``_open_tasks``.
-        * ``_end_backward`` (-> ``IDLE``): :meth:`_backward_end`, once the outermost backward's end ran its
-          observers, which still see ``IN_BACKWARD``, and before :meth:`ChunkBindings.leave_compute` makes
-          the host chunks host-bound. Nested ends change nothing. It may find ``IDLE`` or ``ABORTED``: a
-          ``zero_grad()`` inside the backward (a hook) reset the phase, or a backward running on another
-          thread was ended in its place from this one; it ends whole all the same.
-        * ``_abort_backward`` (-> ``ABORTED``): :meth:`end_aborted_backward`, after the observers settled
-          what the raised backward left, before the host binding. From ``IDLE`` too: a backward that read
-          a saved parameter (:meth:`note_running`) but raised before any gradient reached a hook never
-          began the phase.
-        * ``_reset_backward`` (-> ``IDLE``): :meth:`zero_grad`, after :meth:`end_aborted_backward` (which
-          may pass through ``ABORTED`` first) and after the zero_grad observers dropped the pending offloads
-          (they see the phase as it was), before the gradients are released.
-
-        Every phase can thus follow every other, so the transitions check nothing but are named for the
-        event that makes them. :meth:`settle` refuses a step in any phase but ``IDLE``. The phase is apart
-        from :attr:`ChunkBindings.computing` (the bindings' phase, from a forward's start to its
-        backward's end): a forward after a backward that raised computes while ``ABORTED``, and
-        :meth:`settle` inside a backward leaves computing while ``IN_BACKWARD``."""
-        self._backward_phase = BackwardPhase.IN_BACKWARD
-
-    def _end_backward(self) -> None:
-        """The outermost backward ended whole ([Note: the backward phase])."""
-        self._backward_phase = BackwardPhase.IDLE
-
-    def _abort_backward(self) -> None:
-        """A backward that raised was ended in its place ([Note: the backward phase])."""
-        self._backward_phase = BackwardPhase.ABORTED
-
-    def _reset_backward(self) -> None:
-        """``zero_grad()``: no gradient of any backward stays ([Note: the backward phase])."""
-        self._backward_phase = BackwardPhase.IDLE
-
-    def observe_backward_end(self, observer: Callable[[], None]) -> None:
-        """Call ``observer()`` at the end of every backward (one rank), before the host chunks are
-        host-bound."""
-        self._backward_end_observers.append(observer)
 
     def step_of(self, p: torch.nn.Parameter) -> torch.Tensor:
         """``p``'s step count: a 0-d fp32 view into its chunk's ``steps``."""
@@ -973,337 +661,32 @@ class ChunkStore:
         """The chunk view ``p`` must be (its compute values)."""
         v = self._views.get(("data", id(p)))
         if v is None:  # cached: the chunks' buffers change only when they are built again
-            c = self.param_chunk[id(p)]
-            off, n = self.param_range[id(p)]
-            v = self._views["data", id(p)] = self.slot(c.data, off, p)
+            v = self.chunk_view("data", p, self.param_chunk[id(p)].data)
         return v
+
+    def chunk_view(self, kind: str, p: torch.nn.Parameter, flat: torch.Tensor) -> torch.Tensor:
+        """``p``'s slot in ``flat``, its chunk's ``kind`` buffer (``"data"``, ``"grad"``), made once until
+        :meth:`forget_views` (a new buffer)."""
+        v = self._views.get((kind, id(p)))
+        if v is None:
+            off, _n = self.param_range[id(p)]
+            v = self._views[kind, id(p)] = self.slot(flat, off, p)
+        return v
+
+    def cached_host_grad(self, p: torch.nn.Parameter) -> tuple[tuple[str, int], Any]:
+        """The cache key of the view ``p.grad`` is while host-bound (its user view, else its host view) and
+        the cached ``(buffer, view)`` entry under it, or ``None``."""
+        key = ("grad@user", id(p)) if ("grad@user", id(p)) in self._views else ("grad@host", id(p))
+        return key, self._views.get(key)
+
+    def forget_view(self, key: tuple[str, int]) -> None:
+        """Drop the cached view under ``key`` (:meth:`cached_host_grad`)."""
+        self._views.pop(key, None)
 
     def forget_views(self, c: Chunk, kind: str) -> None:
         """Drop the cached ``kind`` views (``"data"``, ``"grad"``) of ``c``'s parameters (a new buffer)."""
         for p in c.params:
             self._views.pop((kind, id(p)), None)
-
-    def unbound(self, *, quick: bool = False) -> torch.nn.Parameter | None:
-        """The first parameter that is no longer the view into its chunk that attach made it (new storage,
-        dtype, device or memory format), or ``None`` when every parameter still is. ``quick``: compare the
-        storage address and the dtype only (a conversion changes one of them; strides changed in place on the
-        same storage are left to the full check), about three times cheaper: the check before each forward."""
-        for p in self.all_params():
-            view = self.bindings.expected_view(p)
-            if p.data_ptr() != view.data_ptr() or p.dtype != view.dtype:
-                return p
-            if not quick and (p.stride() != view.stride() or p.device != view.device):
-                return p
-        return None
-
-    def check_bound(self, names: dict[int, str]) -> None:
-        """Every parameter is still the view into its chunk that attach made it.
-
-        Raises:
-            RuntimeError: a parameter got new storage, dtype, device, shape or memory format after attach
-                (``model.double()``, ``model.half()``, ``model.to(...)``, ``p.data = ...``); the message names
-                it, what changed and what to do. Updates would otherwise go to the chunk and never reach the
-                model (a dtype change would first fail inside autograd with torch's ``grad_dtype`` error).
-        """
-        p = self.unbound()
-        if p is None:
-            return
-        view = self.bindings.expected_view(p)
-        name = names.get(id(p), f"of shape {tuple(p.shape)}")
-        if p.dtype != view.dtype:
-            unsupported = "" if p.dtype in TRAINABLE_DTYPES else (
-                f"; {str(p.dtype).removeprefix('torch.')} is not supported: memsched trains float32, "
-                "bfloat16 and float16 parameters")
-            raise RuntimeError(
-                f"parameter {name!r} is no longer memsched's view into its chunk: its dtype changed from "
-                f"{view.dtype} to {p.dtype} after memsched.attach (model.double(), .half(), .bfloat16(), "
-                ".to(dtype)); memsched cannot follow a conversion. To compute in bfloat16 or float16 with "
-                "fp32 master weights, pass dtype= to memsched.attach instead; to convert the model, convert "
-                f"it before memsched.attach: close() the scheduler, convert, and attach again{unsupported}")
-        if p.device != view.device:
-            what = f"it moved from {view.device} to {p.device}"
-        elif p.stride() != view.stride():
-            what = f"its memory format changed (strides {view.stride()} -> {p.stride()})"
-        else:
-            what = "it got new storage (p.data = ..., or a module conversion)"
-        raise RuntimeError(
-            f"parameter {name!r} is no longer memsched's view into its chunk: {what} after attach. "
-            "memsched cannot follow that; convert the model (dtype, device, memory format) before "
-            "memsched.attach (close() the scheduler, convert, and attach again), or load values in place "
-            "(model.load_state_dict, or `with torch.no_grad(): param.copy_(...)`)")
-
-    def grad_view(self, p: torch.nn.Parameter, c: Chunk | None = None) -> torch.Tensor:
-        """The chunk view ``p.grad`` must be; allocates the chunk's gradient buffer if it has none.
-
-        Raises:
-            torch.OutOfMemoryError (or the stand-in's): the buffer does not fit; nothing changed.
-        """
-        c = c or self.param_chunk[id(p)]
-        if c.grad is None:
-            self.alloc_grad(c)
-        v = self._views.get(("grad", id(p)))
-        if v is None:
-            off, n = self.param_range[id(p)]
-            v = self._views["grad", id(p)] = self.slot(c.grad, off, p)
-        return v
-
-    def alloc_grad(self, c: Chunk) -> torch.Tensor:
-        """``c``'s gradient buffer, allocated (zeros) if it has none.
-
-        Raises:
-            torch.OutOfMemoryError (or the stand-in's): the buffer does not fit; nothing changed. Its
-                ``memsched_gradient_buffer`` attribute says the failed request was this buffer (bytes),
-                for the explanation of the error (:mod:`memsched.runtime.warmup_oom`).
-        """
-        if c.grad is None:
-            try:
-                c.alloc_grad(self.alloc)
-            except OUT_OF_MEMORY as e:
-                e.memsched_gradient_buffer = c.data_bytes
-                raise
-            for p in c.params:  # views of a freed buffer
-                self._views.pop(("grad", id(p)), None)
-        return c.grad
-
-    def absent_grad_bytes(self) -> int:
-        """Bytes of the gradient buffers the plan counts as resident that do not exist now: the device chunks'
-        buffers between ``zero_grad`` and the backward that makes them (one rank), bytes. A host chunk's
-        gradients are not resident (they are in the measured peak on their way to the host)."""
-        return sum(c.data_bytes for c in self.trainable_chunks
-                   if c.grad is None and not self.offloads(c))
-
-    def free_grad(self, c: Chunk) -> None:
-        """Free ``c``'s gradient buffer: its parameters' ``.grad`` become None (one rank; see ``lazy_grads``).
-        Gradient reductions and D2H copies still reading it were waited for or recorded by the caller."""
-        if c.grad is None:
-            return
-        for p in c.params:
-            self._views.pop(("grad", id(p)), None)
-            if p.grad is not None and not is_sharded(p.grad) and p.grad.data_ptr() >= c.grad.data_ptr() \
-                    and p.grad.data_ptr() < c.grad.data_ptr() + c.grad.numel() * c.grad.element_size():
-                p.grad = None
-        c.free_grad()
-
-    # -- ZeRO-2: the reduced shard of each chunk's gradients (see [Note: sharded gradients]) ---------------
-    def keep_grad_shard(self, c: Chunk, shard: torch.Tensor) -> None:
-        """ZeRO-2: ``shard`` (``[hi - lo]``, compute dtype) is this rank's part of ``c``'s gradients of this
-        round, averaged over the ranks. It becomes the reduced shard, or is added to an earlier micro-batch's;
-        the whole gradient buffer is freed and every parameter that had a gradient shows a
-        :class:`memsched.chunks.sharded_grad.ShardedGrad`. Reductions reading the buffer are complete."""
-        with torch.no_grad():
-            if c.grad_shard is None:
-                own = shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
-                c.grad_shard = shard if own else shard.clone()  # not a view of a larger receive buffer
-            else:
-                c.grad_shard.add_(shard)
-        had = [p for p in c.params if p.grad is not None]
-        self.free_grad(c)
-        for p in had:
-            p.grad = self.sharded_grad(p, c)
-
-    def sharded_grad(self, p: torch.nn.Parameter, c: Chunk) -> ShardedGrad:
-        """The :class:`memsched.chunks.sharded_grad.ShardedGrad` ``p.grad`` shows once ``c`` is reduced (its
-        ``zero_()`` zeroes ``p``'s part of the shard; it holds the store weakly)."""
-        store = weakref.ref(self)
-
-        def on_zero() -> None:
-            s = store()
-            if s is not None and c.grad_shard is not None:
-                s.zero_shard_part(p, c)
-
-        return ShardedGrad(p, f"a parameter of shape {tuple(p.shape)} in chunk {c.index}", self.dp.world,
-                           on_zero)
-
-    def zero_shard_part(self, p: torch.nn.Parameter, c: Chunk) -> None:
-        """Zero ``p``'s elements in ``c``'s reduced shard (those this rank holds)."""
-        off, n = self.param_range[id(p)]
-        a, b = max(off, c.lo), min(off + n, c.hi)
-        if a < b:
-            with torch.no_grad():
-                c.grad_shard[a - c.lo:b - c.lo].zero_()
-
-    def guard_grads(self, params: set[int]) -> None:
-        """ZeRO-2, every reduction complete: the parameters (ids) with a gradient on some rank have one here
-        too (their averaged gradient is in the shards), shown as ShardedGrads."""
-        for c in self.chunks:
-            if c.grad_shard is None:
-                continue
-            for p in c.params:
-                if id(p) in params:
-                    self.with_grad.add(id(p))
-                    if p.grad is None:
-                        p.grad = self.sharded_grad(p, c)
-
-    def whole_grads(self, gather: Callable[[Chunk], torch.Tensor]) -> None:
-        """ZeRO-2: every reduced shard becomes a whole gradient buffer again (``gather(c)``: the chunk's whole
-        averaged gradients, ``[numel]``, a collective over the ranks), and the parameters' ShardedGrads its
-        views (before re-packing, and at ``close()``)."""
-        for c in self.chunks:
-            if c.grad_shard is None:
-                continue
-            whole = gather(c)
-            self.free_grad(c)
-            c.grad = whole
-            c.grad_generation += 1
-            for p in c.params:
-                self._views.pop(("grad", id(p)), None)
-                if is_sharded(p.grad):
-                    p.grad = self.grad_view(p, c)
-            c.grad_shard = None
-
-    def shard_whole_grads(self) -> None:
-        """ZeRO-2: the inverse of :meth:`whole_grads` (after re-packing): each whole gradient buffer (averaged
-        already) keeps this rank's shard only."""
-        for c in self.chunks:
-            if c.grad is not None:
-                self.keep_grad_shard(c, c.grad[c.lo:c.hi])
-
-    def rebind_grad(self, p: torch.nn.Parameter, c: Chunk | None = None) -> None:
-        """Put ``p.grad`` back into its chunk view if autograd or the user produced a separate tensor."""
-        g = p.grad
-        if g is None or is_sharded(g):
-            return
-        view = self.grad_view(p, c)
-        if g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.dtype != view.dtype:
-            with torch.no_grad():
-                view.copy_(g)
-            p.grad = view
-
-    def bind_dropped_grads(self) -> None:
-        """Before a forward: parameters whose ``.grad`` was set to None (``model.zero_grad()``, Hugging Face
-        Trainer) get their zeroed chunk view back, so backward accumulates into the chunk instead of
-        allocating a gradient that :meth:`rebind_grad` then copies. They count as having no gradient until
-        backward gives them one (``torch.optim.AdamW`` does not update them).
-
-        One rank (``lazy_grads``): nothing is bound; backward gives such a parameter a new gradient, which
-        :meth:`rebind_grad` copies into the chunk. A chunk none of whose parameters has a gradient any more
-        (``model.zero_grad()``) frees its buffer here, before the forward's peak."""
-        if self.lazy_grads:
-            for c in self.chunks:
-                if self.bindings.host_bound(c):  # enter_compute takes care of host-bound gradients
-                    continue
-                for p in c.params:
-                    if p.grad is None:
-                        self.with_grad.discard(id(p))
-                        if c.grad_shard is not None:  # ZeRO-2: its part of the reduced shard is dropped
-                            self.zero_shard_part(p, c)
-                if c.grad is not None and all(p.grad is None for p in c.params):
-                    self.free_grad(c)
-                if c.grad_shard is not None and all(p.grad is None for p in c.params):
-                    c.grad_shard = None
-            return
-        with torch.no_grad():
-            for p in self.params():
-                if p.grad is None:
-                    view = self.grad_view(p)
-                    view.zero_()
-                    p.grad = view
-                    self.with_grad.discard(id(p))
-
-    def on_grads_ready(self, chunk: Chunk) -> None:
-        """All of ``chunk``'s gradients are complete in this backward (a reduce-scatter goes there, or their
-        offload to the host)."""
-        self.dp.grads_ready(chunk)
-        for observer in self._grads_ready_observers:
-            observer(chunk)
-
-    def observe_grads_ready(self, observer: Callable[[Chunk], None]) -> None:
-        """Call ``observer(chunk)`` whenever all of a chunk's gradients are complete in a backward, after the
-        data parallelism was told (its reduction is launched first)."""
-        self._grads_ready_observers.append(observer)
-
-    def after_update(self, chunk: Chunk) -> None:
-        """``chunk``'s shard was updated and copied into ``data[lo:hi]`` (an all-gather goes there)."""
-        self.dp.after_update(chunk)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset readiness and the gradients. ``set_to_none`` (torch's default): the parameters have no
-        gradient until backward gives them one (they are then not updated); with one rank the gradient buffers
-        are freed and every ``.grad`` is None. Otherwise the buffers that exist are zeroed and the views
-        kept."""
-        self.end_aborted_backward()
-        self._ready_pending.clear()  # of a backward that raised
-        self._open_tasks.clear()
-        self.dp.before_zero_grad()  # pending gradient reductions finish first
-        for observer in self._zero_grad_observers:  # pending offloads are dropped
-            observer()
-        self._reset_backward()
-        if set_to_none and self.lazy_grads and not self.closed:
-            self._release_kept_grads()
-        if set_to_none and not self.closed:
-            self.with_grad.clear()
-            self.host_grads.clear()
-        if set_to_none and self.lazy_grads and not self.closed:  # the buffers go: every .grad is None
-            for c in self.trainable_chunks:
-                c.reset_ready()
-                self.free_grad(c)
-                c.grad_shard = None
-                for p in c.params:
-                    p.grad = None
-                # See [Note: host binding]: with no gradient left on the host, parameters whose values are on
-                # the device read as device tensors again, as they would on plain torch, once the updated
-                # values' H2D copy has landed (a read right after zero_grad() must not see the old ones)
-                if self.bindings.host_bound(c) and c.data is not None and not self.bindings.computing:
-                    self.before_device_read(c)
-                    self.bindings.leave_host(c)
-            return
-        with torch.no_grad():
-            for c in self.trainable_chunks:
-                c.reset_ready()
-                held = [p for p in c.params if id(p) in self.host_grads]
-                if held:  # host gradients: zeroed where they are, as torch zeroes p.grad
-                    settle(c.device)  # after kernels that wrote them through the user views
-                    self.before_host_write(c)
-                    with self.alloc.host_context():
-                        for p in held:
-                            self.host_view("grad", p, c).zero_()
-                if c.grad_shard is not None:  # ZeRO-2: the reduced shard, zeroed; p.grad stay ShardedGrads
-                    c.grad_shard.zero_()
-                if c.grad is None:  # no gradient since the last zero_grad: p.grad stays None, as in torch
-                    continue
-                c.grad.zero_()
-                for p in c.params:
-                    if self.lazy_grads and (p.grad is None or is_sharded(p.grad)):  # as torch leaves it
-                        continue
-                    if id(p) in self.host_grads:
-                        continue
-                    view = self.grad_view(p, c)
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-
-    def _release_kept_grads(self) -> None:
-        """``zero_grad(set_to_none=True)``: a host gradient the user still holds (``g = p.grad``, for a
-        gradient-noise estimate) keeps its values, as in torch, where the next backward makes a new tensor:
-        it gets storage of its own before the next backward writes the chunk's host gradients again. Held is
-        told by the reference count: the only other references are this loop's and the view cache's."""
-        for c in self.bindings.host_chunks():
-            for p in c.params:
-                g = p.grad
-                if g is None or id(p) not in self.host_grads:
-                    continue
-                # p.grad is its user view (a device alias, cached under "grad@user") or, on the CPU device,
-                # the host view itself
-                key = ("grad@user", id(p)) if ("grad@user", id(p)) in self._views else ("grad@host", id(p))
-                hit = self._views.get(key)
-                cached = hit is not None and hit[1] is g
-                if sys.getrefcount(g) > _unheld_grad_refs() - (not cached):
-                    with torch.no_grad(), self.alloc.host_context():
-                        # a host copy of its own (pinned like the buffer), read as the device as before: the
-                        # held gradient takes no device memory
-                        settle(c.device)
-                        host = self.host_view("grad", p, c)
-                        own = self.alloc.host_empty(host.numel(), host.dtype)
-                        own = own.as_strided(host.shape, dense_strides(host)).copy_(host)
-                        alias = (host_alias_of(own, c.device, pinned=self.alloc.pin)
-                                 if g.device != own.device else None)
-                        g.data = alias if alias is not None else own
-                    if cached:
-                        del self._views[key]
-                del g
-
-    def observe_zero_grad(self, observer: Callable[[], None]) -> None:
-        """Call ``observer()`` at the start of every :meth:`zero_grad` (gradients in flight are dropped)."""
-        self._zero_grad_observers.append(observer)
 
     def _back_to_device(self) -> None:
         """``close()``: without the hooks nothing fetches or offloads, so every parameter and gradient comes
@@ -1336,7 +719,7 @@ class ChunkStore:
             if c.data is None:
                 continue
             try:
-                self._grads_to_device(c)
+                self.grads.to_device(c)
             except OUT_OF_MEMORY:  # its parameters and gradients do not fit together: both stay on the host
                 self.bindings.computing = False
                 self.bindings.to_host(c)
@@ -1353,9 +736,7 @@ class ChunkStore:
         """Remove the gradient hooks (parameters stay views into the chunks). Without them nothing tells which
         parameters got a gradient: from here on every parameter counts as having one (as after
         ``zero_grad(set_to_none=False)``)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        self.backward.remove()
         if self.chunks:
             settle(self.chunks[0].device)  # no kernel reads a host buffer through a user view any more
         for p in self.all_params():  # memsched lets them go: their own class back ([Note: foreign reads])
@@ -1363,7 +744,7 @@ class ChunkStore:
         if not self.closed:
             self._back_to_device()
         self.closed = True
-        self.with_grad.update(id(p) for p in self.params())
+        self.grads.with_grad.update(id(p) for p in self.params())
 
 
 def frozen_params(model: torch.nn.Module, trainable: Sequence[torch.nn.Parameter],
@@ -1382,35 +763,3 @@ def frozen_params(model: torch.nn.Module, trainable: Sequence[torch.nn.Parameter
         if not p.requires_grad and p.dtype == dtype and plain and p.numel() > 0:
             out.append(p)
     return out
-
-
-@functools.cache
-def _unheld_grad_refs() -> int:
-    """The reference count ``sys.getrefcount`` gives for a parameter's ``.grad``, read into a local, when it
-    is a view held by ``.grad`` and a cache entry only (what torch's tensor objects hold varies across
-    versions, so it is measured)."""
-    p = torch.nn.Parameter(torch.zeros(4))
-    p.grad = torch.zeros(8)[:4]
-    cache = {"grad": (None, p.grad)}
-    g = p.grad
-    n = sys.getrefcount(g)
-    del g, cache
-    return n
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
-
-
-def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """``t``'s strides when it is dense in a memory format memsched keeps (contiguous, channels_last,
-    channels_last_3d), else the contiguous strides of its shape."""
-    if not t.is_contiguous():
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
-        if fmt is not None and t.is_contiguous(memory_format=fmt):
-            return tuple(t.stride())
-    return _contiguous_strides(t.shape)

@@ -134,7 +134,7 @@ class ZeroEngine(DataParallel):
         one here too (a ShardedGrad over the averaged shards)."""
         self.deferred.disarm()
         if self.reducer.before_update() and self.shards_grads and self.store is not None:
-            self.store.guard_grads(self.agree_with_grad(self.store, self.store.with_grad))
+            self.store.grads.guard(self.agree_with_grad(self.store, self.store.grads.with_grad))
 
     def backward_end(self) -> None:
         """Stage 2, the end of a backward outside ``no_sync``: every chunk not reduced yet is reduced now (its
@@ -234,7 +234,7 @@ class ZeroEngine(DataParallel):
         self.store = store
         self.reducer.install(store)
         if self.shards_grads:
-            store.observe_backward_end(self.backward_end)
+            store.backward.observe_end(self.backward_end)
 
     def watch_model(self, model: torch.nn.Module) -> list[Any]:
         """Watch ``model``'s forwards for micro-batches in flight (:mod:`memsched.distributed.pipeline`);
@@ -326,14 +326,14 @@ class ZeroEngine(DataParallel):
 
         unshard(self, store)
         if self.shards_grads:  # gradients not zeroed since the step move with their parameters, whole
-            store.whole_grads(self.gather_grad)
+            store.grads.make_whole(self.gather_grad)
         store.repack(order, chunk_numel=self.chunk_numel_for(store.groups, order, chunk_numel))
         lay = store.layout
         self.check_same("chunk layout", (lay.chunk_numel, lay.chunk_groups,
                                          tuple((s.group, s.index, s.numel) for c in lay.chunks for s in c)))
         reshard(self, store)
         if self.shards_grads:
-            store.shard_whole_grads()
+            store.grads.shard_whole()
         self.reducer.reset()
 
     def full_state(self, c: Chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ What each stage does with a chunk's gradient buffer ``[numel]``:
 * 1: the sums of the own shard in rank order (below), divided by the world size, then all-gathered into the
   whole buffer: every rank holds the whole averaged gradients (the bytes of a ring all-reduce).
 * 2: the same sums of the own shard, divided, kept as the chunk's reduced shard (``Chunk.grad_shard``,
-  ``[numel / world]``); the whole buffer is freed (:meth:`memsched.chunks.ChunkStore.keep_grad_shard`).
+  ``[numel / world]``); the whole buffer is freed (:meth:`memsched.chunks.gradients.GradBuffers.keep_shard`).
   With accumulation outside ``no_sync`` each micro-batch is reduced and the averages are added to the shard
   (DeepSpeed ZeRO-2's way): the whole buffer lives only from a chunk's first gradient to its reduction, at the
   price of one reduce-scatter per micro-batch. Under ``no_sync`` the whole buffers accumulate locally and are
@@ -98,7 +98,7 @@ class GradientReducer:
         self.defer_to_step = False
         self._warned_accumulation = False
         self._warned_unordered = False
-        self._flushed_at: int | None = None  # store.grad_events at the last flush
+        self._flushed_at: int | None = None  # store.backward.grad_events at the last flush
         self.reduce_bytes = 0
         self.reductions = 0
         self._reset_round()
@@ -174,7 +174,7 @@ class GradientReducer:
             while self._pending:
                 self._finalize(self._pending.pop(0))
         if c.grad is None:  # no gradient on this rank in this round (lazy buffers): its part is zeros
-            self.store.alloc_grad(c)
+            self.store.grads.alloc(c)
         what = f"gradient reduction of chunk {c.index}"
         nbytes = c.grad.numel() * c.grad.element_size()
         with torch.no_grad():
@@ -255,7 +255,7 @@ class GradientReducer:
             with torch.no_grad():
                 c.grad.div_(self.world)
         else:
-            self.store.keep_grad_shard(c, self._own_average(r))
+            self.store.grads.keep_shard(c, self._own_average(r))
 
     def _poll(self) -> None:
         """Finish the reductions that are complete, in launch order; none that needs another collective."""
@@ -280,10 +280,10 @@ class GradientReducer:
         """Before the update (and before clipping): reduce whatever backward did not (in order) and wait for
         every reduction; True when it did. A second flush with no backward in between reduces nothing again
         (the gradients are averaged already; reducing them twice would scale them)."""
-        if self.store is not None and self._flushed_at == self.store.grad_events:
+        if self.store is not None and self._flushed_at == self.store.backward.grad_events:
             return False
         self._finish_round()
-        self._flushed_at = self.store.grad_events if self.store is not None else None
+        self._flushed_at = self.store.backward.grad_events if self.store is not None else None
         return True
 
     def before_zero_grad(self) -> None:

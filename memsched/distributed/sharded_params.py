@@ -100,7 +100,7 @@ class ParamShards:
         if work is None:
             return
         self.comm.wait(work, f"ZeRO-3 parameter gather of chunk {c.index}")
-        c.param_shard = None
+        c.drop_param_shard()
 
     def release(self, c: Chunk) -> None:
         """Keep this rank's part of ``c``'s parameters (before the fetcher frees the whole buffer): in a
@@ -115,12 +115,12 @@ class ParamShards:
                 c.wait_h2d()
                 with torch.no_grad(), store.alloc.host_context():
                     c.param_host.copy_(c.data[c.lo:c.hi])
-            c.param_shard = None
+            c.drop_param_shard()
             return
         with torch.no_grad():
             shard = self.store.alloc.device_empty(c.hi - c.lo, c.dtype)
             shard.copy_(c.data[c.lo:c.hi])
-        c.param_shard = shard
+        c.keep_param_shard(shard)
 
     def refusal(self, what: str, name: str, index: int) -> ShardedParamError:
         """The error for ``what`` reading parameter ``name`` of chunk ``index`` while it is sharded between

@@ -150,7 +150,7 @@ class EarlyUpdates:
                 if self._alloc_spare(c):
                     self.refill(c)
             else:
-                c.spare = None
+                c.drop_spare()
             if c.index not in self.speculative or c.placement != HOST:  # a refill holds the old host state
                 self.refills.pop(c.index, None)
 

@@ -116,7 +116,7 @@ class GradChecks:
                 continue
             host_bound = store.bindings.host_bound(c)
             if host_bound or c.grad is not None:
-                view = store.host_view("grad", p, c) if host_bound else store.grad_view(p, c)
+                view = store.host_view("grad", p, c) if host_bound else store.grads.view(p, c)
                 if g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype:
                     continue
             dtype = c.dtype  # the gradient buffer's
@@ -133,7 +133,7 @@ class GradChecks:
             fixes.append((p, g))
         for p, g in fixes:  # gradients set by hand into a chunk without a buffer: allocated before any write
             if g is not None and not store.bindings.param_host_bound(p):
-                store.alloc_grad(store.param_chunk[id(p)])
+                store.grads.alloc(store.param_chunk[id(p)])
         return fixes
 
     # ---- fp16 ---------------------------------------------------------------------------------------------
@@ -144,7 +144,7 @@ class GradChecks:
         store = self._store
         return [(c.grad_signature(), c.grad_host._version if store.offloads(c) else None,
                  store.user_grad_version(c) if store.offloads(c) else None,
-                 sum(1 for p in c.params if id(p) in store.host_grads)) for c in store.trainable_chunks]
+                 sum(1 for p in c.params if id(p) in store.grads.host_grads)) for c in store.trainable_chunks]
 
     def note_scaled_backward(self) -> None:
         """fp16: :meth:`memsched.Scheduler.backward` ran a backward of the scaled loss; the gradients as they
@@ -166,7 +166,7 @@ class GradChecks:
         """
         if self.scaled_grads_unchanged():
             return
-        sums = _sums(self._store, [c for c in self._store.chunks if self._store.has_grads(c)])
+        sums = _sums(self._store, [c for c in self._store.chunks if self._store.grads.has(c)])
         if not bool(torch.isfinite(sums).all()):  # an overflow: the step is skipped, nothing is applied
             return
         raise RuntimeError(
@@ -202,7 +202,7 @@ def _sums(store: ChunkStore, chunks: list[Chunk]) -> torch.Tensor:
         if c.grad_shard is not None:  # ZeRO-2: the reduced shard (an inf on any rank skips everywhere)
             shard = c.grad_shard.sum(dtype=torch.float32)
             total = shard if total is None else total + shard
-        held = [p for p in c.params if id(p) in store.host_grads] if store.offloads(c) else []
+        held = [p for p in c.params if id(p) in store.grads.host_grads] if store.offloads(c) else []
         if held:  # only the parameters that hold a host gradient (the rest of the buffer is stale)
             with store.alloc.host_context():
                 host = torch.stack([store.host_view("grad", p, c).sum(dtype=torch.float32) for p in held])

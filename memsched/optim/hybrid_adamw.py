@@ -202,7 +202,7 @@ class HybridAdamW(torch.optim.Optimizer):
             ValueError: a group's hyper-parameter is invalid (names the group and value), or a gradient
                 has the wrong shape/dtype/device (names the parameter).
             RuntimeError: a parameter is no longer a view into its chunk (the model was converted after
-                attach; :meth:`memsched.chunks.ChunkStore.check_bound`).
+                attach; :meth:`memsched.chunks.binding.ChunkBindings.check_bound`).
             memsched.devices.simdevice.SimOutOfMemoryError: the stand-in device cannot hold the step's
             temporaries.
         """
@@ -223,11 +223,11 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.scaler is not None:
             self.checks.check_scaled_grads()
         self.store.follow_memory_format()  # model.to(memory_format=...) since the last forward
-        self.store.check_bound(self.names)
+        self.store.bindings.check_bound(self.names)
         fixes = self.checks.validate_grads()  # allocates the buffers that gradients set by hand go into
         store = self.store
         # the others have no gradient (ZeRO-2: every chunk is reduced below, and has its shard then)
-        chunks = [c for c in store.trainable_chunks if store.shards_grads or store.has_grads(c) or any(
+        chunks = [c for c in store.trainable_chunks if store.shards_grads or store.grads.has(c) or any(
             g is not None for p, g in fixes if store.param_chunk[id(p)] is c)]
         device_chunks = [c for c in chunks if c.placement == DEVICE]
         streamed = [c for c in chunks if c.placement == HOST and self.streamed.takes(c)]
@@ -237,22 +237,22 @@ class HybridAdamW(torch.optim.Optimizer):
                 streamed), "optimizer step temporaries")
         self.streamed.prepare(streamed)  # its device buffers: out of memory raises here, before any write
         # ---- no failure expected below this line: in-place writes start ------------------------------------
-        with_grad = store.with_grad
+        with_grad = store.grads.with_grad
         for p, g in fixes:
             host_bound = store.bindings.param_host_bound(p)
             if g is None:  # p.grad = None (e.g. model.zero_grad()): no gradient, not updated (torch's rule)
                 if not host_bound and store.param_chunk[id(p)].grad is not None:
-                    store.grad_view(p).zero_()  # a later backward writes its gradient from zero
+                    store.grads.view(p).zero_()  # a later backward writes its gradient from zero
                 with_grad.discard(id(p))
-                store.host_grads.discard(id(p))
+                store.grads.host_grads.discard(id(p))
             else:
-                view = store.host_view("grad", p) if host_bound else store.grad_view(p)
+                view = store.host_view("grad", p) if host_bound else store.grads.view(p)
                 with store.alloc.host_context() if host_bound else contextlib.nullcontext():
                     view.copy_(g)
                 p.grad = store.user_view("grad", p) if host_bound else view
                 with_grad.add(id(p))
                 if host_bound:
-                    store.host_grads.add(id(p))
+                    store.grads.host_grads.add(id(p))
         self.checks.sync_user_param_writes()
         self.dp.before_update()  # gradient reductions are complete
         self._active = self.dp.agree_with_grad(self.store, with_grad)
@@ -563,7 +563,7 @@ class HybridAdamW(torch.optim.Optimizer):
             self.timeline.span(WAITS, f"{what} <- all chunks", t0, time.perf_counter())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients and a pending fp16 clip coefficient (``ChunkStore.zero_grad``): with
+        """Drop the gradients and a pending fp16 clip coefficient (``GradBuffers.zero_grad``): with
         ``set_to_none`` (torch's default) and one rank the gradient buffers are freed and every ``.grad`` is
         None; otherwise the buffers are zeroed in place and the views stay. A parameter that gets no
         gradient in the next backward is not updated, as ``torch.optim.AdamW`` skips ``.grad`` None."""
@@ -576,7 +576,7 @@ class HybridAdamW(torch.optim.Optimizer):
             # holds it).
             self.streams.wait([c.d2h_event for c in self.store.chunks], "zero_grad()")
             self.streamed.wait()  # its H2D copies of host gradients are done once its D2H copies are
-        self.store.zero_grad(set_to_none)
+        self.store.grads.zero_grad(set_to_none)
 
     # ---- state_dict (one path for any world size: memsched.optim.state_dict)
     # -----------------------------------

@@ -3,11 +3,11 @@ the framework calls.
 
 ``model.cpu()``, ``.to(device)``, ``.half()``, ``.double()`` (Lightning moves the module after ``fit`` and at
 ``test``) would give memsched's chunked parameters new storage: its updates would then go to the chunks and
-never reach the model. The forward's check (:meth:`memsched.chunks.ChunkStore.check_bound`) catches that at
-the attached root's next forward only; a framework that calls a child module, or an evaluation under
-``no_grad``, would meet torch's device error instead. So ``nn.Module._apply`` (every move and conversion goes
-through it) checks, while a scheduler is attached to the module, what its function would make of each
-(dtype, device) its chunked parameters have, on an empty tensor of that kind, before anything moves: a
+never reach the model. The forward's check (:meth:`memsched.chunks.binding.ChunkBindings.check_bound`)
+catches that at the attached root's next forward only; a framework that calls a child module, or an
+evaluation under ``no_grad``, would meet torch's device error instead. So ``nn.Module._apply`` (every move and
+conversion goes through it) checks, while a scheduler is attached to the module, what its function would make
+of each (dtype, device) its chunked parameters have, on an empty tensor of that kind, before anything moves: a
 change is refused with memsched's error; a no-op (``.to(model.device)``, ``.float()`` of an fp32 model) and
 a memory-format change (followed by the store) go through. The patch is installed while at least one
 scheduler is attached and removed with the last one.

@@ -296,7 +296,7 @@ class ParamFetcher:
         if self._installed:
             return
         self._installed = True
-        self.store.observe_backward_end(weak_method(self.backward_end))
+        self.store.backward.observe_end(weak_method(self.backward_end))
         self._install_module_hooks()
 
     def _install_root_hooks(self) -> None:
@@ -358,7 +358,7 @@ class ParamFetcher:
         them (its hooks begin a step's reads), so none ran: the training code calls submodules directly.
         Their parameters would be read as host tensors on the device (torch's device error on a GPU):
         refused here, naming the module and the fix."""
-        if self.store.in_backward:
+        if self.store.backward.in_backward:
             return
         bindings = self.store.bindings
         away = sorted(i for i in chunks if bindings.host_bound(self.store.chunks[i]))
@@ -430,7 +430,7 @@ class ParamFetcher:
             # ZeRO-3: until backward gathers them, a read of a chunk away (a loss term outside the forward)
             # is gathered on demand by the read guard, which stays (keeps_guard). With no backward to follow
             # (an evaluation), the model is between steps again.
-            if not torch.is_grad_enabled() and not self.store.in_backward:
+            if not torch.is_grad_enabled() and not self.store.backward.in_backward:
                 if self.holding:
                     # Inside gathered_params() every chunk is whole and stays so: an evaluation has nothing
                     # to settle, and may run on some ranks only (rank 0's), so it issues no collective
@@ -446,7 +446,7 @@ class ParamFetcher:
                 c = self.store.chunks[i]
                 if not self.store.resident(c):
                     self.store.bindings.to_host(c)
-        elif not self.store.in_backward:
+        elif not self.store.backward.in_backward:
             # An evaluation: no backward follows, so the model is between steps again: the chunks the
             # schedule keeps stay, the parameters of the others are host views (not their absent views' NaN)
             with torch.inference_mode(False):
@@ -741,7 +741,7 @@ class ParamFetcher:
         elif c.h2d_event is not None:  # a wait that blocks is a span of the step timeline (Streams.wait)
             self.streams.wait([c.h2d_event], f"fetch <- chunk {c.index}")
             if not self.streams.cuda:
-                c.h2d_event = None
+                c.forget_h2d()
         self._lru.pop(c.index, None)
         self._lru[c.index] = None
         self._res_min = min(self._res_min, self._resident_bytes())
@@ -880,7 +880,7 @@ class ParamFetcher:
             return saved.values
         if not self.store.bindings.computing:  # a backward with no forward since the last one ended
             self.store.bindings.enter_compute()  # (retain_graph)
-        self.store.note_running()  # should it raise before its end ([Note: a backward that raised])
+        self.store.backward.note_running()  # should it raise before its end ([Note: a backward that raised])
         c = self.store.param_chunk[id(p)]
         if self.recording is not None:
             self._read_params([p], "backward")

@@ -22,7 +22,7 @@ waits for every chunk, eagerly, at its start (one graph break there per compiled
 
 Before each forward, a parameter converted since attach (``model.double()``, ``model.to(...)``) is refused
 (:meth:`H2DWaits._check_bound`), and gradients set to None since the last step (``model.zero_grad()``) go back
-into their chunk views (:meth:`memsched.chunks.ChunkStore.bind_dropped_grads`). The root module's forward
+into their chunk views (:meth:`memsched.chunks.gradients.GradBuffers.bind_dropped`). The root module's forward
 hooks also mark the forward phase of the step timeline (:mod:`memsched.telemetry.step_timeline`), and with
 data parallelism finish the follow-ups of the overlapped update (ZeRO all-gathers) before backward, so every
 rank issues its collectives in the same order.
@@ -274,18 +274,18 @@ class H2DWaits:
 
     def _check_bound(self) -> None:
         """A model converted since attach (``model.double()``, ``.half()``, ``.to(...)``, ``p.data = ...``) is
-        refused before its forward runs (:meth:`memsched.chunks.ChunkStore.check_bound`: RuntimeError naming
-        the parameter and the fix). A dtype change would otherwise fail inside autograd with torch's
-        ``grad_dtype`` error, naming neither memsched nor what to do. Not in compiled code: the conversion
-        makes Dynamo recompile, and ``optimizer.step()`` checks anyway."""
+        refused before its forward runs (:meth:`memsched.chunks.binding.ChunkBindings.check_bound`:
+        RuntimeError naming the parameter and the fix). A dtype change would otherwise fail inside autograd
+        with torch's ``grad_dtype`` error, naming neither memsched nor what to do. Not in compiled code: the
+        conversion makes Dynamo recompile, and ``optimizer.step()`` checks anyway."""
         if torch.compiler.is_compiling():
             return
         with torch._C.DisableTorchFunction():  # bookkeeping, not reads of the parameters
-            if self.store.unbound(quick=True) is not None:
+            if self.store.bindings.unbound(quick=True) is not None:
                 # A new memory format is followed (after the update in flight); anything else is refused.
                 self.updates.wait_all()
                 self.store.follow_memory_format()
-                self.store.check_bound({id(p): n for n, p in self.model.named_parameters()})
+                self.store.bindings.check_bound({id(p): n for n, p in self.model.named_parameters()})
 
     def _bind_dropped_grads(self) -> None:
         """The parameters become device views again ([Note: host binding] in :mod:`memsched.chunks.store`),
@@ -301,15 +301,15 @@ class H2DWaits:
                 _compiled_root_eager(self)
             return
         with torch._C.DisableTorchFunction():  # ``p.grad`` is bookkeeping here, not a read of the parameter
-            self.store.end_aborted_backward()  # the last backward raised: end it before this forward
+            self.store.backward.end_aborted()  # the last backward raised: end it before this forward
             if self.store.lazy_grads:  # frees unused gradient buffers; a copy in flight keeps its own alive
                 self.store.bindings.enter_compute()
-                self.store.bind_dropped_grads()
+                self.store.grads.bind_dropped()
                 return
             dropped = any(p.grad is None for p in self.store.params())
             if dropped:  # the views are zeroed: after the D2H copies that still read them
                 self.streams.wait([c.d2h_event for c in self.store.chunks], "forward (p.grad was None)")
-                self.store.bind_dropped_grads()
+                self.store.grads.bind_dropped()
 
     def _forward_end(self, output: Any = None) -> None:
         # ZeRO-3: the guard stays on ([Note: reads of sharded parameters] in memsched.runtime.param_fetch)
@@ -324,13 +324,13 @@ class H2DWaits:
                 self.timeline.span(WAITS, "end of forward <- all chunks", t0, time.perf_counter())
         self.timeline.forward_end()
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            self.store.watch_backward_begin(output)  # [Note: a backward with no forward before it]
+            self.store.backward.watch_begin(output)  # [Note: a backward with no forward before it]
 
     def _between_steps(self) -> None:
         """``state_dict()`` / ``load_state_dict()``: a backward that raised is ended first ([Note: a backward
         that raised] in :mod:`memsched.chunks.store`), then the copies in flight are waited for."""
         with torch._C.DisableTorchFunction():
-            self.store.end_aborted_backward()
+            self.store.backward.end_aborted()
         self.synchronize()
 
     def synchronize(self) -> None:
