@@ -25,6 +25,10 @@ traced peak is the allocated bytes the device would report):
   appends events to a log (:mod:`tracer.event_log`); the per-category counters and peaks are computed when
   they are asked for.
 
+Higher-order ops (``torch.ops.higher_order.*``, such as the ``run_with_rng_state`` of a compiled backward
+through an activation-checkpointed block) are run with this mode around their body, so their ops count like
+any other (the comment "Higher-order ops" below the class).
+
 Not seen: scratch memory a kernel allocates and frees inside one op, ``UntypedStorage.resize_`` called from
 Python (it bypasses the dispatcher), tensors made outside the dispatcher (``torch.from_numpy``) unless
 classified, and the caching allocator's segments and fragmentation (the tracer's ``cuda`` backend reports
@@ -33,8 +37,10 @@ that side).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +51,7 @@ from tracer.categories import ALL_CATEGORIES, Category
 from tracer.event_log import GROW, MOVE, DeviceState, Entry, fold
 from tracer.ops import (
     _COUNT,
+    _HIGHER_ORDER,
     _RESIZE,
     _SKIP,
     FLOP_REGISTRY,
@@ -107,6 +114,9 @@ class StorageAccountant(TorchDispatchMode):
         TypeError: ``on_allocate`` is not callable.
         ValueError: ``category`` is not a category name (names the allowed ones).
     """
+
+    # every higher-order op reaches __torch_dispatch__ (older torch: rules registered on __enter__)
+    supports_higher_order_operators = True
 
     def __init__(self, *, category: Category | str = Category.OTHER,
                  on_allocate: AllocateCallback | None = None) -> None:
@@ -220,6 +230,11 @@ class StorageAccountant(TorchDispatchMode):
             self._log.append((MOVE, entry, cat))
         return entry.cur
 
+    def __enter__(self) -> StorageAccountant:
+        if not _MODES_SEE_HIGHER_ORDER_OPS:
+            register_higher_order_rules()
+        return super().__enter__()
+
     def __exit__(self, *exc: Any) -> None:
         """Leave the dispatch-mode stack by identity (:func:`tracer.ops.remove_mode`), not by popping its top.
         From another thread (a garbage collector's finalizer) the mode cannot be reached: it then stops
@@ -244,6 +259,8 @@ class StorageAccountant(TorchDispatchMode):
             return func(*args, **kwargs) if kwargs else func(*args)
         if kind == _RESIZE:
             return self._resizing_op(func, args, kwargs or {})
+        if kind == _HIGHER_ORDER:
+            return self._higher_order(func, args, kwargs or {})
         out = func(*args, **kwargs) if kwargs else func(*args)
         if kind == _COUNT:
             self.flops += FLOP_REGISTRY[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
@@ -352,6 +369,50 @@ class StorageAccountant(TorchDispatchMode):
                 self._log.append((GROW, entry, delta))
         return out
 
+    def _higher_order(self, hop: Any, args: tuple, kwargs: dict) -> Any:
+        """Run the higher-order op ``hop`` (this mode is off: the dispatcher popped it) with this mode around
+        its body, then count what it returns that no op in it made (the comment "Higher-order ops")."""
+        inputs = {id(st) for st in map(_storage, _tensors((args, kwargs))) if st is not None}
+        key = _kernel_key(hop, args, kwargs)
+        if key is None:  # a mode below this one, or a tensor subclass, takes it
+            out = hop(*args, **kwargs)
+        else:
+            try:
+                with self._pushed():
+                    out = hop.dispatch(key, *args, **kwargs)
+            except AssertionError as e:
+                if _REFUSES_MODES not in str(e):
+                    raise
+                # cond, invoke_subgraph, scan...: the kernel calls its graphs with no mode on
+                args = tuple(self._under_mode(a) for a in args)
+                kwargs = {k: self._under_mode(v) for k, v in kwargs.items()}
+                out = hop.dispatch(key, *args, **kwargs)
+        for t in _tensors(out):
+            st = _storage(t)
+            if st is None or id(st) not in inputs:
+                self._track(t)
+        return out
+
+    @contextlib.contextmanager
+    def _pushed(self) -> Any:
+        """This mode on the stack again (``TorchDispatchMode.__enter__``: the rules are there already)."""
+        TorchDispatchMode.__enter__(self)
+        try:
+            yield
+        finally:
+            self.__exit__(None, None, None)
+
+    def _under_mode(self, arg: Any) -> Any:
+        """``arg``, or when it is a function or a graph, a function that calls it with this mode on."""
+        if not isinstance(arg, _BODY_TYPES):
+            return arg
+
+        def body(*a: Any, **k: Any) -> Any:
+            with self._pushed():
+                return arg(*a, **k)
+
+        return body
+
     # ---- folding the log into counters -----------------------------------------------------------------
     def _name(self, dev: torch.device) -> str:
         # Device names are interned here, so entries compare them by identity when replaying.
@@ -369,6 +430,101 @@ class StorageAccountant(TorchDispatchMode):
         if log:
             self._log = []  # frees that happen while replaying land in the new log
             fold(log, self._state)
+
+
+# Higher-order ops: how the accountant runs them.
+# A higher-order op (HOP: ``torch.ops.higher_order.*``) takes a function or a graph and runs it: a compiled
+# backward through a block under ``torch.utils.checkpoint`` calls ``run_with_rng_state(rng_state, op, *args)``
+# to recompute a dropout with the forward's random numbers; ``run_and_save_rng_state``, ``invoke_subgraph``,
+# ``wrap``, ``tag_activation_checkpoint``, ``cond``, ``flex_attention`` and ``auto_functionalized`` are HOPs
+# too. A dispatch mode meets a HOP only if it opts in, and without a rule torch raised ``NotImplementedError:
+# There was no rule registered for HigherOrderOperator run_with_rng_state and mode StorageAccountant`` (older
+# torch: an AssertionError, "not registered") in memsched's warmup, whose step runs eagerly but meets the
+# backward of a forward that ran compiled before the tracer started.
+#
+# The accountant opts in (``supports_higher_order_operators``; on older torch, without that attribute, a
+# rule per HOP, :func:`register_higher_order_rules`). With itself popped, it finds the kernel torch would run
+# below the Python key (``BackendSelect``, ``CPU``, ``CompositeExplicitAutograd``...) and runs it with the
+# mode pushed again: the HOP's body dispatches its aten ops through the mode, which counts them as any op,
+# temporaries and FLOPs included; a HOP inside the body comes back here. Kernels that run graphs (``cond``,
+# ``invoke_subgraph``, ``scan``) assert that no mode is on ("Mode should never be enabled for CPU/CUDA key"):
+# for them the mode is pushed around each function or graph (an ``nn.Module``) they are given instead, as
+# torch's FlopCounterMode does for ``cond``. Counting only the HOP's outputs would miss the temporaries its
+# body frees before returning (an invoke_subgraph's whole block): an under-counted peak of non-model data,
+# and a plan that fills the device past what fits. Then the storages the HOP returns that no op in its body
+# made and that no input has are counted as new. That covers a body that allocates without dispatching
+# (inductor's code under ``torch._inductor.config.wrap_inductor_compiled_regions``, whose temporaries stay
+# unseen as inductor's code always is), and a HOP that a mode below this one or a tensor subclass takes (the
+# key is Python: a FakeTensorMode or a proxy tracer under the accountant), which runs as torch runs it.
+# A HOP with no kernel for its inputs raises a NotImplementedError naming it and the key.
+_REFUSES_MODES = "Mode should never be enabled"  # torch's assertion in a kernel that calls graphs
+_BODY_TYPES = (types.FunctionType, types.MethodType, functools.partial, torch.nn.Module)
+_MODES_SEE_HIGHER_ORDER_OPS = hasattr(TorchDispatchMode, "supports_higher_order_operators")
+_compute_keyset = getattr(torch._ops, "_compute_keyset", None)
+_resolve_key = getattr(torch._ops, "resolve_key", None)
+_MODE_KEYS = frozenset(getattr(torch._C.DispatchKey, n)
+                       for n in ("Python", "PythonTLSSnapshot", "PreDispatch")
+                       if hasattr(torch._C.DispatchKey, n))
+
+
+def _kernel_key(hop: Any, args: tuple, kwargs: dict) -> Any:
+    """The dispatch key whose kernel of ``hop`` torch would run for these inputs now (this mode popped), or
+    ``None`` when a mode or tensor subclass would take it (or this torch cannot say).
+
+    Raises:
+        NotImplementedError: ``hop`` has no kernel for that key (names the op).
+    """
+    if _compute_keyset is None:
+        return None
+    key = _compute_keyset(args, kwargs, hop.non_fallthrough_keys).highestPriorityTypeId()
+    if key in _MODE_KEYS:
+        return None
+    if _resolve_key is not None and key != torch._C.DispatchKey.FuncTorchDynamicLayerFrontMode:
+        try:
+            _resolve_key(hop, key)
+        except NotImplementedError:
+            raise NotImplementedError(
+                "memsched's memory tracer cannot run the higher-order op "
+                f"torch.ops.higher_order.{_hop_name(hop)}: torch has no kernel of it for dispatch key "
+                f"{key.name} (its inputs' device)") from None
+    return key
+
+
+def _hop_name(hop: Any) -> str:
+    return str(getattr(hop, "_name", None) or hop)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> Any:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass
+        return None
+
+
+def _higher_order_rule(hop: Any, mode: StorageAccountant, *args: Any, **kwargs: Any) -> Any:
+    return mode._higher_order(hop, args, kwargs)
+
+
+def register_higher_order_rules(hops: Any = None) -> None:
+    """Give :class:`StorageAccountant` a rule (``HigherOrderOperator.py_impl``) for each higher-order op in
+    ``hops`` (default: every one torch has made so far, the RNG ops of compiled checkpointing included) that
+    has none: what torch older than 2.6, whose modes do not see HOPs in ``__torch_dispatch__``, needs. Done
+    on entering the accountant there; idempotent."""
+    if hops is None:
+        try:
+            import torch._prims.rng_prims  # noqa: F401  (run_with_rng_state, run_and_save_rng_state)
+        except ImportError:  # pragma: no cover - a torch without them
+            pass
+        hops = list(getattr(torch._ops, "_higher_order_ops", {}).values())
+    for hop in hops:
+        if StorageAccountant not in hop.python_key_table:
+            hop.py_impl(StorageAccountant)(functools.partial(_higher_order_rule, hop))
 
 
 def _category_index(category: Category | str) -> int:

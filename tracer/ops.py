@@ -6,10 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._ops import HigherOrderOperator
 
 # How an op is handled, decided once per OpOverload from its schema. _COUNT: tracked, and its floating-point
 # operations counted (a matrix product, a convolution, attention: torch.utils.flop_counter's registry).
-_SKIP, _TRACK, _RESIZE, _COUNT = 0, 1, 2, 3
+# _HIGHER_ORDER: a higher-order op (``torch.ops.higher_order.*``: a compiled graph's ``run_with_rng_state``),
+# which has no schema: the accountant runs its body through itself (tracer.accounting, "Higher-order ops").
+_SKIP, _TRACK, _RESIZE, _COUNT, _HIGHER_ORDER = 0, 1, 2, 3, 4
 
 try:
     from torch.utils.flop_counter import flop_registry as FLOP_REGISTRY
@@ -25,6 +28,8 @@ _FRESH_PACKETS = {getattr(_aten, n) for n in ("lift_fresh", "lift_fresh_copy") i
 
 
 def _op_kind(func: Any) -> int:
+    if isinstance(func, HigherOrderOperator):
+        return _HIGHER_ORDER
     schema = func._schema
     if func.overloadpacket in _FRESH_PACKETS:
         return _TRACK
