@@ -69,6 +69,7 @@ class GradOffload:
         self._start_d2h = start_d2h
         self._wait_worker = wait_worker or (lambda c: None)
         self._pending: list[_Offload] = []
+        self._observers: list[Callable[[Chunk, list[torch.nn.Parameter], bool], None]] = []
         self.live_max = 0
         self.offloaded_bytes = 0
         store.backward.observe_grads_ready(self.grads_ready)
@@ -88,6 +89,13 @@ class GradOffload:
                           id(p) in store.grads.host_grads) for p in off.fresh]
                 return off.landing, parts
         return None
+
+    def observe_offload(self, observer: Callable[[Chunk, list[torch.nn.Parameter], bool], None]) -> None:
+        """Call ``observer(chunk, fresh, accumulating)`` as each chunk's gradients leave the device, while its
+        device gradient buffer ``chunk.grad`` still holds them (after their D2H copy was issued, on the
+        device's queue before the buffer is released): ``fresh`` are the parameters that got a gradient in
+        this backward, ``accumulating`` whether they are to be added to earlier ones on the host."""
+        self._observers.append(observer)
 
     @property
     def pending(self) -> bool:
@@ -114,6 +122,8 @@ class GradOffload:
         dst = landing if landing is not None else c.grad_host
         self.offloaded_bytes += self._start_d2h(c, dst)
         self._pending.append(_Offload(c, fresh, landing))
+        for observer in self._observers:
+            observer(c, fresh, landing is not None)
         store.grads.free(c)  # the copy holds the buffer until it is done (CUDA: its stream is recorded)
 
     def finish(self) -> None:

@@ -12,6 +12,7 @@ coefficient is ``max_norm / (total + 1e-6)`` clamped to 1 (see ``torch/nn/utils/
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +75,29 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
 # coefficient stays where each gradient is: an elementwise product is correctly rounded on every device.
 # (torch's own clip over `model.parameters()` finds host chunks' gradients on the host and computes their
 # norms there, as it would for any gradient on the host.)
+#
+# [Note: norms taken in backward]
+# Bringing a host chunk's gradients back for their norms doubles the link's H2D bytes of a step that clips.
+# But backward had them on the device, complete, just before their D2H copy. So once `sched.clip_grad_norm_`
+# has run, each host chunk's per-tensor norms are taken there and then (same kernel, same values, same
+# alignment: the same bits), in the norm type of the last clip, and kept. The clip uses them only if the host
+# gradients are still exactly what landed: the same host buffer with the same version counters (its own and
+# its device alias's, which writes through `p.grad` move), the same parameters with a gradient, each `p.grad`
+# still the chunk's view, and the same norm type. Otherwise (a second micro-batch added on the host, a user's
+# write, another norm type, a new placement) it copies them back as before. fp16 (the norms are of unscaled
+# gradients) and ZeRO (gathered gradients) keep their own paths.
+
+
+@dataclass
+class _BackwardNorms:
+    """One host chunk's per-tensor gradient norms, taken on the device as backward completed them
+    ([Note: norms taken in backward])."""
+
+    chunk: Any  # memsched.chunks.Chunk
+    norm_type: float
+    norms: dict[int, torch.Tensor]  # id(param) -> 0-d norm on the device
+    host: torch.Tensor | None = None  # the host gradients they landed in, and their version counters then
+    versions: tuple[int, int | None] | None = None
 
 
 class Clipper:
@@ -85,13 +109,27 @@ class Clipper:
         scaler: the fp16 loss scaler (:class:`memsched.optim.precision.LossScaler`), or ``None``.
         transfers: where the H2D bytes of host gradients brought to the device for their norms are counted
             (:class:`memsched.devices.transfers.TransferStats`), or ``None``.
+        grad_offload: the store's :class:`memsched.chunks.grad_offload.GradOffload` (one rank), whose
+            offloads give the host chunks' norms taken in backward ([Note: norms taken in backward]), or
+            ``None``.
+
+    Attributes:
+        backward_norm_hits: host chunks whose norms a clip took from backward instead of copying their
+            gradients back, so far.
     """
 
-    def __init__(self, store: Any, scaler: Any, transfers: Any = None) -> None:
+    def __init__(self, store: Any, scaler: Any, transfers: Any = None, *, grad_offload: Any = None) -> None:
         self._store = store
         self._scaler = scaler
         self._transfers = transfers
         self.pending: list[torch.Tensor] = []  # fp16: coefficients (0-d fp32) for the next step
+        self._norm_type: float | None = None  # the last clip's, once one ran: backward then takes norms
+        self._in_backward: dict[int, _BackwardNorms] = {}  # chunk index -> its norms
+        self.backward_norm_hits = 0
+        if grad_offload is not None and scaler is None and store.alloc.device.type != "cpu":
+            grad_offload.observe_offload(self._take_norms)
+            store.backward.observe_end(self._note_landed)  # after the offload's own: the copies are done
+            store.grads.observe_zero_grad(self._in_backward.clear)
 
     def take(self) -> list[torch.Tensor]:
         """The pending coefficients, which the step applies; none are left pending."""
@@ -157,6 +195,44 @@ class Clipper:
                 out[i] = span.as_strided(g.shape, g.stride(), g.storage_offset() - lo)
         return out
 
+    @torch.no_grad()
+    def _take_norms(self, c: Any, fresh: list[torch.nn.Parameter], accumulating: bool) -> None:
+        """The offload's observer: ``c``'s gradients leave the device; take their per-tensor norms there
+        ([Note: norms taken in backward]) once a clip ran, unless they are to be added to earlier ones."""
+        self._in_backward.pop(c.index, None)
+        if self._norm_type is None or accumulating or not fresh or c.grad is None:
+            return
+        store = self._store
+        grads = [store.slot(c.grad, store.param_range[id(p)][0], p) for p in fresh]
+        norms = total_norm(grads, self._norm_type, per_tensor=True)
+        self._in_backward[c.index] = _BackwardNorms(c, self._norm_type, dict(zip(map(id, fresh), norms,
+                                                                                  strict=True)))
+
+    def _note_landed(self) -> None:
+        """Backward's end (the D2H copies waited for): the host gradients the norms are of, as they are."""
+        for entry in self._in_backward.values():
+            if entry.host is None:
+                entry.host, entry.versions = entry.chunk.grad_host, self._versions(entry.chunk)
+
+    def _versions(self, c: Any) -> tuple[int, int | None]:
+        return c.grad_host._version, self._store.user_grad_version(c)
+
+    def _backward_norms(self, ps: list[torch.nn.Parameter], norm_type: float) -> list[torch.Tensor] | None:
+        """The norms taken in backward of ``ps`` (one chunk's parameters with a gradient), if the host
+        gradients are still what they were of ([Note: norms taken in backward]); else ``None``."""
+        store = self._store
+        c = store.param_chunk.get(id(ps[0]))
+        entry = self._in_backward.get(c.index) if c is not None else None
+        if (entry is None or entry.chunk is not c or entry.norm_type != norm_type or entry.host is None
+                or c.grad_host is not entry.host or entry.versions != self._versions(c)
+                or {id(p) for p in ps} != entry.norms.keys()):
+            return None
+        if any(p.grad is not store.user_view("grad", p, c) and p.grad is not store.host_view("grad", p, c)
+               for p in ps):
+            return None
+        self.backward_norm_hits += 1
+        return [entry.norms[id(p)] for p in ps]
+
     def _chunk_key(self, p: torch.nn.Parameter) -> int:
         c = self._store.param_chunk.get(id(p))
         return -1 if c is None else c.index
@@ -168,13 +244,19 @@ class Clipper:
         the parameters' order; each gradient is scaled where it is by the same coefficient (an elementwise
         product rounds alike on every device)."""
         with_grad = [p for p in params if p.grad is not None]
+        self._norm_type = float(norm_type)  # from now on backward takes the host chunks' norms
         if not with_grad:
             return torch.tensor(0.0)
         by_chunk: dict[int, list[int]] = {}
         for k, p in enumerate(with_grad):
             by_chunk.setdefault(self._chunk_key(p), []).append(k)
         norms: list[torch.Tensor | None] = [None] * len(with_grad)
-        for ks in by_chunk.values():
+        for key, ks in by_chunk.items():
+            taken = self._backward_norms([with_grad[k] for k in ks], float(norm_type)) if key >= 0 else None
+            if taken is not None:
+                for k, n in zip(ks, taken, strict=True):
+                    norms[k] = n
+                continue
             grads = self._on_device([with_grad[k].grad for k in ks])
             for k, n in zip(ks, total_norm(grads, norm_type, per_tensor=True), strict=True):
                 norms[k] = n

@@ -94,7 +94,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self.grad_offload = grad_offload  # memsched.chunks.grad_offload.GradOffload (one rank), or None
         self._active: set[int] = set()  # ids of the parameters updated by the step in progress
         self.checks = GradChecks(store, self.dp, scaler, self._name)
-        self.clipper = Clipper(store, scaler, transfers)
+        self.clipper = Clipper(store, scaler, transfers, grad_offload=grad_offload)
         # overlap=True (after warmup: enter_steady_state): host chunks are updated on a worker thread
         # (memsched.optim.host_updates); the step timeline records where each step's time went
         # (memsched.telemetry.step_timeline).
