@@ -380,3 +380,19 @@ def test_compile_step_tells_whether_memsched_compiled_the_references_kernels() -
         code.close()
         torch._dynamo.reset()
     assert PyCodeCache.load_by_key_path == loader
+
+
+def test_clip_link_counts_the_clips_bytes_over_the_link() -> None:
+    """bench/clip_link.py on the tiny GPT: a step that clips with the norms taken in backward moves the bytes
+    of a step that does not clip; the clip that copies the gradients back adds the gradients' bytes H2D."""
+    from bench.clip_link import run
+
+    rows = {clip: run("tiny", torch.float32, clip, steps=4, warmup=2)
+            for clip in ("none", "memsched", "memsched-copy-back")}
+    assert rows["memsched"]["h2d_mib_per_step"] == rows["none"]["h2d_mib_per_step"] > 0
+    assert rows["memsched"]["backward_norm_hits"] > 0 and rows["memsched"]["clip_h2d_mib_per_step"] == 0
+    back = rows["memsched-copy-back"]
+    # the gradients once more (the spans their parameters cover: the chunks' padding stays behind)
+    grads = rows["none"]["d2h_mib_per_step"]
+    assert 0.95 * grads <= back["clip_h2d_mib_per_step"] <= grads
+    assert back["h2d_mib_per_step"] == rows["none"]["h2d_mib_per_step"] + back["clip_h2d_mib_per_step"]
