@@ -213,6 +213,30 @@ def test_memscheds_clip_takes_every_norm_on_the_device(target, dtype, monkeypatc
         assert sched.transfers.last_h2d_bytes == (sum(c.numel for c in host) + spans) * size
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memscheds_clip_takes_the_norms_from_backward(target, dtype):
+    """Once ``sched.clip_grad_norm_`` ran, the host chunks' norms are taken on the device in backward
+    ([Note: norms taken in backward]): later clips bring no gradients back, and training with a clip that
+    triggers is bit for bit the reference's, whose clip runs on the device with every gradient there."""
+    model = tiny_gpt().to(target.device)
+    ref = Reference(model, dtype, device=target.device)
+    clip = 0.05  # the tiny GPT's norm is ~1-3: it triggers every step
+    with attach(model, target, policy="cpu", dtype=dtype, chunk_numel=8192) as sched:
+        for i, b in enumerate(gpt_batches(5, device=target.device)):
+            host = on_host(sched, model)
+            sched.backward(gpt_loss(model, b))
+            before = sched.transfers_dict["h2d_bytes"]
+            sched.clip_grad_norm_(clip)
+            if i >= 2:  # after warmup and a first clip
+                assert sched.transfers_dict["h2d_bytes"] == before
+            sched.optimizer.step()
+            sched.optimizer.zero_grad()
+            ref.step(b, gpt_loss, clip, on_host=host)
+        sched.synchronize()
+        assert sched.optimizer.clipper.backward_norm_hits >= 3 * len(sched.plan.host_chunks)
+    assert_same(model, ref, f"{target} {dtype}")
+
+
 def test_bf16_keeps_fp32_masters(target):
     m = make_model().to(target.device)
     x = torch.randn(32, 64).to(target.device, torch.bfloat16)
