@@ -79,29 +79,31 @@ def test_the_warmup_model_counts_speculating_and_streamed_chunks():
     assert "overlapped from backward" in text and "10.0 ms of it from backward" in text
 
 
-def test_the_plan_predicts_its_speculating_and_streamed_chunks(monkeypatch):
+def _planned(device: str = "sim:64MiB", **kw):
+    """A tiny GPT's plan after its warmup step, every chunk on the host: ``(sched, plan, host elements,
+    speculating elements)``; the scheduler is closed."""
+    with memsched.attach(tiny_gpt(), policy="cpu", device=device, lr=LR, weight_decay=WD, chunk_numel=8192,
+                         **kw) as sched:
+        sched.backward(gpt_loss(sched.model, gpt_batches(1)[0]))
+        sched.optimizer.step()
+        plan, chunks = sched.plan, sched.store.chunks
+    return (sched, plan, sum(c.hi - c.lo for c in chunks if c.index in plan.host_chunks),
+            sum(c.hi - c.lo for c in chunks if c.index in plan.speculative))
+
+
+def test_the_plan_predicts_its_speculating_and_streamed_chunks():
     """The runtime plan's prediction takes the plan's own choices: with overlap="backward" the speculating
     chunks' update is counted as hidden by backward, and streamed chunks leave the CPU update for the link's
     time at the step, which the reasons name."""
-    with memsched.attach(tiny_gpt(), policy="cpu", device="sim:64MiB,link=25GBps", lr=LR, weight_decay=WD,
-                         chunk_numel=8192, overlap="backward") as sched:
-        model = sched.model
-        sched.backward(gpt_loss(model, gpt_batches(1)[0]))
-        sched.optimizer.step()
-        p, plan = sched.predicted_step, sched.plan
-        host = sum(c.hi - c.lo for c in sched.store.chunks if c.index in plan.host_chunks)
-        spec = sum(c.hi - c.lo for c in sched.store.chunks if c.index in plan.speculative)
+    sched, plan, host, spec = _planned("sim:64MiB,link=25GBps", overlap="backward")
+    p = sched.predicted_step
     assert p["overlap"] == "backward" and plan.speculative
     assert p["speculative_s"] == pytest.approx(spec / sched.warmup_costs.cpu_elements_per_s)
     assert p["cpu_update_s"] == pytest.approx(host / sched.warmup_costs.cpu_elements_per_s)
     assert "overlapped from backward" in plan.reasons[-2]
     assert "In force: overlap='backward'" in plan.reasons[-1]
-    with memsched.attach(tiny_gpt(), policy="cpu", device="sim:64MiB,link=25GBps", lr=LR, weight_decay=WD,
-                         chunk_numel=8192, host_update="device") as sched:
-        model = sched.model
-        sched.backward(gpt_loss(model, gpt_batches(1)[0]))
-        sched.optimizer.step()
-        p, plan = sched.predicted_step, sched.plan
+    sched, plan, _host, _spec = _planned("sim:64MiB,link=25GBps", host_update="device")
+    p = sched.predicted_step
     assert plan.streamed == tuple(plan.host_chunks) and p["cpu_update_s"] == 0
     assert p["link_s"] > 0 and p["exposed_cpu_s"] == pytest.approx(p["link_s"])
     assert f"{len(plan.streamed)} chunks streamed through the device" in plan.reasons[-1]
@@ -112,14 +114,9 @@ def test_the_plan_compares_the_overlap_modes_with_their_host_memory():
     """With host chunks updated on the CPU the plan says what each overlap mode is predicted to take and the
     host memory it would add: overlap=True each host chunk's own fp32 gradients (4 bytes per element),
     overlap="backward" the spare states of the chunks that would speculate."""
-    with memsched.attach(tiny_gpt(), policy="cpu", device="sim:64MiB", lr=LR, weight_decay=WD,
-                         chunk_numel=8192) as sched:
-        model = sched.model
-        sched.backward(gpt_loss(model, gpt_batches(1)[0]))
-        sched.optimizer.step()
-        plan = sched.plan
-        host = sum(c.hi - c.lo for c in sched.store.chunks if c.index in plan.host_chunks)
     from policies.units import format_bytes
+
+    _sched, plan, host, _spec = _planned()
 
     modes = plan.reasons[-1]
     assert "overlap=True" in modes and f"(+{format_bytes(4 * host)} of host memory)" in modes
