@@ -295,9 +295,8 @@ class Scheduler:
         if (self.dp.world == 1 and self.device.kind != "cpu") or shards is not None:
             updates = self.optimizer.host_updates
             self.params = ParamFetcher(model, self.store, self.streams, self.transfers,
-                                       lambda i: updates.wait([i]), updates.ready, shards=shards)
-            if self.sim is not None:
-                self.params.on_move = self.sim.move
+                                       lambda i: updates.wait([i]), updates.ready, shards=shards,
+                                       on_move=self.sim.move if self.sim is not None else None)
             if shards is None:
                 self.store.bindings.fetch_with(weak_method(self.params.fetch_between))
         self.planner = Planner(planning, model, self.store, self.dp, self.transfers,
@@ -329,7 +328,7 @@ class Scheduler:
         self.elastic: Elastic | None = None
         if config.replan == "auto" and self.device.kind != "cpu":
             probe = PeakProbe(self.device.torch_device, self.sim, weak_method(self._planned_absent_bytes),
-                              moving=self.params)
+                              moving=self.params.residency if self.params is not None else None)
             self.elastic = Elastic(weak_method(self._replan), self.dp.agree_max, probe, world=self.dp.world)
             hooks = install_elastic_hooks(model, self.elastic, self.optimizer.observe_zero_grad,
                                           weak_method(self._explain_oom))
@@ -341,8 +340,7 @@ class Scheduler:
             self.warmup.start()
             if self.params is not None:  # the warmup's reads, for the plan's fetch schedule
                 self.params.install()
-                self.params.on_alloc = self.warmup.classify_parameter
-                self.params.record(self.warmup.sample_count)
+                self.params.record(self.warmup.sample_count, classify=self.warmup.classify_parameter)
                 if self.warmup_params_on_host:
                     self.params.use(range(len(self.store.chunks)), None)
         except BaseException:  # e.g. another tracer is attached to this model: leave no hooks or modes behind
@@ -455,12 +453,10 @@ class Scheduler:
             self.waits.guard_between_steps()  # [Note: reads between steps wait]
             return
         if self.steps < self.warmup_steps:
-            if self.params is not None and self.params.recording is not None:
-                self.params.recording.clear()  # the last warmup step's reads make the schedule
+            if self.params is not None and self.params.recorder.on:
+                self.params.recorder.restart()  # the last warmup step's reads make the schedule
             return
         reads = self.params.stop_recording() if self.params is not None else []
-        if self.params is not None:
-            self.params.on_alloc = None
         self.warmup.stop()
         last = self.optimizer.timeline.take_last()
         if last is not None:
@@ -514,7 +510,7 @@ class Scheduler:
         fetcher = self.params
         if fetcher is None or self.phase is not Phase.PLANNED:
             return
-        if fetcher.recording is not None:
+        if fetcher.recorder.on:
             self.planner.revise(fetcher.stop_recording(), self.steps)
             self._follow_speculation()
             return

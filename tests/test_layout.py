@@ -220,3 +220,12 @@ def test_the_chunk_store_stays_small():
     # memsched.chunks.binding): a change to one stage touches its room (issue 41).
     lines = len((ROOT / "memsched" / "chunks" / "store.py").read_text().splitlines())
     assert lines < 800, lines
+
+
+def test_the_parameter_fetcher_stays_small():
+    # The fetcher decides at each read what its rooms do; each room owns its state (issue 41): the forward
+    # hooks (memsched.runtime.fetch_hooks), the schedule followed (memsched.runtime.fetch_schedule), the
+    # chunks on the device and their moves (memsched.runtime.residency), the saved-tensor hooks
+    # (memsched.runtime.saved_params) and the recorded reads (memsched.runtime.read_recording).
+    lines = len((ROOT / "memsched" / "runtime" / "param_fetch.py").read_text().splitlines())
+    assert lines < 500, lines
