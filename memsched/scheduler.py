@@ -656,7 +656,8 @@ class Scheduler:
             explain_oom(e, self._explain_oom(e))
             raise
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        norms_from_backward: bool = True) -> torch.Tensor:
         """Clip the gradients of the trainable parameters to a total norm of ``max_norm``, exactly as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` would on one process (with
         data parallelism: over the averaged gradients); returns the total norm before clipping.
@@ -665,11 +666,18 @@ class Scheduler:
         coefficient is applied in fp32 at the step, as with ``GradScaler.unscale_`` then ``clip_grad_norm_``
         (see :meth:`HybridAdamW.clip_grad_norm_`). Clipping with torch directly is exact too (fp32, bf16),
         except under fp16, where torch would clip the scaled gradients.
+
+        The host chunks' per-tensor norms are taken on the device in backward, so the clip copies no host
+        gradients back, unless those gradients changed since: any in-place torch op on them is seen ([Note:
+        norms taken in backward] in :mod:`memsched.optim.clipping`). Code that writes gradients in ways
+        torch's version counters do not see (``p.grad.data``, DLPack, raw pointers) between backward and the
+        clip passes ``norms_from_backward=False``: the norms are then those of the gradients as they are.
         """
         chunked = self.store.param_chunk
         params = [p for p in self.model.parameters() if id(p) in chunked]
         scaled = self.scaler is not None and self.optimizer.scaled_grads_unchanged()
-        norm = self.dp.clip_grad_norm_(lambda: self.optimizer.clip_grad_norm_(params, max_norm, norm_type))
+        norm = self.dp.clip_grad_norm_(lambda: self.optimizer.clip_grad_norm_(
+            params, max_norm, norm_type, norms_from_backward=norms_from_backward))
         if scaled:  # the gradient reductions it finished wrote the buffers: still sched.backward's gradients
             self.optimizer.note_scaled_backward()
         return norm

@@ -14,7 +14,7 @@ from tests._numerics import LR, WD, Reference, assert_same, gpt_batches, gpt_los
 CLIP = 0.05  # the tiny GPT's gradient norm is ~1-3: clipping triggers on every step
 
 
-def _ref_step(ref: Reference, parts, between, norm_type: float) -> torch.Tensor:
+def _ref_step(ref: Reference, parts, between, norm_type: float, clips: int = 1) -> torch.Tensor:
     """The reference's step: backward of each micro-batch, ``between``, torch's clip on the device, fused
     AdamW (under bf16 on fp32 masters, the gradients clipped in bf16 as users do)."""
     with uncounted():
@@ -23,7 +23,8 @@ def _ref_step(ref: Reference, parts, between, norm_type: float) -> torch.Tensor:
             gpt_loss(ref.model, mb).backward()
         if between is not None:
             between(ref.model)
-        norm = torch.nn.utils.clip_grad_norm_(params, CLIP, norm_type)
+        for _ in range(clips):
+            norm = torch.nn.utils.clip_grad_norm_(params, CLIP, norm_type)
         if ref.dtype != torch.float32:
             for m, p in zip(ref.masters, params, strict=True):
                 m.grad = p.grad.float()
@@ -35,16 +36,19 @@ def _ref_step(ref: Reference, parts, between, norm_type: float) -> torch.Tensor:
 
 
 def _train(dtype: torch.dtype, *, steps: int = 5, micro: int = 1, between=None, norm_type: float = 2.0,
-           policy: str = "cpu", device: str = "sim:64MiB"):
-    """``steps`` steps of ``micro`` micro-batches with sched.clip_grad_norm_ against the reference; returns
-    each step's clip H2D bytes and the clipper's hits so far after it. ``between(model)`` runs between
-    backward and the clip (what a user may do to the gradients), and on the reference's gradients too."""
+           policy: str = "cpu", device: str = "sim:64MiB", clips: int = 1, set_to_none: bool = True,
+           from_backward: bool = True, **attach):
+    """``steps`` steps of ``micro`` micro-batches with sched.clip_grad_norm_ (``clips`` times in a row)
+    against the reference; returns each step's clip H2D bytes and the clipper's hits so far after it.
+    ``between(model)`` runs between backward and the clip (what a user may do to the gradients), and on the
+    reference's gradients too; ``set_to_none``: ``zero_grad``'s; ``from_backward``: the clip's
+    ``norms_from_backward``; ``attach``: more attach options."""
     model = tiny_gpt()
     ref = Reference(model, dtype)
     out = []
     with memsched.attach(model, lr=LR, weight_decay=WD, dtype=dtype, chunk_numel=8192, policy=policy,
                          device=device, policy_options={"offload_optim_frac": 0.5} if policy == "static"
-                         else None) as sched:
+                         else None, **attach) as sched:
         clipper = sched.optimizer.clipper
         batches = gpt_batches(steps * micro)
         for i in range(steps):
@@ -54,15 +58,16 @@ def _train(dtype: torch.dtype, *, steps: int = 5, micro: int = 1, between=None, 
             if between is not None:
                 between(model)
             before = sched.transfers_dict["h2d_bytes"]
-            norm = sched.clip_grad_norm_(CLIP, norm_type)
+            for _ in range(clips):
+                norm = sched.clip_grad_norm_(CLIP, norm_type, norms_from_backward=from_backward)
             out.append((sched.transfers_dict["h2d_bytes"] - before, clipper.backward_norm_hits))
             sched.optimizer.step()
-            sched.optimizer.zero_grad()
+            sched.optimizer.zero_grad(set_to_none=set_to_none)
             with sched.sim.paused():
-                ref_norm = _ref_step(ref, parts, between, norm_type)
+                ref_norm = _ref_step(ref, parts, between, norm_type, clips)
                 assert_same(model, ref, f"{dtype} step {i}", sched.optimizer)
                 assert torch.equal(norm.cpu(), ref_norm.cpu()), (i, norm, ref_norm)
-            assert float(norm) > 5 * CLIP  # the clip triggers
+            assert float(norm) > 5 * CLIP or clips > 1  # the clip triggers (a second one finds it clipped)
         host = [c for c in sched.store.chunks if c.placement == "host"]
     assert host
     return out
@@ -99,3 +104,39 @@ def test_accumulation_and_another_norm_type_bring_them_back():
     assert all(h2d > 0 for h2d, _ in out) and out[-1][1] == 0, out
     out = _train(torch.float32, norm_type=1.0)
     assert all(h2d == 0 for h2d, _ in out[1:]), out  # the same type every step: taken in backward
+
+
+@pytest.mark.parametrize("overlap", [True, "backward"])
+def test_with_each_overlap_mode(overlap):
+    """The overlapped update (its own copy of the gradients) and the updates during backward (validated or
+    undone by the clip's coefficient) take the clip's norms from backward too, exact."""
+    out = _train(torch.float32, overlap=overlap)
+    assert all(h2d == 0 for h2d, _ in out[1:]) and out[-1][1] > 0, out
+
+
+def test_a_second_clip_in_the_same_step_sees_the_first_ones_scaling():
+    """The first clip scales the gradients in place (their version counters move): the second copies them
+    back and takes their norms as they are now, as torch's second clip does."""
+    out = _train(torch.float32, clips=2)
+    hits = [h for _, h in out]
+    assert all(h2d > 0 for h2d, _ in out[1:]) and hits[-1] > 0, out  # each step: one hit, then a copy
+
+
+def test_writes_torch_does_not_count_need_the_norms_of_the_gradients_as_they_are():
+    """A write through ``p.grad.data`` moves no version counter, so the norms taken in backward would not see
+    it ([Note: norms taken in backward]): ``norms_from_backward=False`` takes the gradients as they are
+    (exact), and backward then takes no norms."""
+    def halve(model):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.data.mul_(0.5)
+
+    out = _train(torch.float32, between=halve, from_backward=False)
+    assert all(h2d > 0 for h2d, _ in out) and out[-1][1] == 0, out
+
+
+def test_zero_grad_in_place_is_exact():
+    """``zero_grad(set_to_none=False)`` keeps the host gradients (zeros), so the next backward's are added to
+    them on the host: the clip copies them back (exact; no norms from backward on this path)."""
+    out = _train(torch.float32, set_to_none=False)
+    assert out[-1][1] == 0, out

@@ -98,6 +98,15 @@ class GradBuffers:
                 p.grad = None
         c.free_grad()
 
+    def host_versions(self, c: Chunk) -> tuple[int, int | None] | None:
+        """What an in-place torch write to ``c``'s host gradients moves: the version counters of its
+        ``grad_host`` and of the device alias its user views are views of (writes through ``p.grad`` move the
+        alias's, [Note: parameters read where they compute]); ``None`` for a chunk whose gradients stay on
+        the device. Writes torch does not count (through ``.data``, DLPack, raw pointers) move neither."""
+        if not self._store.offloads(c) or c.grad_host is None:
+            return None
+        return c.grad_host._version, self._store.user_grad_version(c)
+
     def has(self, c: Chunk) -> bool:
         """Whether any parameter of ``c`` holds a gradient memsched keeps: in its device buffer, or on the
         host."""

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.utils._foreach_utils import _has_foreach_support
 
+from memsched.devices.simdevice import OUT_OF_MEMORY
 from memsched.optim.adam import fp32_grad
 
 
@@ -86,6 +87,13 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
 # still the chunk's view, and the same norm type. Otherwise (a second micro-batch added on the host, a user's
 # write, another norm type, a new placement) it copies them back as before. fp16 (the norms are of unscaled
 # gradients) and ZeRO (gathered gradients) keep their own paths.
+# The check sees what torch's version counters see: every in-place torch op on `p.grad` or the host buffer.
+# A write torch does not count (through `p.grad.data`, DLPack, a raw pointer) is not seen, as autograd does
+# not see it either; DeepSpeed's ZeRO-Offload, whose norms are taken in backward too, ignores every write
+# made between backward and its step. Code that writes gradients that way passes
+# `norms_from_backward=False` to the clip (tests/test_clip_norms_in_backward.py pins both).
+# Taking the norms costs a few device bytes per parameter (0-d tensors) that no plan counts: if the device is
+# out of memory for them, they are not taken and the clip copies the gradients back.
 
 
 @dataclass
@@ -97,7 +105,7 @@ class _BackwardNorms:
     norm_type: float
     norms: dict[int, torch.Tensor]  # id(param) -> 0-d norm on the device
     host: torch.Tensor | None = None  # the host gradients they landed in, and their version counters then
-    versions: tuple[int, int | None] | None = None
+    versions: tuple[int, int | None] | None = None  # memsched.chunks.gradients.GradBuffers.host_versions
 
 
 class Clipper:
@@ -128,7 +136,8 @@ class Clipper:
         self.backward_norm_hits = 0
         if grad_offload is not None and scaler is None and store.alloc.device.type != "cpu":
             grad_offload.observe_offload(self._take_norms)
-            store.backward.observe_end(self._note_landed)  # after the offload's own: the copies are done
+            # registered after the offload's own end observer (it was built first): the copies are done
+            store.backward.observe_end(self._note_landed)
             store.grads.observe_zero_grad(self._in_backward.clear)
 
     def take(self) -> list[torch.Tensor]:
@@ -142,11 +151,14 @@ class Clipper:
 
     @torch.no_grad()
     def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+                        norm_type: float = 2.0, *, norms_from_backward: bool = True) -> torch.Tensor:
         """Clip the gradients of ``params`` (the model's trainable parameters, in the model's order) to a
         total norm of ``max_norm``; returns the total norm before clipping (a float32 scalar on the device).
 
-        Without a loss scale this is ``torch.nn.utils.clip_grad_norm_`` on the gradients in place. With fp16
+        Without a loss scale this is ``torch.nn.utils.clip_grad_norm_`` on the gradients in place; the host
+        chunks' norms come from backward where their gradients are still what landed ([Note: norms taken in
+        backward]; ``norms_from_backward=False``: copied back, and no longer taken, for code that writes
+        gradients in ways torch's version counters do not see, such as ``p.grad.data``). With fp16
         loss scaling it is what GradScaler users get from ``scaler.unscale_(opt); clip_grad_norm_(...)`` on
         fp32 master gradients: the norms are those of the fp32 unscaled gradients (one chunk at a time, never
         in fp16, so a scaled norm above 65504 is no overflow), and the coefficient waits in :attr:`pending`
@@ -155,7 +167,7 @@ class Clipper:
         if self._store.shards_grads:
             return self._clip_sharded(params, max_norm, norm_type)
         if self._scaler is None:
-            return self._clip_in_order(params, max_norm, norm_type)
+            return self._clip_in_order(params, max_norm, norm_type, norms_from_backward)
         inv = self._scaler.inv_scale(self._store.alloc.device)
         by_chunk: dict[int, list[torch.nn.Parameter]] = {}
         for p in params:
@@ -204,18 +216,19 @@ class Clipper:
             return
         store = self._store
         grads = [store.slot(c.grad, store.param_range[id(p)][0], p) for p in fresh]
-        norms = total_norm(grads, self._norm_type, per_tensor=True)
+        try:
+            norms = total_norm(grads, self._norm_type, per_tensor=True)
+        except OUT_OF_MEMORY:  # not taken: the clip copies them back ([Note: norms taken in backward])
+            return
         self._in_backward[c.index] = _BackwardNorms(c, self._norm_type, dict(zip(map(id, fresh), norms,
                                                                                   strict=True)))
 
     def _note_landed(self) -> None:
         """Backward's end (the D2H copies waited for): the host gradients the norms are of, as they are."""
-        for entry in self._in_backward.values():
+        for entry in list(self._in_backward.values()):  # an autograd device thread may add one meanwhile
             if entry.host is None:
-                entry.host, entry.versions = entry.chunk.grad_host, self._versions(entry.chunk)
-
-    def _versions(self, c: Any) -> tuple[int, int | None]:
-        return c.grad_host._version, self._store.user_grad_version(c)
+                c = entry.chunk
+                entry.host, entry.versions = c.grad_host, self._store.grads.host_versions(c)
 
     def _backward_norms(self, ps: list[torch.nn.Parameter], norm_type: float) -> list[torch.Tensor] | None:
         """The norms taken in backward of ``ps`` (one chunk's parameters with a gradient), if the host
@@ -224,12 +237,13 @@ class Clipper:
         c = store.param_chunk.get(id(ps[0]))
         entry = self._in_backward.get(c.index) if c is not None else None
         if (entry is None or entry.chunk is not c or entry.norm_type != norm_type or entry.host is None
-                or c.grad_host is not entry.host or entry.versions != self._versions(c)
+                or c.grad_host is not entry.host or entry.versions != store.grads.host_versions(c)
                 or {id(p) for p in ps} != entry.norms.keys()):
             return None
-        if any(p.grad is not store.user_view("grad", p, c) and p.grad is not store.host_view("grad", p, c)
-               for p in ps):
-            return None
+        for p in ps:  # each p.grad still the chunk's (cached) view of these host gradients
+            _key, view = store.cached_host_grad(p)
+            if view is None or view[0] is not c.grad_host or p.grad is not view[1]:
+                return None
         self.backward_norm_hits += 1
         return [entry.norms[id(p)] for p in ps]
 
@@ -238,13 +252,14 @@ class Clipper:
         return -1 if c is None else c.index
 
     def _clip_in_order(self, params: Sequence[torch.nn.Parameter], max_norm: float,
-                       norm_type: float) -> torch.Tensor:
+                       norm_type: float, norms_from_backward: bool = True) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` as it runs with every gradient on the device, wherever they are now
         ([Note: norms on the device]): per-tensor norms by the device's kernel, a chunk at a time, stacked in
         the parameters' order; each gradient is scaled where it is by the same coefficient (an elementwise
         product rounds alike on every device)."""
         with_grad = [p for p in params if p.grad is not None]
-        self._norm_type = float(norm_type)  # from now on backward takes the host chunks' norms
+        # from now on backward takes the host chunks' norms in this norm type (or none)
+        self._norm_type = float(norm_type) if norms_from_backward else None
         if not with_grad:
             return torch.tensor(0.0)
         by_chunk: dict[int, list[int]] = {}
@@ -252,7 +267,8 @@ class Clipper:
             by_chunk.setdefault(self._chunk_key(p), []).append(k)
         norms: list[torch.Tensor | None] = [None] * len(with_grad)
         for key, ks in by_chunk.items():
-            taken = self._backward_norms([with_grad[k] for k in ks], float(norm_type)) if key >= 0 else None
+            taken = (self._backward_norms([with_grad[k] for k in ks], float(norm_type))
+                     if key >= 0 and norms_from_backward else None)
             if taken is not None:
                 for k, n in zip(ks, taken, strict=True):
                     norms[k] = n

@@ -142,8 +142,7 @@ class GradChecks:
         chunks, the version of their host gradients and of the views users write them through (``p.grad``
         reads as the device: [Note: parameters read where they compute]), and which parameters hold one."""
         store = self._store
-        return [(c.grad_signature(), c.grad_host._version if store.offloads(c) else None,
-                 store.user_grad_version(c) if store.offloads(c) else None,
+        return [(c.grad_signature(), store.grads.host_versions(c),
                  sum(1 for p in c.params if id(p) in store.grads.host_grads)) for c in store.trainable_chunks]
 
     def note_scaled_backward(self) -> None:

@@ -461,12 +461,13 @@ class HybridAdamW(torch.optim.Optimizer):
         return self._grad_scratch[:numel]
 
     def clip_grad_norm_(self, params: Sequence[torch.nn.Parameter], max_norm: float,
-                        norm_type: float = 2.0) -> torch.Tensor:
+                        norm_type: float = 2.0, *, norms_from_backward: bool = True) -> torch.Tensor:
         """Clip the gradients of ``params`` to a total norm of ``max_norm``; returns the total norm before
         clipping (:meth:`memsched.optim.clipping.Clipper.clip_grad_norm_`: torch's own clip, or under fp16 the
         norm of the unscaled fp32 gradients with the coefficient applied at the step). Call it after backward
-        and before :meth:`step`."""
-        return self.clipper.clip_grad_norm_(params, max_norm, norm_type)
+        and before :meth:`step`. ``norms_from_backward``: see :meth:`Clipper.clip_grad_norm_`."""
+        return self.clipper.clip_grad_norm_(params, max_norm, norm_type,
+                                            norms_from_backward=norms_from_backward)
 
     # ---- the host chunks: updates during backward, the overlapped update ---------------------------------
     def grads_ready(self, c: Chunk) -> None:
