@@ -46,6 +46,17 @@ def streaming_bytes(numel: int, grad_bytes: int, param_bytes: int, *, grads_on_h
     return h2d, d2h
 
 
+def stream_seconds(streamed: Sequence[int], link_bytes: Sequence[tuple[int, int]],
+                   link_bytes_per_s: float | None) -> float:
+    """Seconds the ``streamed`` chunks' updates take over the link: the larger direction's bytes
+    (``link_bytes``, per chunk ``(H2D, D2H)``) over the bandwidth per direction (bytes per second); 0 without
+    streamed chunks or a known bandwidth."""
+    if not streamed or not link_bytes_per_s:
+        return 0.0
+    h2d, d2h = sum(link_bytes[i][0] for i in streamed), sum(link_bytes[i][1] for i in streamed)
+    return max(h2d, d2h) / link_bytes_per_s
+
+
 def choose_update_paths(problem: PlacementProblem, plan: PlacementPlan, *, mode: str,
                         eligible: Sequence[int], cpu_elements_per_s: float | None,
                         link_bytes_per_s: float | None, link_bytes: Sequence[tuple[int, int]],
@@ -112,7 +123,7 @@ def choose_update_paths(problem: PlacementProblem, plan: PlacementPlan, *, mode:
         all_cpu, _ = cost(0)
         source = f" ({link_source})" if link_source else ""
         why = (f"the CPU updates at {cpu_elements_per_s / 1e6:.0f} M elements/s ({rate_source}) and the link "
-               f"moves {link_bytes_per_s / 1e9:.1f} GB/s per direction{source}: CPU {cpu_s * 1e3:.1f} ms "
+               f"moves {format_bytes(link_bytes_per_s)}/s per direction{source}: CPU {cpu_s * 1e3:.1f} ms "
                f"beside link {link_s * 1e3:.1f} ms, against {all_cpu * 1e3:.1f} ms all on the CPU")
     streamed = tuple(sorted(chosen))
     text = (f"host_update={mode!r}: {len(streamed)} of the {len(host)} host chunks are updated on the device "

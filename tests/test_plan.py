@@ -575,14 +575,14 @@ def test_the_plan_chooses_each_host_chunks_update_path(capsys) -> None:
     r = json.loads(capsys.readouterr().out)
     plan, st = r["plans"]["cpu"], r["step_time"]
     assert plan["streamed"] and "the h100-80gb's nominal PCIe x16 bandwidth" in plan["reasons"][-1]
-    assert "63.0 GB/s per direction" in plan["reasons"][-1] and st["serial"]["link_s"] > 0
+    assert f"{format_bytes(63e9)}/s per direction" in plan["reasons"][-1] and st["serial"]["link_s"] > 0
     assert st["serial"]["host_elements"] < cpu["step_time"]["serial"]["host_elements"]
     assert r["verdict"]["h2d_bytes_per_step"] > cpu["verdict"]["h2d_bytes_per_step"]
     assert r["verdict"]["d2h_bytes_per_step"] > cpu["verdict"]["d2h_bytes_per_step"]
     assert main([*argv, "--cpu-adam-rate", "1e12", "--host-update", "auto", "--link-bandwidth", "1MBps"]) == 0
     slow = json.loads(capsys.readouterr().out)
-    assert not slow["plans"]["cpu"]["streamed"] and "1 MB" not in slow["plans"]["cpu"]["reasons"][-1]
-    assert "0.0 GB/s per direction (--link-bandwidth)" in slow["plans"]["cpu"]["reasons"][-1]
+    assert not slow["plans"]["cpu"]["streamed"]
+    assert f"{format_bytes(1e6)}/s per direction (--link-bandwidth)" in slow["plans"]["cpu"]["reasons"][-1]
     assert main([*argv, "--link-bandwidth", "25GBps"]) == 2
     assert "--link-bandwidth applies with --host-update device or auto" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse's usage error

@@ -63,7 +63,7 @@ def test_auto_streams_over_a_fast_link_and_not_over_a_slow_one():
             plan = sched.plan
         assert_same(model, ref, device)
         assert bool(plan.streamed) == streams, (device, plan.reasons)
-        assert any("GB/s per direction" in r for r in plan.reasons)
+        assert any("/s per direction" in r for r in plan.reasons)
 
 
 def test_parameters_on_the_host_keep_their_chunks_on_the_cpu():

@@ -55,6 +55,7 @@ from memsched.planning.prediction import (  # noqa: F401 (re-exported for the co
 from memsched.planning.step_model import measure_cpu_adam_rate, predict_step
 from memsched.report.console import make_console
 from policies.units import format_bytes
+from policies.update_paths import stream_seconds
 
 # The parser (memsched.cli.parsers) names the dtypes and the defaults without importing torch.
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, dt) for name, dt in parsers.DTYPE_NAMES.items()}
@@ -258,10 +259,7 @@ def _step_time(args: argparse.Namespace, prediction: Any, cplan: CapacityPlan, g
         return {"reason": f"no plan for policy {args.policy!r}"}
     streamed = set(plan.streamed)
     host = sum(cplan.problem.chunks[i].numel for i in plan.host_chunks if i not in streamed)
-    link_s = 0.0
-    if streamed and link[0]:
-        stream = stream_link_bytes(cplan.problem)
-        link_s = max(sum(stream[i][0] for i in streamed), sum(stream[i][1] for i in streamed)) / link[0]
+    link_s = stream_seconds(plan.streamed, stream_link_bytes(cplan.problem), link[0]) if streamed else 0.0
     out: dict[str, Any] = {"gpu": table.name, "cpu_rate_source": rate[1]}
     if streamed:
         out["link_source"] = link[1]

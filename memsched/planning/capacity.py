@@ -24,7 +24,7 @@ from memsched.planning.problem import (
 from memsched.planning.reads import chunk_accesses, grad_working_bytes
 from policies.types import PlacementPlan, PlacementProblem
 from policies.units import format_bytes
-from policies.update_paths import choose_update_paths, streaming_bytes
+from policies.update_paths import HOST_UPDATE_MODES, choose_update_paths, streaming_bytes
 
 SCHEMA = "memsched.plan"
 VERSION = 2  # 2: gradients placed with their chunk, parameters that may stay on the host, link bytes
@@ -166,6 +166,8 @@ def with_update_paths(cplan: CapacityPlan, policy: str, *, mode: str, dtype: tor
     Raises:
         ValueError: an unknown ``mode``.
     """
+    if mode not in HOST_UPDATE_MODES:
+        raise ValueError(f"host_update must be one of {HOST_UPDATE_MODES}, got {mode!r}")
     plan = cplan.plans.get(policy)
     if not isinstance(plan, PlacementPlan):
         return

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from memsched.planning.step_model import exposed_update
+from memsched.planning.step_model import MODE_NAMES, exposed_update, speculative_elements_of
 from memsched.telemetry.step_timeline import CPU_UPDATE, StepRecord
 
 
@@ -68,12 +68,8 @@ class WarmupCosts:
         """
         rate = self.cpu_elements_per_s
         cpu = host_elements / rate if rate else 0.0
-        spec = 0 if overlap != "backward" else host_elements if speculative_elements is None \
-            else speculative_elements
-        if not 0 <= spec <= host_elements:
-            raise ValueError(f"speculative_elements must be in [0, host_elements={host_elements}], got "
-                             f"{speculative_elements!r}")
-        speculative = min(cpu, spec / rate) if rate else 0.0
+        speculative = speculative_elements_of(host_elements, overlap, speculative_elements) / rate if rate \
+            else 0.0
         exposed = exposed_update(cpu, self.forward_s, self.backward_s, overlap, speculative_s=speculative,
                                  link_s=link_s)
         return {"model": "warmup", "step_s": self.forward_s + self.backward_s + exposed, "cpu_update_s": cpu,
@@ -83,10 +79,14 @@ class WarmupCosts:
     def reason(self, host_elements: int, host_chunks: int, overlap: bool | str, *,
                speculative_elements: int | None = None, link_s: float = 0.0, streamed_chunks: int = 0) -> str:
         """The plan's sentence on its predicted step (:meth:`predict`'s arguments; ``streamed_chunks``: how
-        many chunks stream through the device)."""
+        many chunks stream through the device).
+
+        Raises:
+            ValueError: as :meth:`predict`.
+        """
         p = self.predict(host_elements, overlap, speculative_elements=speculative_elements, link_s=link_s)
         rate = (f" at {self.cpu_elements_per_s / 1e6:.0f} M elements/s" if self.cpu_elements_per_s else "")
-        mode = {False: "serial", True: "overlapped", "backward": "overlapped from backward"}[overlap]
+        mode = MODE_NAMES[overlap]
         spec = (f" ({p['speculative_s'] * 1e3:.1f} ms of it from backward)" if overlap == "backward" else "")
         stream = (f" + the update of {streamed_chunks} chunks streamed through the device, "
                   f"{link_s * 1e3:.1f} ms over the link" if streamed_chunks else "")

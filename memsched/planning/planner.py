@@ -31,13 +31,13 @@ from memsched.planning.cost_model import WarmupCosts
 from memsched.planning.elastic import PlanChange
 from memsched.planning.problem import DEFAULT_GRAD_WORKING_CHUNKS, build_problem, machine_inputs
 from memsched.planning.reads import chunk_accesses, grad_working_bytes, reordered, scaled
-from memsched.planning.step_model import predict_step
+from memsched.planning.step_model import MODE_NAMES, predict_step
 from policies.plans import make_plan, schedule_for
 from policies.schedule import schedule_sharded
 from policies.speculation import speculate
 from policies.types import DEVICE, HOST, ChunkAccess, PlacementPlan
 from policies.units import format_bytes
-from policies.update_paths import choose_update_paths, streaming_bytes
+from policies.update_paths import choose_update_paths, stream_seconds, streaming_bytes
 from tracer.param_reads import BEGIN, FORWARD
 
 
@@ -331,11 +331,7 @@ class Planner:
         """The plan's streamed updates over the link, seconds (0 without streamed chunks or a known link)."""
         if not plan.streamed:
             return 0.0
-        bandwidth = self._link_bytes_per_s()
-        if not bandwidth:
-            return 0.0
-        link = self._stream_link_bytes()
-        return max(sum(link[i][0] for i in plan.streamed), sum(link[i][1] for i in plan.streamed)) / bandwidth
+        return stream_seconds(plan.streamed, self._stream_link_bytes(), self._link_bytes_per_s())
 
     def _speculate(self, problem: policies.PlacementProblem, plan: PlacementPlan) -> PlacementPlan:
         """[Note: the spare state is planned] With ``overlap="backward"`` and one rank, the host chunks whose
@@ -389,7 +385,7 @@ class Planner:
                                 streamed_chunks=len(streamed))
         else:
             self.predicted_step = {"model": "roofline", "gpu": self._device.gpu, **roofline.as_dict()}
-            mode = {False: "serial", True: "overlapped", "backward": "overlapped from backward"}[overlap]
+            mode = MODE_NAMES[overlap]
             text = (f"Predicted step {roofline.step_s * 1e3:.1f} ms on {self._device.gpu} ({mode} CPU "
                     f"update): compute {roofline.compute_s * 1e3:.1f} ms ({roofline.flops / 1e12:.2f} TFLOP "
                     f"at {roofline.efficiency:.2f} of {roofline.peak_flops / 1e12:.0f} TFLOP/s) + CPU update "
@@ -424,7 +420,6 @@ class Planner:
         in_force: bool | str = "backward" if self._config.early_update else bool(self._config.overlap)
         spec_plan = plan if in_force == "backward" else self._speculation(problem, plan)
         spec = sum(store.chunks[i].hi - store.chunks[i].lo for i in spec_plan.speculative)
-        spares = sum(problem.chunks[i].host_bytes for i in spec_plan.speculative)
 
         def private(flag: bool) -> int:
             views = store.lean_params or not store.backward_offload
@@ -433,7 +428,7 @@ class Planner:
                                    host_views=views).host_state_bytes for c in host)
 
         extra = {False: 0, True: 0 if store.private_grads else private(True) - private(False),
-                 "backward": 0 if in_force == "backward" else spares}
+                 "backward": 0 if in_force == "backward" else spec_plan.host_bytes - plan.host_bytes}
         steps = {mode: costs.predict(elements, mode, speculative_elements=spec, link_s=link_s)["step_s"]
                  for mode in (False, True, "backward")}
         names = {False: "serial", True: "overlap=True", "backward": "overlap='backward'"}

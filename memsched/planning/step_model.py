@@ -39,6 +39,27 @@ EFFICIENCY: dict[torch.dtype, float] = {torch.float32: 0.67}
 FORWARD_SHARE = 1 / 3
 
 
+#: The overlap modes (``attach(overlap=...)``) in words.
+MODE_NAMES: dict[bool | str, str] = {False: "serial", True: "overlapped",
+                                     "backward": "overlapped from backward"}
+
+
+def speculative_elements_of(host_elements: int, overlap: bool | str, speculative_elements: int | None) -> int:
+    """The elements whose update starts during backward: none unless ``overlap="backward"``, where ``None``
+    means all ``host_elements``.
+
+    Raises:
+        ValueError: ``speculative_elements`` outside ``[0, host_elements]``.
+    """
+    if overlap != "backward":
+        return 0
+    spec = host_elements if speculative_elements is None else speculative_elements
+    if not 0 <= spec <= host_elements:
+        raise ValueError(f"speculative_elements must be in [0, host_elements={host_elements}], got "
+                         f"{speculative_elements!r}")
+    return spec
+
+
 def exposed_update(cpu_s: float, forward_s: float, backward_s: float, overlap: bool | str, *,
                    speculative_s: float = 0.0, link_s: float = 0.0) -> float:
     """The seconds of the host chunks' update a step leaves exposed (not hidden behind compute).
@@ -112,13 +133,7 @@ def predict_step(flops: int, gpu: GPU, dtype: torch.dtype, host_elements: int, c
         raise ValueError(f"the CPU AdamW rate must be > 0 elements/s, got {cpu_elements_per_s!r}")
     if overlap not in (False, True, "backward"):
         raise ValueError(f"overlap must be False, True or 'backward', got {overlap!r}")
-    if overlap != "backward":
-        speculative_elements = 0
-    elif speculative_elements is None:
-        speculative_elements = host_elements
-    if not 0 <= speculative_elements <= host_elements:
-        raise ValueError(f"speculative_elements must be in [0, host_elements={host_elements}], got "
-                         f"{speculative_elements!r}")
+    speculative_elements = speculative_elements_of(host_elements, overlap, speculative_elements)
     efficiency = EFFICIENCY.get(dtype)
     peak = gpu.fp32_flops if dtype == torch.float32 else gpu.half_flops
     if efficiency is None or not peak:
