@@ -85,8 +85,9 @@ def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
 # gradients are still exactly what landed: the same host buffer with the same version counters (its own and
 # its device alias's, which writes through `p.grad` move), the same parameters with a gradient, each `p.grad`
 # still the chunk's view, and the same norm type. Otherwise (a second micro-batch added on the host, a user's
-# write, another norm type, a new placement) it copies them back as before. fp16 (the norms are of unscaled
-# gradients) and ZeRO (gathered gradients) keep their own paths.
+# write, another norm type, a new placement) it copies them back as before; so does every step after
+# `zero_grad(set_to_none=False)`, whose kept (zero) host gradients the next backward's are added to on the
+# host. fp16 (the norms are of unscaled gradients) and ZeRO (gathered gradients) keep their own paths.
 # The check sees what torch's version counters see: every in-place torch op on `p.grad` or the host buffer.
 # A write torch does not count (through `p.grad.data`, DLPack, a raw pointer) is not seen, as autograd does
 # not see it either; DeepSpeed's ZeRO-Offload, whose norms are taken in backward too, ignores every write
