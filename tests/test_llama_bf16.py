@@ -112,11 +112,11 @@ def test_memscheds_clip_with_parameters_on_the_host(form: str) -> None:
         assert sched.plan.param_host_chunks and sched.optimizer.clipper.backward_norm_hits > 0
 
 
-#: Found 2026-11-29, present before that day's changes (issue 42): in the first steady step's backward each
-#: fetch adds about a chunk and a half to the device's bytes in use, while chunks the schedule evicted stay
-#: allocated, so the device runs out of memory at a fetch the plan said fits. Likely cause: a checkpointed
-#: layer's re-forward saves its parameters for the layer's backward as plain tensors (under the checkpoint's
-#: own saved-tensor hooks, not memsched's tokens), which keeps their chunks' buffers alive after eviction.
+#: Found 2026-11-29, present before that day's changes (issue 42): in the first steady step's backward, the
+#: eviction of a chunk the layer's re-forward read frees no device bytes (earlier evictions free the whole
+#: buffer), so the device runs out of memory at a fetch the plan said fits. The re-forward saves the layer's
+#: parameters for its backward as plain tensors (under the checkpoint's own saved-tensor hooks, not memsched's
+#: tokens), which keeps their chunks' storage alive after eviction; the schedule counts them as gone.
 CHECKPOINT_PLAN_NOT_TRUE = pytest.mark.xfail(
     strict=True, raises=getattr(torch, "OutOfMemoryError", RuntimeError),
     reason="checkpointed layers with parameters on the host: the plan is not true (the first steady step "
