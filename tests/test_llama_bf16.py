@@ -39,13 +39,9 @@ def _autocast_loss(model, batch) -> torch.Tensor:
         return _lm_loss(model, batch)
 
 
-@pytest.mark.parametrize(("form", "tied", "meta"), [("autocast", True, True), ("autocast", False, False),
-                                                    ("bf16", True, False), ("bf16", False, True)])
-def test_a_small_llama_trains_bit_exact_in_both_bf16_forms(form: str, tied: bool, meta: bool) -> None:
-    """``autocast``: fp32 parameters under ``torch.autocast("sim", bfloat16)`` (HF Trainer's ``bf16=True``)
-    against fused AdamW under the same autocast. ``bf16``: ``attach(dtype=torch.bfloat16)`` against a bf16
-    model with fp32 masters updated by fused AdamW (the weights are bf16 values, so masters loaded from them
-    after a meta build start where the reference's do). Every step bit for bit, masters included."""
+def _reference(form: str, tied: bool):
+    """A seeded Llama (in ``bf16`` form its weights are bf16 values), the compute dtype, the loss function of
+    the form, and its torch reference: ``(model, dtype, loss_fn, Reference)``."""
     torch.manual_seed(0)
     real = transformers.LlamaForCausalLM(_config(tied))
     if form == "bf16":
@@ -54,7 +50,17 @@ def test_a_small_llama_trains_bit_exact_in_both_bf16_forms(form: str, tied: bool
                 p.copy_(p.bfloat16().float())
     dtype = torch.bfloat16 if form == "bf16" else torch.float32
     loss_fn = _autocast_loss if form == "autocast" else _lm_loss
-    ref = Reference(real, dtype)
+    return real, dtype, loss_fn, Reference(real, dtype)
+
+
+@pytest.mark.parametrize(("form", "tied", "meta"), [("autocast", True, True), ("autocast", False, False),
+                                                    ("bf16", True, False), ("bf16", False, True)])
+def test_a_small_llama_trains_bit_exact_in_both_bf16_forms(form: str, tied: bool, meta: bool) -> None:
+    """``autocast``: fp32 parameters under ``torch.autocast("sim", bfloat16)`` (HF Trainer's ``bf16=True``)
+    against fused AdamW under the same autocast. ``bf16``: ``attach(dtype=torch.bfloat16)`` against a bf16
+    model with fp32 masters updated by fused AdamW (the weights are bf16 values, so masters loaded from them
+    after a meta build start where the reference's do). Every step bit for bit, masters included."""
+    real, dtype, loss_fn, ref = _reference(form, tied)
     model = _build(tied, meta)
     if not meta:
         model.load_state_dict(real.state_dict())
@@ -87,15 +93,7 @@ def test_memscheds_clip_with_parameters_on_the_host(form: str) -> None:
     """The same Llama with parameters on the host, one micro-batch per step and ``sched.clip_grad_norm_``:
     from the second step the host chunks' norms come from backward ([Note: norms taken in backward]); every
     step is the reference's bit for bit."""
-    torch.manual_seed(0)
-    real = transformers.LlamaForCausalLM(_config(False))
-    if form == "bf16":
-        with torch.no_grad():
-            for p in real.parameters():
-                p.copy_(p.bfloat16().float())
-    dtype = torch.bfloat16 if form == "bf16" else torch.float32
-    loss_fn = _autocast_loss if form == "autocast" else _lm_loss
-    ref = Reference(real, dtype)
+    real, dtype, loss_fn, ref = _reference(form, False)
     model = _build(False, False)
     model.load_state_dict(real.state_dict())
     cap = "sim:900KiB" if form == "bf16" else "sim:1800KiB"
